@@ -1,0 +1,2 @@
+/* The one header bindgen reads: the CUDA driver API. */
+#include <cuda.h>

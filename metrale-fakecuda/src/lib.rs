@@ -1,0 +1,225 @@
+//! A stand-in for the CUDA driver library, for tests on machines without a GPU.
+//!
+//! The C library (`src/fakecuda.c`, built by `build.rs`) exports the driver entry
+//! points metrale's runtime uses, by their real names, and behaves like a tiny,
+//! honest driver: handles are heap objects checked against a live table, copies
+//! copy, launches are recorded. [`Fake`] drives its failure injection through
+//! exported `fakecuda_*` functions. Tests load the library through the same
+//! loader users use (`METRALE_LIBCUDA_PATH` or `Driver::load_from`); nothing in
+//! the shipped crates knows about it. Not published.
+
+use std::ffi::{c_char, c_int, c_long, c_uint, c_ulonglong, c_void, CString};
+use std::path::Path;
+
+/// Path of the full stand-in library.
+pub fn library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda.so"))
+}
+
+/// Path of the stand-in built as an old driver: it lacks `cuModuleGetGlobal_v2`,
+/// `cuLaunchKernelEx`, `cuModuleGetFunctionCount`, `cuModuleEnumerateFunctions`
+/// and `cuFuncGetName`.
+pub fn old_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda_old.so"))
+}
+
+/// What [`Fake::live`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum Live {
+    /// Loaded modules.
+    Modules = 1,
+    /// Kernel handles of loaded modules.
+    Functions = 2,
+    /// Created streams.
+    Streams = 3,
+    /// Device allocations.
+    DeviceMemory = 4,
+    /// Pinned host allocations.
+    HostMemory = 5,
+}
+
+/// The last launch the stand-in accepted.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Launch {
+    /// Kernel name.
+    pub kernel: String,
+    /// Grid dimensions.
+    pub grid: [u32; 3],
+    /// Block dimensions.
+    pub block: [u32; 3],
+    /// Dynamic shared memory bytes.
+    pub shared: u32,
+    /// Parameter count declared by the kernel.
+    pub params: u32,
+    /// Cluster dimensions (`cuLaunchKernelEx`), zero when none.
+    pub cluster: [u32; 3],
+    /// Whether the cooperative attribute was set.
+    pub cooperative: bool,
+}
+
+/// Handle on the stand-in's control functions, for a library already loaded in
+/// this process (dlopen of the same path gives the same instance and state).
+pub struct Fake {
+    lib: libloading::Library,
+}
+
+macro_rules! call {
+    ($self:ident, $name:literal, $ty:ty $(, $arg:expr)*) => {{
+        // SAFETY: the symbol is one of the fakecuda_* exports of fakecuda.c and
+        // `$ty` is its C signature.
+        unsafe {
+            match $self.lib.get::<$ty>(concat!($name, "\0").as_bytes()) {
+                Ok(f) => f($($arg),*),
+                Err(e) => panic!("fakecuda control `{}` missing: {e}", $name),
+            }
+        }
+    }};
+}
+
+#[allow(clippy::missing_panics_doc, clippy::panic, clippy::unnecessary_cast)]
+impl Fake {
+    /// Open the control interface of the library at `path`.
+    ///
+    /// # Panics
+    /// When the library cannot be opened (a broken build of this test crate).
+    pub fn open(path: &Path) -> Fake {
+        // SAFETY: the stand-in's initialisers do nothing.
+        match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => Fake { lib },
+            Err(e) => panic!("cannot open {}: {e}", path.display()),
+        }
+    }
+
+    /// Forget injected failures, call counts, the last launch, and shut-down mode.
+    pub fn reset(&self) {
+        call!(self, "fakecuda_reset", unsafe extern "C" fn());
+    }
+
+    /// Make `call` return `status` from its `from_call`-th next call on (1: the next
+    /// one), for `times` calls, or for ever when `times` is `None`.
+    pub fn fail(&self, call: &str, status: u32, from_call: i64, times: Option<i64>) {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakecuda_fail",
+            unsafe extern "C" fn(*const c_char, c_int, c_long, c_long),
+            name.as_ptr(),
+            status as c_int,
+            from_call as c_long,
+            times.unwrap_or(-1) as c_long
+        );
+    }
+
+    /// Switch "driver shut down" on or off: while on, every call returns
+    /// `CUDA_ERROR_DEINITIALIZED`.
+    pub fn shutdown(&self, on: bool) {
+        call!(
+            self,
+            "fakecuda_shutdown",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
+    /// The version `cuDriverGetVersion` reports (default 13000).
+    pub fn set_driver_version(&self, version: i32) {
+        call!(
+            self,
+            "fakecuda_set_driver_version",
+            unsafe extern "C" fn(c_int),
+            version
+        );
+    }
+
+    /// Whether `cuGetErrorName`/`cuGetErrorString` know any status.
+    pub fn set_error_strings(&self, on: bool) {
+        call!(
+            self,
+            "fakecuda_set_error_strings",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
+    /// How many times `call` was made since the last reset.
+    pub fn calls(&self, call: &str) -> i64 {
+        let name = CString::new(call).unwrap_or_default();
+        let n: c_long = call!(
+            self,
+            "fakecuda_calls",
+            unsafe extern "C" fn(*const c_char) -> c_long,
+            name.as_ptr()
+        );
+        n as i64
+    }
+
+    /// How many objects of a kind are alive.
+    pub fn live(&self, what: Live) -> i32 {
+        call!(
+            self,
+            "fakecuda_live",
+            unsafe extern "C" fn(c_int) -> c_int,
+            what as c_int
+        )
+    }
+
+    /// Retain count of the primary context.
+    pub fn primary_refs(&self) -> i32 {
+        call!(
+            self,
+            "fakecuda_primary_refs",
+            unsafe extern "C" fn() -> c_int
+        )
+    }
+
+    /// Launches accepted since the last reset.
+    pub fn launches(&self) -> i64 {
+        let n: c_long = call!(self, "fakecuda_launches", unsafe extern "C" fn() -> c_long);
+        n as i64
+    }
+
+    /// The last accepted launch.
+    pub fn last_launch(&self) -> Launch {
+        let mut name = [0u8; 128];
+        let mut dims = [0 as c_uint; 12];
+        call!(
+            self,
+            "fakecuda_last_launch",
+            unsafe extern "C" fn(*mut c_char, usize, *mut c_uint),
+            name.as_mut_ptr().cast(),
+            name.len(),
+            dims.as_mut_ptr()
+        );
+        let end = name.iter().position(|&b| b == 0).unwrap_or(name.len());
+        Launch {
+            kernel: String::from_utf8_lossy(&name[..end]).into_owned(),
+            grid: [dims[0], dims[1], dims[2]],
+            block: [dims[3], dims[4], dims[5]],
+            shared: dims[6],
+            params: dims[7],
+            cluster: [dims[8], dims[9], dims[10]],
+            cooperative: dims[11] != 0,
+        }
+    }
+
+    /// The first 8 bytes (zero-padded, native order) of parameter `i` of the last launch.
+    pub fn last_param(&self, i: i32) -> u64 {
+        call!(
+            self,
+            "fakecuda_last_param",
+            unsafe extern "C" fn(c_int) -> c_ulonglong,
+            i
+        )
+    }
+
+    /// The dynamic shared memory limit set on a kernel handle, or -1 when unknown.
+    pub fn func_max_dynamic_shared(&self, func: *mut c_void) -> i32 {
+        call!(
+            self,
+            "fakecuda_func_max_dynamic_shared",
+            unsafe extern "C" fn(*mut c_void) -> c_int,
+            func
+        )
+    }
+}
