@@ -1,0 +1,423 @@
+//! Kernel blobs: what a blob is ([`BlobKind`]) and how it is handed to the driver.
+//!
+//! The driver's module loaders take a bare pointer: they find the end of PTX at its
+//! NUL and the extent of a cubin or fatbin in its own headers. So before any driver
+//! call this module checks what a caller's bytes claim about themselves:
+//! - PTX must be valid UTF-8 without interior NUL; it is passed NUL-terminated
+//!   (borrowed when the caller already ends it with a NUL, copied once otherwise);
+//! - an ELF cubin's section and program header tables must lie inside the blob;
+//! - a fatbin's header must describe no more bytes than the blob has;
+//! - a clang offload bundle is unpacked to its CUDA entry.
+//!
+//! An empty or inconsistent blob is an error naming the module, never a driver read
+//! past the end of the caller's bytes.
+
+use std::borrow::Cow;
+
+use crate::error::{MetraleError, Result};
+
+/// ELF magic, which starts a cubin.
+const ELF_MAGIC: &[u8; 4] = b"\x7fELF";
+/// Fatbin magic (`0xBA55ED50`, little-endian).
+const FATBIN_MAGIC: [u8; 4] = 0xBA55_ED50_u32.to_le_bytes();
+/// Clang offload bundle magic.
+const BUNDLE_MAGIC: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
+
+/// What a kernel blob is, judged by its first bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlobKind {
+    /// PTX assembly text (anything that is not one of the binary formats).
+    Ptx,
+    /// An ELF cubin for one architecture.
+    Cubin,
+    /// A fatbin: cubins for several architectures and/or PTX.
+    Fatbin,
+    /// A clang offload bundle wrapping device code.
+    OffloadBundle,
+}
+
+impl BlobKind {
+    /// Classify `blob` by its magic bytes.
+    pub fn of(blob: &[u8]) -> BlobKind {
+        if blob.starts_with(ELF_MAGIC) {
+            BlobKind::Cubin
+        } else if blob.starts_with(&FATBIN_MAGIC) {
+            BlobKind::Fatbin
+        } else if blob.starts_with(BUNDLE_MAGIC) {
+            BlobKind::OffloadBundle
+        } else {
+            BlobKind::Ptx
+        }
+    }
+
+    /// `"PTX"`, `"cubin"`, `"fatbin"`, `"offload bundle"`.
+    pub fn label(self) -> &'static str {
+        match self {
+            BlobKind::Ptx => "PTX",
+            BlobKind::Cubin => "cubin",
+            BlobKind::Fatbin => "fatbin",
+            BlobKind::OffloadBundle => "offload bundle",
+        }
+    }
+}
+
+/// A blob checked and ready for `cuModuleLoadDataEx`.
+#[derive(Debug)]
+pub(crate) struct Image<'a> {
+    /// What the driver will be given (for a bundle: the entry inside it).
+    pub kind: BlobKind,
+    /// The bytes, NUL-terminated for PTX.
+    pub bytes: Cow<'a, [u8]>,
+}
+
+fn refuse(module: &str, what: impl std::fmt::Display) -> MetraleError {
+    MetraleError::ModuleLoad {
+        module: module.to_owned(),
+        message: format!("{module}: {what}"),
+        status: None,
+    }
+}
+
+/// Check `blob` and give the bytes to hand to the driver.
+pub(crate) fn prepare<'a>(module: &str, blob: &'a [u8]) -> Result<Image<'a>> {
+    if blob.is_empty() {
+        return Err(refuse(module, "empty kernel blob"));
+    }
+    match BlobKind::of(blob) {
+        BlobKind::Ptx => prepare_ptx(module, blob),
+        BlobKind::Cubin => {
+            check_elf(module, blob)?;
+            Ok(Image {
+                kind: BlobKind::Cubin,
+                bytes: Cow::Borrowed(blob),
+            })
+        }
+        BlobKind::Fatbin => {
+            check_fatbin(module, blob)?;
+            Ok(Image {
+                kind: BlobKind::Fatbin,
+                bytes: Cow::Borrowed(blob),
+            })
+        }
+        BlobKind::OffloadBundle => {
+            let entry = bundle_entry(module, blob)?;
+            if BlobKind::of(entry) == BlobKind::OffloadBundle {
+                return Err(refuse(module, "offload bundle nested in an offload bundle"));
+            }
+            prepare(module, entry)
+        }
+    }
+}
+
+fn prepare_ptx<'a>(module: &str, blob: &'a [u8]) -> Result<Image<'a>> {
+    let text = match blob.split_last() {
+        Some((0, body)) => body,
+        _ => blob,
+    };
+    if let Err(e) = std::str::from_utf8(text) {
+        return Err(refuse(module, format_args!("PTX is not valid UTF-8: {e}")));
+    }
+    if let Some(at) = text.iter().position(|&b| b == 0) {
+        return Err(refuse(
+            module,
+            format_args!("PTX has a NUL byte at offset {at}, before its end"),
+        ));
+    }
+    let bytes = if text.len() < blob.len() {
+        Cow::Borrowed(blob)
+    } else {
+        let mut owned = Vec::with_capacity(blob.len() + 1);
+        owned.extend_from_slice(blob);
+        owned.push(0);
+        Cow::Owned(owned)
+    };
+    Ok(Image {
+        kind: BlobKind::Ptx,
+        bytes,
+    })
+}
+
+fn u16_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from(u16::from_le_bytes(
+        b.get(at..at + 2)?.try_into().ok()?,
+    )))
+}
+fn u32_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from(u32::from_le_bytes(
+        b.get(at..at + 4)?.try_into().ok()?,
+    )))
+}
+fn u64_at(b: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_le_bytes(b.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// The parts of a cubin's ELF header that say where its tables are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ElfInfo {
+    /// `e_flags`, where the CUDA toolchain records the target architecture.
+    pub flags: u32,
+    /// `e_ident[EI_ABIVERSION]`.
+    pub abi_version: u8,
+}
+
+impl ElfInfo {
+    /// The `sm_XX` the cubin was built for, as the number XX (90 for sm_90).
+    ///
+    /// Older CUDA ELF ABIs keep it in the low byte of `e_flags`; ABI version 8 and
+    /// later (CUDA 12.8+) keep it in bits 8..16.
+    pub fn sm(self) -> u32 {
+        if self.abi_version >= 8 {
+            (self.flags >> 8) & 0xff
+        } else {
+            self.flags & 0xff
+        }
+    }
+}
+
+fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
+    let bad = |what: &str| refuse(module, format_args!("malformed cubin: {what}"));
+    // 64-bit little-endian only: every CUDA cubin is.
+    if blob.len() < 64 {
+        return Err(bad("shorter than an ELF header"));
+    }
+    if blob[4] != 2 || blob[5] != 1 {
+        return Err(bad("not a 64-bit little-endian ELF file"));
+    }
+    let header = (|| {
+        Some((
+            u64_at(blob, 0x20)?, // e_phoff
+            u64_at(blob, 0x28)?, // e_shoff
+            u32_at(blob, 0x30)?, // e_flags
+            u16_at(blob, 0x36)?, // e_phentsize
+            u16_at(blob, 0x38)?, // e_phnum
+            u16_at(blob, 0x3a)?, // e_shentsize
+            u16_at(blob, 0x3c)?, // e_shnum
+        ))
+    })();
+    let Some((phoff, shoff, flags, phentsize, phnum, shentsize, shnum)) = header else {
+        return Err(bad("truncated header"));
+    };
+    let len = blob.len() as u64;
+    let table_end = |off: u64, size: u64, n: u64| off.checked_add(size.checked_mul(n)?);
+    match table_end(shoff, shentsize, shnum) {
+        Some(end) if end <= len => {}
+        _ => {
+            return Err(bad(
+                "section headers lie past the end of the blob (truncated?)",
+            ))
+        }
+    }
+    match table_end(phoff, phentsize, phnum) {
+        Some(end) if end <= len => {}
+        _ => {
+            return Err(bad(
+                "program headers lie past the end of the blob (truncated?)",
+            ))
+        }
+    }
+    // Every section's contents must be inside the blob too.
+    for i in 0..shnum {
+        let at = usize::try_from(shoff + i * shentsize).unwrap_or(usize::MAX);
+        let kind = u32_at(blob, at + 4);
+        let offset = u64_at(blob, at + 0x18);
+        let size = u64_at(blob, at + 0x20);
+        let (Some(kind), Some(offset), Some(size)) = (kind, offset, size) else {
+            return Err(bad("truncated section header"));
+        };
+        const SHT_NOBITS: u64 = 8;
+        if kind != SHT_NOBITS && offset.checked_add(size).is_none_or(|end| end > len) {
+            return Err(bad("a section lies past the end of the blob (truncated?)"));
+        }
+    }
+    Ok(ElfInfo {
+        flags: u32::try_from(flags).unwrap_or(0),
+        abi_version: blob[8],
+    })
+}
+
+/// The ELF facts of a cubin, when `blob` is a well-formed one.
+pub(crate) fn elf_info(blob: &[u8]) -> Option<ElfInfo> {
+    if BlobKind::of(blob) != BlobKind::Cubin {
+        return None;
+    }
+    check_elf("", blob).ok()
+}
+
+fn check_fatbin(module: &str, blob: &[u8]) -> Result<()> {
+    // Header: magic u32, version u16, header size u16, payload size u64.
+    let header = (|| Some((u16_at(blob, 6)?, u64_at(blob, 8)?)))();
+    let Some((header_size, payload)) = header else {
+        return Err(refuse(module, "malformed fatbin: truncated header"));
+    };
+    match header_size.checked_add(payload) {
+        Some(total) if header_size >= 16 && total <= blob.len() as u64 => Ok(()),
+        _ => Err(refuse(
+            module,
+            format_args!(
+                "malformed fatbin: its header describes {header_size} + {payload} bytes, the blob has {}",
+                blob.len()
+            ),
+        )),
+    }
+}
+
+/// The CUDA entry of a clang offload bundle (the first whose target triple names
+/// `nvptx` or `cuda`).
+fn bundle_entry<'a>(module: &str, blob: &'a [u8]) -> Result<&'a [u8]> {
+    let bad = |what: &str| refuse(module, format_args!("malformed offload bundle: {what}"));
+    let mut at = BUNDLE_MAGIC.len();
+    let count = u64_at(blob, at).ok_or_else(|| bad("truncated header"))?;
+    at += 8;
+    for _ in 0..count {
+        let (Some(offset), Some(size), Some(triple_len)) = (
+            u64_at(blob, at),
+            u64_at(blob, at + 8),
+            u64_at(blob, at + 16),
+        ) else {
+            return Err(bad("truncated entry table"));
+        };
+        at += 24;
+        let triple_end = usize::try_from(triple_len)
+            .ok()
+            .and_then(|n| at.checked_add(n))
+            .filter(|&end| end <= blob.len())
+            .ok_or_else(|| bad("truncated target triple"))?;
+        let triple = String::from_utf8_lossy(&blob[at..triple_end]);
+        at = triple_end;
+        if triple.contains("nvptx") || triple.contains("cuda") {
+            let start = usize::try_from(offset).unwrap_or(usize::MAX);
+            let end = usize::try_from(size)
+                .ok()
+                .and_then(|n| start.checked_add(n))
+                .filter(|&end| end <= blob.len())
+                .ok_or_else(|| bad("entry lies past the end of the blob"))?;
+            return Ok(&blob[start..end]);
+        }
+    }
+    Err(bad("no CUDA (nvptx) entry"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classifies_by_magic() {
+        assert_eq!(BlobKind::of(b"\x7fELF\x02\x01"), BlobKind::Cubin);
+        assert_eq!(
+            BlobKind::of(&[0x50, 0xed, 0x55, 0xba, 1, 0]),
+            BlobKind::Fatbin
+        );
+        assert_eq!(
+            BlobKind::of(b"__CLANG_OFFLOAD_BUNDLE__\x01"),
+            BlobKind::OffloadBundle
+        );
+        assert_eq!(BlobKind::of(b".version 8.0"), BlobKind::Ptx);
+    }
+
+    #[test]
+    fn ptx_gets_exactly_one_trailing_nul() {
+        let image = prepare("m", b".version 8.0\n").unwrap();
+        assert_eq!(&*image.bytes, b".version 8.0\n\0");
+        assert!(matches!(image.bytes, Cow::Owned(_)));
+        let image = prepare("m", b".version 8.0\n\0").unwrap();
+        assert_eq!(&*image.bytes, b".version 8.0\n\0");
+        assert!(matches!(image.bytes, Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn bad_ptx_and_empty_blobs_name_the_module() {
+        let e = prepare("vec", b"").unwrap_err().to_string();
+        assert_eq!(e, "vec: empty kernel blob");
+        let e = prepare("vec", b".version\xff 8.0").unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "vec: PTX is not valid UTF-8: invalid utf-8 sequence of 1 bytes from index 8"
+        );
+        let e = prepare("vec", b".version\0 8.0").unwrap_err().to_string();
+        assert_eq!(e, "vec: PTX has a NUL byte at offset 8, before its end");
+    }
+
+    fn elf(len: usize, shoff: u64, shnum: u16) -> Vec<u8> {
+        let mut b = vec![0u8; len];
+        b[..4].copy_from_slice(ELF_MAGIC);
+        b[4] = 2;
+        b[5] = 1;
+        b[0x28..0x30].copy_from_slice(&shoff.to_le_bytes());
+        b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
+        b[0x3c..0x3e].copy_from_slice(&shnum.to_le_bytes());
+        b
+    }
+
+    #[test]
+    fn truncated_cubin_is_refused_before_the_driver() {
+        assert!(prepare("k", &elf(64 + 128, 64, 2)).is_ok());
+        let e = prepare("k", &elf(64 + 100, 64, 2)).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "k: malformed cubin: section headers lie past the end of the blob (truncated?)"
+        );
+        let short = &elf(64, 64, 0)[..40];
+        let e = prepare("k", short).unwrap_err().to_string();
+        assert_eq!(e, "k: malformed cubin: shorter than an ELF header");
+    }
+
+    #[test]
+    fn fatbin_size_is_checked() {
+        let mut b = vec![0u8; 48];
+        b[..4].copy_from_slice(&FATBIN_MAGIC);
+        b[6..8].copy_from_slice(&16u16.to_le_bytes());
+        b[8..16].copy_from_slice(&32u64.to_le_bytes());
+        assert!(prepare("f", &b).is_ok());
+        b[8..16].copy_from_slice(&33u64.to_le_bytes());
+        let e = prepare("f", &b).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "f: malformed fatbin: its header describes 16 + 33 bytes, the blob has 48"
+        );
+    }
+
+    #[test]
+    fn offload_bundle_yields_its_cuda_entry() {
+        let payload = b".version 8.0\n";
+        let host_triple = b"host-x86_64-unknown-linux-gnu";
+        let dev_triple = b"cuda-nvptx64-nvidia-cuda-sm_90";
+        let mut b = BUNDLE_MAGIC.to_vec();
+        b.extend_from_slice(&2u64.to_le_bytes());
+        let table_len = 2 * 24 + host_triple.len() + dev_triple.len();
+        let data_at = (b.len() + table_len) as u64;
+        for (triple, offset, size) in [
+            (&host_triple[..], data_at, 0u64),
+            (&dev_triple[..], data_at, payload.len() as u64),
+        ] {
+            b.extend_from_slice(&offset.to_le_bytes());
+            b.extend_from_slice(&size.to_le_bytes());
+            b.extend_from_slice(&(triple.len() as u64).to_le_bytes());
+            b.extend_from_slice(triple);
+        }
+        b.extend_from_slice(payload);
+        let image = prepare("b", &b).unwrap();
+        assert_eq!(image.kind, BlobKind::Ptx);
+        assert_eq!(&*image.bytes, b".version 8.0\n\0");
+        b.truncate(b.len() - 3);
+        let e = prepare("b", &b).unwrap_err().to_string();
+        assert_eq!(
+            e,
+            "b: malformed offload bundle: entry lies past the end of the blob"
+        );
+    }
+
+    #[test]
+    fn sm_from_elf_flags_for_both_abis() {
+        let old = ElfInfo {
+            flags: 0x0050_005a,
+            abi_version: 7,
+        };
+        assert_eq!(old.sm(), 90);
+        let new = ElfInfo {
+            flags: 0x0000_5a00,
+            abi_version: 8,
+        };
+        assert_eq!(new.sm(), 90);
+    }
+}
