@@ -16,7 +16,10 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
 
-use metrale_cuda_sys::{CUdeviceptr, CUfunction};
+use metrale_cuda_sys::{
+    CUdeviceptr, CUfunction, CUlaunchAttribute, CUlaunchAttributeID,
+    CUlaunchAttributeValue_union__bindgen_ty_1,
+};
 
 use crate::error::{MetraleError, Result};
 use crate::host::DeviceLimits;
@@ -149,6 +152,105 @@ impl fmt::Display for LaunchConfig {
             "(grid=[{},{},{}], block=[{},{},{}], shared_mem={})",
             g.0, g.1, g.2, b.0, b.1, b.2, self.shared_mem_bytes
         )
+    }
+}
+
+/// Portable maximum of blocks in one thread-block cluster.
+pub const MAX_PORTABLE_CLUSTER_SIZE: u64 = 8;
+
+/// Launch attributes for `cuLaunchKernelEx` (CUDA 12.0+):
+/// [`MetraleRegistry::launch_ex`](crate::MetraleRegistry::launch_ex).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LaunchAttributes {
+    /// Thread-block cluster dimensions (compute capability 9.0+). Each must divide
+    /// the grid's, and the cluster may hold at most 8 blocks.
+    pub cluster_dim: Option<(u32, u32, u32)>,
+    /// Cooperative launch: all blocks are co-resident and may synchronise grid-wide.
+    pub cooperative: bool,
+    /// Programmatic dependent launch: this kernel may start before the previous
+    /// kernel on the stream finishes (it waits with `cudaGridDependencySynchronize`).
+    pub programmatic_stream_serialization: bool,
+}
+
+impl LaunchAttributes {
+    /// Attributes with only a cluster shape.
+    pub fn cluster(x: u32, y: u32, z: u32) -> LaunchAttributes {
+        LaunchAttributes {
+            cluster_dim: Some((x, y, z)),
+            ..LaunchAttributes::default()
+        }
+    }
+
+    /// Check the attributes against the launch shape and the device; `Err` holds
+    /// the reason.
+    pub(crate) fn check(&self, cfg: &LaunchConfig, limits: &DeviceLimits) -> Result<(), String> {
+        if let Some((x, y, z)) = self.cluster_dim {
+            if !limits.cluster_launch {
+                let (major, minor) = limits.compute_capability;
+                return Err(format!(
+                    "the device (compute capability {major}.{minor}) cannot launch thread-block clusters (9.0+ can):"
+                ));
+            }
+            let cluster = [x, y, z];
+            let grid = [cfg.grid_dim.0, cfg.grid_dim.1, cfg.grid_dim.2];
+            for (axis, name) in ["x", "y", "z"].iter().enumerate() {
+                if cluster[axis] == 0 || !grid[axis].is_multiple_of(cluster[axis]) {
+                    return Err(format!(
+                        "cluster {name} dimension {} does not divide grid {name} dimension {}:",
+                        cluster[axis], grid[axis]
+                    ));
+                }
+            }
+            let size = u64::from(x) * u64::from(y) * u64::from(z);
+            if size > MAX_PORTABLE_CLUSTER_SIZE {
+                return Err(format!(
+                    "a cluster of {size} blocks exceeds the limit of {MAX_PORTABLE_CLUSTER_SIZE} blocks per cluster:"
+                ));
+            }
+        }
+        if self.cooperative && !limits.cooperative_launch {
+            return Err("the device does not support cooperative launches:".to_owned());
+        }
+        Ok(())
+    }
+
+    /// The driver's attribute array (on the stack) and how many entries are used.
+    pub(crate) fn to_driver(self) -> ([CUlaunchAttribute; 3], usize) {
+        let mut attrs = [CUlaunchAttribute::default(); 3];
+        let mut n = 0;
+        if let Some((x, y, z)) = self.cluster_dim {
+            attrs[n].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+            attrs[n].value.clusterDim = CUlaunchAttributeValue_union__bindgen_ty_1 { x, y, z };
+            n += 1;
+        }
+        if self.cooperative {
+            attrs[n].id = CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+            attrs[n].value.cooperative = 1;
+            n += 1;
+        }
+        if self.programmatic_stream_serialization {
+            attrs[n].id =
+                CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+            attrs[n].value.programmaticStreamSerializationAllowed = 1;
+            n += 1;
+        }
+        (attrs, n)
+    }
+}
+
+impl fmt::Display for LaunchAttributes {
+    /// ` cluster=[x,y,z] cooperative programmatic` (only what is set).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some((x, y, z)) = self.cluster_dim {
+            write!(f, " cluster=[{x},{y},{z}]")?;
+        }
+        if self.cooperative {
+            f.write_str(" cooperative")?;
+        }
+        if self.programmatic_stream_serialization {
+            f.write_str(" programmatic")?;
+        }
+        Ok(())
     }
 }
 
@@ -355,6 +457,54 @@ mod tests {
             tall_grid.validate_for(&l).unwrap_err().to_string(),
             "invalid argument: grid y dimension above the device's 65535: \
              (grid=[1,70000,1], block=[1,1,1], shared_mem=0)"
+        );
+    }
+
+    #[test]
+    fn cluster_attributes_are_checked_before_the_driver() {
+        let l = limits();
+        let cfg = LaunchConfig::new((8, 2, 1), (128, 1, 1), 0).unwrap();
+        assert!(LaunchAttributes::cluster(4, 2, 1).check(&cfg, &l).is_ok());
+        assert_eq!(
+            LaunchAttributes::cluster(3, 1, 1)
+                .check(&cfg, &l)
+                .unwrap_err(),
+            "cluster x dimension 3 does not divide grid x dimension 8:"
+        );
+        let big = LaunchConfig::new((16, 1, 1), (128, 1, 1), 0).unwrap();
+        assert_eq!(
+            LaunchAttributes::cluster(16, 1, 1)
+                .check(&big, &l)
+                .unwrap_err(),
+            "a cluster of 16 blocks exceeds the limit of 8 blocks per cluster:"
+        );
+        let old = DeviceLimits {
+            cluster_launch: false,
+            compute_capability: (8, 0),
+            ..l
+        };
+        assert_eq!(
+            LaunchAttributes::cluster(2, 1, 1)
+                .check(&cfg, &old)
+                .unwrap_err(),
+            "the device (compute capability 8.0) cannot launch thread-block clusters (9.0+ can):"
+        );
+        let (attrs, n) = LaunchAttributes {
+            cluster_dim: Some((2, 1, 1)),
+            cooperative: true,
+            programmatic_stream_serialization: false,
+        }
+        .to_driver();
+        assert_eq!(n, 2);
+        assert_eq!(
+            attrs[0].id,
+            CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        );
+        // SAFETY: the cluster entry's union member is clusterDim.
+        assert_eq!(unsafe { attrs[0].value.clusterDim.x }, 2);
+        assert_eq!(
+            attrs[1].id,
+            CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_COOPERATIVE
         );
     }
 

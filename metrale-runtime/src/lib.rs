@@ -53,6 +53,6 @@ pub use error::{
     CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT,
 };
 pub use host::{host, release, CudaContext, CudaHost, CudaStream, DeviceLimits};
-pub use launch::{KernelArg, KernelArgs, LaunchConfig};
+pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
 pub use memory::{DeviceBuffer, DeviceRepr, PinnedBuffer};
 pub use registry::{CudaFunction, FunctionAttributes, MetraleRegistry, RawCudaFunc};

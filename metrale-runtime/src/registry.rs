@@ -27,7 +27,9 @@ use metrale_cuda_sys::{
 use crate::blob::{self, BlobKind};
 use crate::error::{cu, report_drop_failures, CallError, MetraleError, Result};
 use crate::host::{host, CudaContext, CudaHost, CudaStream};
-use crate::launch::{KernelArgs, LaunchConfig, SmemOptIns, DEFAULT_DYNAMIC_SHARED_LIMIT};
+use crate::launch::{
+    KernelArgs, LaunchAttributes, LaunchConfig, SmemOptIns, DEFAULT_DYNAMIC_SHARED_LIMIT,
+};
 
 /// Bytes of each JIT log buffer (info and error) passed to `cuModuleLoadDataEx`.
 const JIT_LOG_BYTES: usize = 16 * 1024;
@@ -799,6 +801,98 @@ impl MetraleRegistry {
         args.with_params(|params| unsafe { self.launch_on_stream(func, cfg, stream, params) })
     }
 
+    /// Launch through `cuLaunchKernelEx` (CUDA 12.0+) with [`LaunchAttributes`]:
+    /// thread-block clusters, cooperative launch, programmatic dependent launch.
+    ///
+    /// Cluster shape (divides the grid, at most 8 blocks, device support) and the
+    /// launch shape are checked before the driver is called.
+    ///
+    /// # Safety
+    /// As [`MetraleRegistry::launch_on_stream`].
+    ///
+    /// # Errors
+    /// As [`MetraleRegistry::launch_on_stream`]; a driver without
+    /// `cuLaunchKernelEx` gives a missing-symbol error naming it.
+    pub unsafe fn launch_ex_on_stream(
+        &self,
+        raw_func: RawCudaFunc,
+        cfg: LaunchConfig,
+        attrs: &LaunchAttributes,
+        stream: CUstream,
+        kernel_params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let shape = ShapeWithAttrs(&cfg, attrs);
+        if let Err(e) = self.host.bind() {
+            return Err(e.launch_error(&self.kernel_name(raw_func), &shape));
+        }
+        let checked = cfg
+            .check_limits(self.host.limits())
+            .and_then(|()| attrs.check(&cfg, self.host.limits()));
+        if let Err(why) = checked {
+            let kernel = self.kernel_name(raw_func);
+            return Err(MetraleError::KernelLaunch {
+                message: format!("kernel '{kernel}': launch not attempted, {why} {shape}"),
+                kernel: kernel.to_string(),
+                status: None,
+            });
+        }
+        if cfg.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT
+            && self.smem.limit(raw_func.0) < cfg.shared_mem_bytes
+        {
+            self.opt_in(raw_func, &cfg)?;
+        }
+        let (mut driver_attrs, n) = attrs.to_driver();
+        let (g, b) = (cfg.grid_dim, cfg.block_dim);
+        let config = sys::CUlaunchConfig {
+            gridDimX: g.0,
+            gridDimY: g.1,
+            gridDimZ: g.2,
+            blockDimX: b.0,
+            blockDimY: b.1,
+            blockDimZ: b.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: stream,
+            attrs: driver_attrs.as_mut_ptr(),
+            numAttrs: n as c_uint,
+        };
+        // SAFETY: `config` and its attribute array live on this frame for the call;
+        // the caller's contract covers the handle, the stream and the parameters.
+        let launched = unsafe {
+            cu!(
+                self.host.driver(),
+                cuLaunchKernelEx(
+                    &config,
+                    raw_func.0,
+                    kernel_params.as_mut_ptr(),
+                    std::ptr::null_mut()
+                )
+            )
+        };
+        launched.map_err(|e| e.launch_error(&self.kernel_name(raw_func), &shape))
+    }
+
+    /// [`MetraleRegistry::launch_ex_on_stream`] with typed arguments, as
+    /// [`MetraleRegistry::launch`].
+    ///
+    /// # Safety
+    /// As [`MetraleRegistry::launch`].
+    ///
+    /// # Errors
+    /// As [`MetraleRegistry::launch_ex_on_stream`].
+    pub unsafe fn launch_ex<A: KernelArgs>(
+        &self,
+        func: RawCudaFunc,
+        cfg: LaunchConfig,
+        attrs: &LaunchAttributes,
+        stream: CUstream,
+        args: A,
+    ) -> Result<()> {
+        // SAFETY: forwarded; the packed pointers point into `args`, alive here.
+        args.with_params(|params| unsafe {
+            self.launch_ex_on_stream(func, cfg, attrs, stream, params)
+        })
+    }
+
     #[cold]
     fn opt_in(&self, raw_func: RawCudaFunc, cfg: &LaunchConfig) -> Result<()> {
         let bytes = c_int::try_from(cfg.shared_mem_bytes).unwrap_or(c_int::MAX);
@@ -852,6 +946,17 @@ impl MetraleRegistry {
             kernel: kernel.to_string(),
             status: None,
         }
+    }
+}
+
+/// A launch shape followed by its extended attributes, for error texts.
+struct ShapeWithAttrs<'a>(&'a LaunchConfig, &'a LaunchAttributes);
+
+impl fmt::Display for ShapeWithAttrs<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let text = self.0.to_string();
+        // `(grid=..., shared_mem=N cluster=[..])`
+        write!(f, "{}{})", text.trim_end_matches(')'), self.1)
     }
 }
 
