@@ -53,10 +53,13 @@ enum {
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+/* Body of every exported entry point: count the call under its own name
+ * (__func__ of the exported function), apply injected failures, then run body. */
 #define LOCKED(body)                                                                \
     do {                                                                            \
         pthread_mutex_lock(&lock);                                                  \
-        CUresult r__ = (body);                                                      \
+        CUresult r__ = enter(__func__);                                             \
+        if (!r__) r__ = (body);                                                     \
         pthread_mutex_unlock(&lock);                                                \
         return r__;                                                                 \
     } while (0)
@@ -98,11 +101,6 @@ static CUresult enter(const char *name) {
         return s->fail_status;
     return SUCCESS;
 }
-#define ENTER()                                                                     \
-    do {                                                                            \
-        CUresult e__ = enter(__func__);                                             \
-        if (e__) return e__;                                                        \
-    } while (0)
 #define NEED_INIT()                                                                 \
     do {                                                                            \
         if (!initialised) return NOT_INITIALIZED;                                   \
@@ -372,7 +370,6 @@ EXPORT CUresult cuGetErrorString(CUresult e, const char **s) {
 /* ---- init, version, devices ---------------------------------------------- */
 
 static CUresult do_init(unsigned flags) {
-    ENTER();
     if (flags) return INVALID_VALUE;
     initialised = 1;
     return SUCCESS;
@@ -380,7 +377,6 @@ static CUresult do_init(unsigned flags) {
 EXPORT CUresult cuInit(unsigned flags) { LOCKED(do_init(flags)); }
 
 static CUresult do_version(int *v) {
-    ENTER();
     if (!v) return INVALID_VALUE;
     *v = driver_version;
     return SUCCESS;
@@ -388,7 +384,6 @@ static CUresult do_version(int *v) {
 EXPORT CUresult cuDriverGetVersion(int *v) { LOCKED(do_version(v)); }
 
 static CUresult do_count(int *n) {
-    ENTER();
     NEED_INIT();
     if (!n) return INVALID_VALUE;
     *n = 1;
@@ -397,7 +392,6 @@ static CUresult do_count(int *n) {
 EXPORT CUresult cuDeviceGetCount(int *n) { LOCKED(do_count(n)); }
 
 static CUresult do_device_get(int *dev, int ordinal) {
-    ENTER();
     NEED_INIT();
     if (!dev) return INVALID_VALUE;
     if (ordinal != 0) return INVALID_DEVICE;
@@ -407,7 +401,6 @@ static CUresult do_device_get(int *dev, int ordinal) {
 EXPORT CUresult cuDeviceGet(int *dev, int ordinal) { LOCKED(do_device_get(dev, ordinal)); }
 
 static CUresult do_device_name(char *name, int len, int dev) {
-    ENTER();
     NEED_INIT();
     if (!name || len <= 0) return INVALID_VALUE;
     if (dev != 0) return INVALID_DEVICE;
@@ -439,7 +432,6 @@ static int attribute(int a) {
     }
 }
 static CUresult do_attr(int *v, int a, int dev) {
-    ENTER();
     NEED_INIT();
     if (!v) return INVALID_VALUE;
     if (dev != 0) return INVALID_DEVICE;
@@ -451,7 +443,6 @@ EXPORT CUresult cuDeviceGetAttribute(int *v, int a, int dev) { LOCKED(do_attr(v,
 /* ---- contexts ------------------------------------------------------------ */
 
 static CUresult do_retain(void **ctx, int dev) {
-    ENTER();
     NEED_INIT();
     if (!ctx) return INVALID_VALUE;
     if (dev != 0) return INVALID_DEVICE;
@@ -463,7 +454,6 @@ static CUresult do_retain(void **ctx, int dev) {
 EXPORT CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { LOCKED(do_retain(ctx, dev)); }
 
 static CUresult do_release(int dev) {
-    ENTER();
     if (dev != 0) return INVALID_DEVICE;
     if (primary.refs <= 0) return INVALID_CONTEXT;
     if (--primary.refs == 0) primary.alive = 0;
@@ -472,7 +462,6 @@ static CUresult do_release(int dev) {
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(do_release(dev)); }
 
 static CUresult do_get_current(void **ctx) {
-    ENTER();
     if (!ctx) return INVALID_VALUE;
     *ctx = current;
     return SUCCESS;
@@ -480,7 +469,6 @@ static CUresult do_get_current(void **ctx) {
 EXPORT CUresult cuCtxGetCurrent(void **ctx) { LOCKED(do_get_current(ctx)); }
 
 static CUresult do_set_current(void *ctx) {
-    ENTER();
     if (ctx && ctx != &primary) return INVALID_CONTEXT;
     if (ctx && !primary.alive) return CONTEXT_IS_DESTROYED;
     current = ctx;
@@ -498,7 +486,6 @@ EXPORT CUresult cuCtxSetCurrent(void *ctx) { LOCKED(do_set_current(ctx)); }
 /* ---- streams ------------------------------------------------------------- */
 
 static CUresult do_stream_create(void **s, unsigned flags) {
-    ENTER();
     NEED_CTX();
     (void)flags;
     if (!s) return INVALID_VALUE;
@@ -509,7 +496,6 @@ static CUresult do_stream_create(void **s, unsigned flags) {
 EXPORT CUresult cuStreamCreate(void **s, unsigned flags) { LOCKED(do_stream_create(s, flags)); }
 
 static CUresult do_stream_destroy(void *s) {
-    ENTER();
     NEED_CTX();
     struct handle *h = find(s, K_STREAM);
     if (!h) return INVALID_HANDLE;
@@ -522,7 +508,6 @@ EXPORT CUresult cuStreamDestroy_v2(void *s) { LOCKED(do_stream_destroy(s)); }
 static CUresult stream_ok(void *s) { return !s || find(s, K_STREAM) ? SUCCESS : INVALID_HANDLE; }
 
 static CUresult do_stream_sync(void *s) {
-    ENTER();
     NEED_CTX();
     return stream_ok(s);
 }
@@ -531,7 +516,6 @@ EXPORT CUresult cuStreamSynchronize(void *s) { LOCKED(do_stream_sync(s)); }
 /* ---- modules ------------------------------------------------------------- */
 
 static CUresult load(void **mod, const void *image, unsigned n, const int *opts, void **vals) {
-    ENTER();
     NEED_CTX();
     if (!mod || !image) return INVALID_VALUE;
     const unsigned char *b = image;
@@ -574,7 +558,6 @@ EXPORT CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, in
 }
 
 static CUresult do_unload(void *mod) {
-    ENTER();
     struct handle *h = find(mod, K_MODULE);
     if (!h) return INVALID_HANDLE;
     h->kind = K_FREE;
@@ -584,7 +567,6 @@ static CUresult do_unload(void *mod) {
 EXPORT CUresult cuModuleUnload(void *mod) { LOCKED(do_unload(mod)); }
 
 static CUresult do_get_function(void **f, void *mod, const char *name) {
-    ENTER();
     NEED_CTX();
     if (!f || !name) return INVALID_VALUE;
     if (!find(mod, K_MODULE)) return INVALID_HANDLE;
@@ -602,7 +584,6 @@ EXPORT CUresult cuModuleGetFunction(void **f, void *mod, const char *name) {
 
 #ifndef FAKECUDA_OLD
 static CUresult do_get_global(CUdeviceptr *p, size_t *bytes, void *mod, const char *name) {
-    ENTER();
     NEED_CTX();
     if (!name) return INVALID_VALUE;
     if (!find(mod, K_MODULE)) return INVALID_HANDLE;
@@ -621,7 +602,6 @@ EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *bytes, void *mod,
 }
 
 static CUresult do_func_count(unsigned *n, void *mod) {
-    ENTER();
     if (!n) return INVALID_VALUE;
     if (!find(mod, K_MODULE)) return INVALID_HANDLE;
     *n = (unsigned)((struct module *)mod)->nfuncs;
@@ -630,7 +610,6 @@ static CUresult do_func_count(unsigned *n, void *mod) {
 EXPORT CUresult cuModuleGetFunctionCount(unsigned *n, void *mod) { LOCKED(do_func_count(n, mod)); }
 
 static CUresult do_enumerate(void **fns, unsigned n, void *mod) {
-    ENTER();
     if (!fns) return INVALID_VALUE;
     if (!find(mod, K_MODULE)) return INVALID_HANDLE;
     struct module *m = mod;
@@ -643,7 +622,6 @@ EXPORT CUresult cuModuleEnumerateFunctions(void **fns, unsigned n, void *mod) {
 }
 
 static CUresult do_func_name(const char **name, void *f) {
-    ENTER();
     if (!name) return INVALID_VALUE;
     if (!find(f, K_FUNC)) return INVALID_HANDLE;
     *name = ((struct func *)f)->name;
@@ -655,7 +633,6 @@ EXPORT CUresult cuFuncGetName(const char **name, void *f) { LOCKED(do_func_name(
 /* ---- function attributes ------------------------------------------------- */
 
 static CUresult do_func_set(void *f, int attr, int value) {
-    ENTER();
     NEED_CTX();
     struct handle *h = find(f, K_FUNC);
     if (!h) return INVALID_HANDLE;
@@ -672,7 +649,6 @@ EXPORT CUresult cuFuncSetAttribute(void *f, int attr, int value) {
 }
 
 static CUresult do_func_get(int *v, int attr, void *f) {
-    ENTER();
     NEED_CTX();
     if (!v) return INVALID_VALUE;
     struct func *fn = f;
@@ -724,7 +700,6 @@ static CUresult record_launch(struct func *fn, const unsigned *grid, const unsig
 static CUresult do_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                           unsigned by, unsigned bz, unsigned shared, void *stream,
                           void **params, void **extra) {
-    ENTER();
     NEED_CTX();
     (void)extra;
     if (!find(f, K_FUNC)) return INVALID_HANDLE;
@@ -757,7 +732,6 @@ struct launch_config {
 };
 static CUresult do_launch_ex(const struct launch_config *c, void *f, void **params,
                              void **extra) {
-    ENTER();
     NEED_CTX();
     (void)extra;
     if (!c) return INVALID_VALUE;
@@ -786,7 +760,6 @@ EXPORT CUresult cuLaunchKernelEx(const void *config, void *f, void **params, voi
 #endif
 
 static CUresult do_occupancy(int *n, void *f, int block, size_t smem) {
-    ENTER();
     NEED_CTX();
     if (!n || block <= 0) return INVALID_VALUE;
     if (!find(f, K_FUNC)) return INVALID_HANDLE;
@@ -804,7 +777,6 @@ EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int
 /* ---- memory -------------------------------------------------------------- */
 
 static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
-    ENTER();
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;
     void *m = malloc(bytes);
@@ -816,7 +788,6 @@ static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { LOCKED(do_alloc(p, bytes)); }
 
 static CUresult do_free(CUdeviceptr p) {
-    ENTER();
     NEED_CTX();
     struct handle *h = find((void *)(uintptr_t)p, K_DEVMEM);
     if (!h) return INVALID_VALUE;
@@ -827,7 +798,6 @@ static CUresult do_free(CUdeviceptr p) {
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { LOCKED(do_free(p)); }
 
 static CUresult do_alloc_host(void **p, size_t bytes) {
-    ENTER();
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;
     *p = malloc(bytes);
@@ -838,7 +808,6 @@ static CUresult do_alloc_host(void **p, size_t bytes) {
 EXPORT CUresult cuMemAllocHost_v2(void **p, size_t bytes) { LOCKED(do_alloc_host(p, bytes)); }
 
 static CUresult do_free_host(void *p) {
-    ENTER();
     NEED_CTX();
     struct handle *h = find(p, K_HOSTMEM);
     if (!h) return INVALID_VALUE;
@@ -849,7 +818,6 @@ static CUresult do_free_host(void *p) {
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
 
 static CUresult do_htod(CUdeviceptr dst, const void *src, size_t n, void *stream) {
-    ENTER();
     NEED_CTX();
     if (stream_ok(stream)) return INVALID_HANDLE;
     if (!src || !device_range_ok(dst, n)) return INVALID_VALUE;
@@ -861,7 +829,6 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
 }
 
 static CUresult do_dtoh(void *dst, CUdeviceptr src, size_t n, void *stream) {
-    ENTER();
     NEED_CTX();
     if (stream_ok(stream)) return INVALID_HANDLE;
     if (!dst || !device_range_ok(src, n)) return INVALID_VALUE;

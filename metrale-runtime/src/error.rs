@@ -225,21 +225,29 @@ impl CallError {
     }
 
     /// A [`MetraleError::ModuleLoad`] for `module`; `prefix` names the module and
-    /// the kernel or symbol (`vec_add::vadd`), `extra` is appended (a JIT log).
+    /// the kernel or symbol (`vec_add::vadd`), `extra` is appended (a JIT log). A
+    /// missing driver symbol stays a [`MetraleError::MissingSymbol`] about `prefix`.
     pub(crate) fn module_error(self, module: &str, prefix: &str, extra: &str) -> MetraleError {
-        MetraleError::ModuleLoad {
-            module: module.to_owned(),
-            message: format!("{prefix}: {}{extra}", self.describe()),
-            status: self.status(),
+        match self {
+            CallError::Missing(_) => self.about(prefix),
+            CallError::Status { .. } => MetraleError::ModuleLoad {
+                module: module.to_owned(),
+                message: format!("{prefix}: {}{extra}", self.describe()),
+                status: self.status(),
+            },
         }
     }
 
-    /// A [`MetraleError::KernelLaunch`] for `kernel`, with the launch's shape.
+    /// A [`MetraleError::KernelLaunch`] for `kernel`, with the launch's shape. A
+    /// missing driver symbol stays a [`MetraleError::MissingSymbol`] about the kernel.
     pub(crate) fn launch_error(self, kernel: &str, shape: &dyn fmt::Display) -> MetraleError {
-        MetraleError::KernelLaunch {
-            kernel: kernel.to_owned(),
-            message: format!("kernel '{kernel}': {} {shape}", self.describe()),
-            status: self.status(),
+        match self {
+            CallError::Missing(_) => self.about(format_args!("kernel '{kernel}'")),
+            CallError::Status { .. } => MetraleError::KernelLaunch {
+                kernel: kernel.to_owned(),
+                message: format!("kernel '{kernel}': {} {shape}", self.describe()),
+                status: self.status(),
+            },
         }
     }
 }
