@@ -144,8 +144,9 @@ struct ctx {
     int magic;
     int refs;
     int alive;
+    unsigned long long id; /* changes each time the context is created anew */
 };
-static struct ctx primary = {0x43545821, 0, 0};
+static struct ctx primary = {0x43545821, 0, 0, 1};
 static __thread struct ctx *current;
 
 /* ---- modules, functions, globals ------------------------------------------ */
@@ -221,6 +222,17 @@ static void free_module(struct module *m) {
     }
     for (int i = 0; i < m->nglobals; i++) free(m->globals[i].data);
     free(m);
+}
+
+static void free_all_handles(void) {
+    for (int i = 0; i < MAX_HANDLES; i++) {
+        struct handle *h = &handles[i];
+        switch (h->kind) {
+        case K_MODULE: h->kind = K_FREE; free_module(h->p); break;
+        case K_STREAM: case K_DEVMEM: case K_HOSTMEM: h->kind = K_FREE; free(h->p); break;
+        default: break;
+        }
+    }
 }
 
 static int device_range_ok(CUdeviceptr p, size_t n) {
@@ -447,6 +459,7 @@ static CUresult do_retain(void **ctx, int dev) {
     if (!ctx) return INVALID_VALUE;
     if (dev != 0) return INVALID_DEVICE;
     primary.refs++;
+    if (!primary.alive) primary.id++;
     primary.alive = 1;
     *ctx = &primary;
     return SUCCESS;
@@ -461,6 +474,40 @@ static CUresult do_release(int dev) {
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(do_release(dev)); }
 
+static void free_all_handles(void);
+
+/* Destroys every resource of the primary context; the retains stay, and the
+ * context is created anew (with a new id) when it is next made current. */
+static CUresult do_reset(int dev) {
+    if (dev != 0) return INVALID_DEVICE;
+    free_all_handles();
+    primary.alive = 0;
+    return SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxReset_v2(int dev) { LOCKED(do_reset(dev)); }
+
+static CUresult do_get_state(int dev, unsigned *flags, int *active) {
+    if (dev != 0) return INVALID_DEVICE;
+    if (!flags || !active) return INVALID_VALUE;
+    *flags = 0;
+    *active = primary.alive;
+    return SUCCESS;
+}
+EXPORT CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active) {
+    LOCKED(do_get_state(dev, flags, active));
+}
+
+#ifndef FAKECUDA_OLD
+static CUresult do_ctx_id(void *ctx, unsigned long long *id) {
+    if (!id) return INVALID_VALUE;
+    if (ctx != &primary) return INVALID_CONTEXT;
+    if (!primary.alive) return CONTEXT_IS_DESTROYED;
+    *id = primary.id;
+    return SUCCESS;
+}
+EXPORT CUresult cuCtxGetId(void *ctx, unsigned long long *id) { LOCKED(do_ctx_id(ctx, id)); }
+#endif
+
 static CUresult do_get_current(void **ctx) {
     if (!ctx) return INVALID_VALUE;
     *ctx = current;
@@ -470,7 +517,13 @@ EXPORT CUresult cuCtxGetCurrent(void **ctx) { LOCKED(do_get_current(ctx)); }
 
 static CUresult do_set_current(void *ctx) {
     if (ctx && ctx != &primary) return INVALID_CONTEXT;
-    if (ctx && !primary.alive) return CONTEXT_IS_DESTROYED;
+    if (ctx && !primary.alive) {
+        /* Like the real driver, making a reset primary context current while it is
+         * still retained creates it anew. */
+        if (primary.refs <= 0) return CONTEXT_IS_DESTROYED;
+        primary.alive = 1;
+        primary.id++;
+    }
     current = ctx;
     return SUCCESS;
 }

@@ -86,6 +86,19 @@ pub struct CudaHost {
     limits: DeviceLimits,
     ctx: CudaContext,
     stream: CudaStream,
+    /// `cuCtxGetId` of the context at creation (CUDA 12.0+), to notice at teardown
+    /// that the context was destroyed and re-created under this host.
+    ctx_id: Option<u64>,
+}
+
+/// Whether a resource of a host's context can still be released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReleaseState {
+    /// The context is the one the resource was created in, and is current.
+    Live,
+    /// The context is gone (driver shut down, context destroyed or reset): its
+    /// resources went with it and there is nothing left to release.
+    Gone,
 }
 
 // SAFETY: the raw context and stream handles are written once in `CudaHost::new` and
@@ -168,8 +181,15 @@ impl CudaHost {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         // SAFETY: writes one CUstream; the context is current on this thread.
         unsafe { cu!(d, cuStreamCreate(&mut raw_stream, flags)) }.map_err(release)?;
+        let mut id: std::ffi::c_ulonglong = 0;
+        // SAFETY: writes one integer for the live context. An older driver lacks
+        // the call; the teardown check then relies on statuses alone.
+        let ctx_id = unsafe { cu!(d, cuCtxGetId(raw_ctx, &mut id)) }
+            .ok()
+            .map(|()| id);
 
         Ok(CudaHost {
+            ctx_id,
             driver: d,
             ordinal,
             name,
@@ -194,6 +214,44 @@ impl CudaHost {
             unsafe { cu!(self.driver, cuCtxSetCurrent(self.ctx.raw)) }?;
         }
         Ok(())
+    }
+
+    /// Bind the context before releasing one of its resources, and say whether
+    /// there is still anything to release. The context counts as gone when the
+    /// driver reports a teardown status, when the primary context is no longer
+    /// active (it was reset), or when the current context's id differs from the
+    /// one this host created its resources in (it was re-created).
+    pub(crate) fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
+        use crate::error::is_teardown_noop;
+        let d = self.driver;
+        let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
+        let (mut flags, mut active): (std::ffi::c_uint, c_int) = (0, 0);
+        // SAFETY: writes two integers for a valid device.
+        match unsafe {
+            cu!(
+                d,
+                cuDevicePrimaryCtxGetState(self.ctx.device, &mut flags, &mut active)
+            )
+        } {
+            Ok(()) if active == 0 => return Ok(ReleaseState::Gone),
+            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+            _ => {}
+        }
+        match self.bind() {
+            Ok(()) => {}
+            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+            Err(e) => return Err(e),
+        }
+        if let Some(created) = self.ctx_id {
+            let mut id: std::ffi::c_ulonglong = 0;
+            // SAFETY: writes one integer; the handle is this host's context.
+            match unsafe { cu!(d, cuCtxGetId(self.ctx.raw, &mut id)) } {
+                Ok(()) if id != created => return Ok(ReleaseState::Gone),
+                Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+                _ => {}
+            }
+        }
+        Ok(ReleaseState::Live)
     }
 
     /// The driver table this host calls through.
@@ -283,15 +341,19 @@ impl Drop for CudaHost {
         let d = self.driver;
         let mut failures = Vec::new();
         // The stream belongs to the context: bind it first. A context that is
-        // already gone makes every step below a teardown no-op.
-        if let Err(e) = self.bind() {
+        // already gone took the stream with it.
+        let state = self.bind_for_release().unwrap_or_else(|e| {
             failures.push(e);
+            ReleaseState::Live
+        });
+        if state == ReleaseState::Live {
+            // SAFETY: the stream was created by this host and is destroyed once, here.
+            if let Err(e) = unsafe { cu!(d, cuStreamDestroy_v2(self.stream.raw)) } {
+                failures.push(e);
+            }
         }
-        // SAFETY: the stream was created by this host and is destroyed once, here.
-        if let Err(e) = unsafe { cu!(d, cuStreamDestroy_v2(self.stream.raw)) } {
-            failures.push(e);
-        }
-        // SAFETY: gives back the one retain this host made.
+        // SAFETY: gives back the one retain this host made (a reset does not undo
+        // a retain, so it is given back in every state).
         if let Err(e) = unsafe { cu!(d, cuDevicePrimaryCtxRelease_v2(self.ctx.device)) } {
             failures.push(e);
         }

@@ -18,7 +18,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::CUdeviceptr;
 
 use crate::error::{cu, report_drop_failures, MetraleError, Result};
-use crate::host::CudaHost;
+use crate::host::{CudaHost, ReleaseState};
 
 /// Plain-old-data: every bit pattern is a valid value, there are no pointers or
 /// padding-sensitive invariants, and the layout is what a kernel sees.
@@ -216,8 +216,10 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
         }
         let h = &self.host;
         let mut failures = Vec::new();
-        if let Err(e) = h.bind() {
-            failures.push(e);
+        match h.bind_for_release() {
+            Ok(ReleaseState::Live) => {}
+            Ok(ReleaseState::Gone) => return,
+            Err(e) => failures.push(e),
         }
         // SAFETY: the allocation is this buffer's own, freed once, here.
         if let Err(e) = unsafe { cu!(h.driver(), cuMemFree_v2(self.ptr)) } {
@@ -321,8 +323,10 @@ impl<T: DeviceRepr> Drop for PinnedBuffer<T> {
         }
         let h = &self.host;
         let mut failures = Vec::new();
-        if let Err(e) = h.bind() {
-            failures.push(e);
+        match h.bind_for_release() {
+            Ok(ReleaseState::Live) => {}
+            Ok(ReleaseState::Gone) => return,
+            Err(e) => failures.push(e),
         }
         // SAFETY: the allocation is this buffer's own, freed once, here.
         if let Err(e) = unsafe { cu!(h.driver(), cuMemFreeHost(self.ptr.cast())) } {

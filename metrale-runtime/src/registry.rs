@@ -26,7 +26,7 @@ use metrale_cuda_sys::{
 
 use crate::blob::{self, BlobKind};
 use crate::error::{cu, report_drop_failures, CallError, MetraleError, Result};
-use crate::host::{host, CudaContext, CudaHost, CudaStream};
+use crate::host::{host, CudaContext, CudaHost, CudaStream, ReleaseState};
 use crate::launch::{
     KernelArgs, LaunchAttributes, LaunchConfig, SmemOptIns, DEFAULT_DYNAMIC_SHARED_LIMIT,
 };
@@ -289,8 +289,14 @@ impl Drop for MetraleRegistry {
         }
         let d = self.host.driver();
         let mut failures: Vec<CallError> = Vec::new();
-        if let Err(e) = self.host.bind() {
-            failures.push(e);
+        match self.host.bind_for_release() {
+            Ok(ReleaseState::Live) => {}
+            // The context took the modules with it.
+            Ok(ReleaseState::Gone) => {
+                self.modules.clear();
+                return;
+            }
+            Err(e) => failures.push(e),
         }
         for m in self.modules.drain(..) {
             // SAFETY: each module was loaded by this registry and is unloaded once.

@@ -584,6 +584,26 @@ fn child_drop_after_shutdown() {
     drop(h);
 }
 
+fn child_drop_after_context_reset() {
+    let reg = setup();
+    let h = Arc::clone(reg.host());
+    let dev = DeviceBuffer::<f32>::alloc(&h, 100).unwrap();
+    let pinned = PinnedBuffer::<f32>::zeroed(&h, 100).unwrap();
+    let d = sys::driver().unwrap();
+    // SAFETY: destroys every resource of the context; the handles above are not used again.
+    let status = unsafe { (d.cuDevicePrimaryCtxReset_v2().unwrap())(h.ctx().device()) };
+    assert_eq!(status, CUresult::CUDA_SUCCESS);
+    assert_eq!(fake().live(Live::Modules), 0);
+    drop((dev, pinned, reg));
+    release(0);
+    drop(h);
+    assert_eq!(
+        fake().primary_refs(),
+        0,
+        "the retain is given back after a reset too"
+    );
+}
+
 fn child_unload_fails() {
     let reg = setup();
     let dev = DeviceBuffer::<f32>::alloc(reg.host(), 100).unwrap();
@@ -646,6 +666,16 @@ fn child_old_driver() {
 
 fn teardown_after_shutdown_is_silent() {
     let out = run_child("drop_after_shutdown", &[]);
+    assert!(out.status.success(), "child failed: {out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "",
+        "stderr must stay empty"
+    );
+}
+
+fn teardown_after_context_reset_is_silent() {
+    let out = run_child("drop_after_context_reset", &[]);
     assert!(out.status.success(), "child failed: {out:?}");
     assert_eq!(
         String::from_utf8_lossy(&out.stderr),
@@ -734,6 +764,10 @@ fn main() -> ExitCode {
             run: teardown_after_shutdown_is_silent,
         },
         Test {
+            name: "teardown_after_context_reset_is_silent",
+            run: teardown_after_context_reset_is_silent,
+        },
+        Test {
             name: "a_real_failure_in_drop_is_one_line",
             run: a_real_failure_in_drop_is_one_line,
         },
@@ -746,6 +780,10 @@ fn main() -> ExitCode {
         Child {
             name: "drop_after_shutdown",
             run: child_drop_after_shutdown,
+        },
+        Child {
+            name: "drop_after_context_reset",
+            run: child_drop_after_context_reset,
         },
         Child {
             name: "unload_fails",

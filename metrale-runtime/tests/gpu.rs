@@ -446,6 +446,10 @@ fn dropping_after_the_context_is_gone_is_silent() {
     for scenario in ["drop_after_ctx_reset", "drop_after_driver_exit"] {
         let out = run_child(scenario, &[]);
         assert!(out.status.success(), "{scenario}: {out:?}");
+        println!(
+            "    {scenario}: {}",
+            String::from_utf8_lossy(&out.stdout).trim()
+        );
         assert_eq!(
             String::from_utf8_lossy(&out.stderr),
             "",
@@ -465,6 +469,18 @@ fn child_drop_after_ctx_reset() {
     // SAFETY: resets the device's primary context; every handle above dies with it.
     let status = unsafe { (d.cuDevicePrimaryCtxReset_v2().unwrap())(h.ctx().device()) };
     assert_eq!(status, CUresult::CUDA_SUCCESS);
+    // What the driver says about the context now (printed for the record).
+    let (mut flags, mut active, mut id) = (0u32, 0i32, 0u64);
+    // SAFETY: each call writes integers only.
+    let (s1, s2) = unsafe {
+        (
+            (d.cuDevicePrimaryCtxGetState().unwrap())(h.ctx().device(), &mut flags, &mut active),
+            (d.cuCtxGetId().unwrap())(h.ctx().raw(), &mut id),
+        )
+    };
+    println!(
+        "after reset: cuDevicePrimaryCtxGetState {s1} active={active}; cuCtxGetId {s2} id={id}"
+    );
     drop((dev, pinned, reg));
     release(0);
     drop(h);

@@ -66,11 +66,20 @@ pub fn main(
         };
     }
 
-    let filters: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| !a.starts_with('-'))
-        .collect();
-    let exact = std::env::args().any(|a| a == "--exact");
+    // libtest's own flags are accepted and ignored, except these: `--exact`,
+    // `--skip NAME` (repeatable), `--list`; other words are name filters.
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut filters: Vec<&str> = Vec::new();
+    let mut skips: Vec<&str> = Vec::new();
+    let mut words = args.iter();
+    while let Some(a) = words.next() {
+        if a == "--skip" {
+            skips.extend(words.next().map(String::as_str));
+        } else if !a.starts_with('-') {
+            filters.push(a);
+        }
+    }
+    let exact = args.iter().any(|a| a == "--exact");
     if std::env::args().any(|a| a == "--list") {
         for t in tests {
             println!("{}: test", t.name);
@@ -83,12 +92,13 @@ pub fn main(
             filters.is_empty()
                 || filters.iter().any(|f| {
                     if exact {
-                        t.name == f
+                        t.name == *f
                     } else {
-                        t.name.contains(f.as_str())
+                        t.name.contains(f)
                     }
                 })
         })
+        .filter(|t| !skips.iter().any(|s| t.name.contains(s)))
         .collect();
     let filtered_out = tests.len() - selected.len();
     let start = Instant::now();
