@@ -3,7 +3,9 @@
 //! `cargo bench -p metrale-runtime --bench launch` prints one table. Every row uses
 //! the same kernel (`empty(float*, unsigned, float)`), the same stream and the same
 //! process; rows are interleaved in rounds so clock and thermal drift hit them all
-//! alike. Each cell is the median over the rounds, with the spread (min..max).
+//! alike; within a round the launch paths take turns batch by batch. Each cell is
+//! the median over the rounds, with the spread (min..max); "vs floor" is the median
+//! of the per-round ratios (each round compares neighbours in time).
 //!
 //! Options (after `--`): `--rounds N` (default 15), `--quick` (fewer, smaller).
 //! Without a driver it exits with status 2 and the loader's message.
@@ -38,7 +40,7 @@ fn opts() -> Opts {
         .position(|a| a == "--rounds")
         .and_then(|i| args.get(i + 1))
         .and_then(|v| v.parse().ok())
-        .unwrap_or(if quick { 5 } else { 15 });
+        .unwrap_or(if quick { 5 } else { 31 });
     Opts {
         rounds,
         launches: if quick { 2_000 } else { 20_000 },
@@ -141,29 +143,48 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
     };
     let sync_ours = || reg.stream_synchronize(stream).unwrap();
 
-    // Submit cost: batches of 500 launches, synchronised outside the timed region
-    // so the queue never fills; µs per launch.
-    let submit = |launch: &dyn Fn()| -> f64 {
-        let batch = 500;
-        let mut total = 0.0;
-        for _ in 0..o.launches / batch {
-            let t = Instant::now();
-            for _ in 0..batch {
-                launch();
+    // Submit cost: batches of 250 launches, synchronised outside the timed region
+    // so the queue never fills. Within a round the paths take turns batch by batch
+    // (rotating who goes first), so each round's ratios compare neighbours in time.
+    // Returns µs per launch for each path.
+    let submit_round = |paths: &[&dyn Fn()]| -> Vec<f64> {
+        let batch = 250;
+        let batches = o.launches / batch;
+        let mut total = vec![0.0; paths.len()];
+        for b in 0..batches {
+            for k in 0..paths.len() {
+                let i = (b + k) % paths.len();
+                let t = Instant::now();
+                for _ in 0..batch {
+                    paths[i]();
+                }
+                total[i] += t.elapsed().as_secs_f64();
+                sync_raw();
             }
-            total += t.elapsed().as_secs_f64();
-            sync_raw();
         }
-        total * 1e6 / (o.launches / batch * batch) as f64
+        total
+            .iter()
+            .map(|t| t * 1e6 / (batches * batch) as f64)
+            .collect()
     };
-    let latency = |launch: &dyn Fn(), sync: &dyn Fn()| -> f64 {
-        let k = o.launches / 10;
-        let t = Instant::now();
-        for _ in 0..k {
-            launch();
-            sync();
+    // Launch then wait, alternating the two paths launch by launch; µs per pair.
+    let latency_round = || -> (f64, f64) {
+        let k = o.launches / 20;
+        let (mut raw, mut mine) = (0.0, 0.0);
+        for i in 0..k {
+            let t = Instant::now();
+            if i % 2 == 0 {
+                floor();
+                sync_raw();
+                raw += t.elapsed().as_secs_f64();
+            } else {
+                ours();
+                sync_ours();
+                mine += t.elapsed().as_secs_f64();
+            }
         }
-        t.elapsed().as_secs_f64() * 1e6 / k as f64
+        let half = (k / 2) as f64;
+        (raw * 1e6 / half, mine * 1e6 / half)
     };
     let lookup = || -> f64 {
         let k = 10_000_000;
@@ -177,32 +198,32 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
         t.elapsed().as_secs_f64() * 1e9 / k as f64
     };
 
+    let paths: [&dyn Fn(); 3] = [&floor, &ours, &typed];
     // Warm up every path.
-    for _ in 0..3 {
-        submit(&floor);
-        submit(&ours);
-        submit(&typed);
+    for _ in 0..2 {
+        submit_round(&paths);
     }
 
     let mut r_floor = Row::default();
     let mut r_ours = Row::default();
     let mut r_typed = Row::default();
+    let mut q_ours = Row::default();
+    let mut q_typed = Row::default();
     let mut r_lat_floor = Row::default();
     let mut r_lat_ours = Row::default();
+    let mut q_lat = Row::default();
     let mut r_lookup = Row::default();
-    for round in 0..o.rounds {
-        // Alternate the order within a round as well.
-        if round % 2 == 0 {
-            r_floor.samples.push(submit(&floor));
-            r_ours.samples.push(submit(&ours));
-            r_typed.samples.push(submit(&typed));
-        } else {
-            r_typed.samples.push(submit(&typed));
-            r_ours.samples.push(submit(&ours));
-            r_floor.samples.push(submit(&floor));
-        }
-        r_lat_floor.samples.push(latency(&floor, &sync_raw));
-        r_lat_ours.samples.push(latency(&ours, &sync_ours));
+    for _ in 0..o.rounds {
+        let us = submit_round(&paths);
+        r_floor.samples.push(us[0]);
+        r_ours.samples.push(us[1]);
+        r_typed.samples.push(us[2]);
+        q_ours.samples.push(us[1] / us[0]);
+        q_typed.samples.push(us[2] / us[0]);
+        let (raw, mine) = latency_round();
+        r_lat_floor.samples.push(raw);
+        r_lat_ours.samples.push(mine);
+        q_lat.samples.push(mine / raw);
         r_lookup.samples.push(lookup());
     }
 
@@ -297,10 +318,8 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
         "{:<44} {:>10} {:>21} {:>9}",
         "row", "median", "spread (min..max)", "vs floor"
     );
-    let floor_m = r_floor.median();
-    let lat_m = r_lat_floor.median();
-    let line = |name: &str, row: &Row, unit: &str, base: Option<f64>| {
-        let ratio = base.map_or(String::from("-"), |b| format!("{:.3}", row.median() / b));
+    let line = |name: &str, row: &Row, unit: &str, ratio: Option<f64>| {
+        let ratio = ratio.map_or(String::from("-"), |q| format!("{q:.3}"));
         println!(
             "{:<44} {:>7.3} {unit:<2} {:>10.3}..{:<8.3} {:>9}",
             name,
@@ -310,30 +329,26 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
             ratio
         );
     };
+    let (q1, q2, q3) = (q_ours.median(), q_typed.median(), q_lat.median());
     line(
         "floor: raw cuLaunchKernel (sys table)",
         &r_floor,
         "us",
-        Some(floor_m),
+        Some(1.0),
     );
     line(
         "launch_on_stream (memoized RawCudaFunc)",
         &r_ours,
         "us",
-        Some(floor_m),
+        Some(q1),
     );
-    line(
-        "typed launch (KernelArgs tuple)",
-        &r_typed,
-        "us",
-        Some(floor_m),
-    );
-    line("launch + sync: raw", &r_lat_floor, "us", Some(lat_m));
+    line("typed launch (KernelArgs tuple)", &r_typed, "us", Some(q2));
+    line("launch + sync: raw", &r_lat_floor, "us", Some(1.0));
     line(
         "launch + sync: launch_on_stream",
         &r_lat_ours,
         "us",
-        Some(lat_m),
+        Some(q3),
     );
     line("raw_function_cached hit", &r_lookup, "ns", None);
     for (bytes, ru, ou, rd, od) in &copy_rows {
@@ -342,29 +357,31 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
         } else {
             format!("{} MiB", bytes >> 20)
         };
+        let up = ou.median() / ru.median();
+        let down = od.median() / rd.median();
         line(
             &format!("H2D pinned {size}: raw (GB/s)"),
             ru,
             "  ",
-            Some(ru.median()),
+            Some(1.0),
         );
         line(
             &format!("H2D pinned {size}: copy_h2d_async (GB/s)"),
             ou,
             "  ",
-            Some(ru.median()),
+            Some(up),
         );
         line(
             &format!("D2H pinned {size}: raw (GB/s)"),
             rd,
             "  ",
-            Some(rd.median()),
+            Some(1.0),
         );
         line(
             &format!("D2H pinned {size}: copy_d2h_async (GB/s)"),
             od,
             "  ",
-            Some(rd.median()),
+            Some(down),
         );
     }
     line("MetraleRegistry::load, PTX module (ms)", &r_ptx, "  ", None);
@@ -382,6 +399,23 @@ fn run(o: &Opts) -> Result<(), MetraleError> {
         "{:<44} {:>7.3} ms (cuInit, context, stream, PTX JIT)",
         "first MetraleRegistry::load", first_registry_ms
     );
+    println!(
+        "\nper-round ratios to the floor over {} rounds (median, min..max):",
+        o.rounds
+    );
+    for (name, q) in [
+        ("launch_on_stream / floor", &q_ours),
+        ("typed launch / floor", &q_typed),
+        ("launch + sync, ours / raw", &q_lat),
+    ] {
+        println!(
+            "{:<44} {:>7.3}    {:>10.3}..{:<8.3}",
+            name,
+            q.median(),
+            q.min(),
+            q.max()
+        );
+    }
     drop(buf);
     Ok(())
 }
