@@ -518,8 +518,8 @@ EXPORT CUresult cuCtxGetCurrent(void **ctx) { LOCKED(do_get_current(ctx)); }
 static CUresult do_set_current(void *ctx) {
     if (ctx && ctx != &primary) return INVALID_CONTEXT;
     if (ctx && !primary.alive) {
-        /* Like the real driver, making a reset primary context current while it is
-         * still retained creates it anew. */
+        /* A model, not a copy of the real driver: a reset primary context that is
+         * still retained is created anew (with a new id) when made current. */
         if (primary.refs <= 0) return CONTEXT_IS_DESTROYED;
         primary.alive = 1;
         primary.id++;
