@@ -93,7 +93,7 @@ pub struct CudaHost {
 
 /// Whether a resource of a host's context can still be released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ReleaseState {
+enum ReleaseState {
     /// The context is the one the resource was created in, and is current.
     Live,
     /// The context is gone (driver shut down, context destroyed or reset): its
@@ -221,7 +221,7 @@ impl CudaHost {
     /// driver reports a teardown status, when the primary context is no longer
     /// active (it was reset), or when the current context's id differs from the
     /// one this host created its resources in (it was re-created).
-    pub(crate) fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
+    fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
         use crate::error::is_teardown_noop;
         let d = self.driver;
         let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
@@ -252,6 +252,24 @@ impl CudaHost {
             }
         }
         Ok(ReleaseState::Live)
+    }
+
+    /// Release resources of this host's context: bind it, run `free` (which pushes
+    /// what failed) unless the context is already gone, and report real failures
+    /// as one line on stderr. The shared body of every Drop; never panics.
+    pub(crate) fn release_with(
+        &self,
+        what: fmt::Arguments<'_>,
+        free: impl FnOnce(&mut Vec<CallError>),
+    ) {
+        let mut failures = Vec::new();
+        match self.bind_for_release() {
+            Ok(ReleaseState::Gone) => return,
+            Ok(ReleaseState::Live) => {}
+            Err(e) => failures.push(e),
+        }
+        free(&mut failures);
+        report_drop_failures(what, &failures);
     }
 
     /// The driver table this host calls through.

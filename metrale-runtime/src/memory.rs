@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use metrale_cuda_sys::CUdeviceptr;
 
-use crate::error::{cu, report_drop_failures, MetraleError, Result};
-use crate::host::{CudaHost, ReleaseState};
+use crate::error::{cu, MetraleError, Result};
+use crate::host::CudaHost;
 
 /// Plain-old-data: every bit pattern is a valid value, there are no pointers or
 /// padding-sensitive invariants, and the layout is what a kernel sees.
@@ -215,23 +215,18 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
             return;
         }
         let h = &self.host;
-        let mut failures = Vec::new();
-        match h.bind_for_release() {
-            Ok(ReleaseState::Live) => {}
-            Ok(ReleaseState::Gone) => return,
-            Err(e) => failures.push(e),
-        }
-        // SAFETY: the allocation is this buffer's own, freed once, here.
-        if let Err(e) = unsafe { cu!(h.driver(), cuMemFree_v2(self.ptr)) } {
-            failures.push(e);
-        }
-        report_drop_failures(
+        h.release_with(
             format_args!(
                 "freeing device buffer {:#x} on device {}",
                 self.ptr,
                 h.ordinal()
             ),
-            &failures,
+            |failures| {
+                // SAFETY: the allocation is this buffer's own, freed once, here.
+                if let Err(e) = unsafe { cu!(h.driver(), cuMemFree_v2(self.ptr)) } {
+                    failures.push(e);
+                }
+            },
         );
     }
 }
@@ -322,23 +317,18 @@ impl<T: DeviceRepr> Drop for PinnedBuffer<T> {
             return;
         }
         let h = &self.host;
-        let mut failures = Vec::new();
-        match h.bind_for_release() {
-            Ok(ReleaseState::Live) => {}
-            Ok(ReleaseState::Gone) => return,
-            Err(e) => failures.push(e),
-        }
-        // SAFETY: the allocation is this buffer's own, freed once, here.
-        if let Err(e) = unsafe { cu!(h.driver(), cuMemFreeHost(self.ptr.cast())) } {
-            failures.push(e);
-        }
-        report_drop_failures(
+        h.release_with(
             format_args!(
                 "freeing pinned buffer {:p} on device {}",
                 self.ptr,
                 h.ordinal()
             ),
-            &failures,
+            |failures| {
+                // SAFETY: the allocation is this buffer's own, freed once, here.
+                if let Err(e) = unsafe { cu!(h.driver(), cuMemFreeHost(self.ptr.cast())) } {
+                    failures.push(e);
+                }
+            },
         );
     }
 }

@@ -25,8 +25,8 @@ use metrale_cuda_sys::{
 };
 
 use crate::blob::{self, BlobKind};
-use crate::error::{cu, report_drop_failures, CallError, MetraleError, Result};
-use crate::host::{host, CudaContext, CudaHost, CudaStream, ReleaseState};
+use crate::error::{cu, CallError, MetraleError, Result};
+use crate::host::{host, CudaContext, CudaHost, CudaStream};
 use crate::launch::{
     KernelArgs, LaunchAttributes, LaunchConfig, SmemOptIns, DEFAULT_DYNAMIC_SHARED_LIMIT,
 };
@@ -283,30 +283,23 @@ impl fmt::Debug for MetraleRegistry {
 }
 
 impl Drop for MetraleRegistry {
+    /// Unloads every module once; see [`CudaHost`] for the teardown rule.
     fn drop(&mut self) {
         if self.modules.is_empty() {
             return;
         }
+        let modules = std::mem::take(&mut self.modules);
         let d = self.host.driver();
-        let mut failures: Vec<CallError> = Vec::new();
-        match self.host.bind_for_release() {
-            Ok(ReleaseState::Live) => {}
-            // The context took the modules with it.
-            Ok(ReleaseState::Gone) => {
-                self.modules.clear();
-                return;
-            }
-            Err(e) => failures.push(e),
-        }
-        for m in self.modules.drain(..) {
-            // SAFETY: each module was loaded by this registry and is unloaded once.
-            if let Err(e) = unsafe { cu!(d, cuModuleUnload(m.raw)) } {
-                failures.push(e);
-            }
-        }
-        report_drop_failures(
+        self.host.release_with(
             format_args!("unloading kernel modules on device {}", self.host.ordinal()),
-            &failures,
+            |failures| {
+                for m in modules {
+                    // SAFETY: each module was loaded by this registry and is unloaded once.
+                    if let Err(e) = unsafe { cu!(d, cuModuleUnload(m.raw)) } {
+                        failures.push(e);
+                    }
+                }
+            },
         );
     }
 }
@@ -746,17 +739,7 @@ impl MetraleRegistry {
         stream: CUstream,
         kernel_params: &mut [*mut c_void],
     ) -> Result<()> {
-        if let Err(e) = self.host.bind() {
-            return Err(self.launch_error(raw_func, &cfg, e));
-        }
-        if cfg.check_limits(self.host.limits()).is_err() {
-            return Err(self.refused(raw_func, &cfg));
-        }
-        if cfg.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT
-            && self.smem.limit(raw_func.0) < cfg.shared_mem_bytes
-        {
-            self.opt_in(raw_func, &cfg)?;
-        }
+        self.prepare_launch(raw_func, &cfg, None)?;
         let d = self.host.driver();
         let (g, b) = (cfg.grid_dim, cfg.block_dim);
         // SAFETY: the caller's contract covers the handle, the stream and the
@@ -779,10 +762,7 @@ impl MetraleRegistry {
                 )
             )
         };
-        match launched {
-            Ok(()) => Ok(()),
-            Err(e) => Err(self.launch_error(raw_func, &cfg, e)),
-        }
+        launched.map_err(|e| self.launch_error(raw_func, &cfg, None, e))
     }
 
     /// Launch with typed arguments: a tuple of values and device buffers, packed on
@@ -827,26 +807,7 @@ impl MetraleRegistry {
         stream: CUstream,
         kernel_params: &mut [*mut c_void],
     ) -> Result<()> {
-        let shape = ShapeWithAttrs(&cfg, attrs);
-        if let Err(e) = self.host.bind() {
-            return Err(e.launch_error(&self.kernel_name(raw_func), &shape));
-        }
-        let checked = cfg
-            .check_limits(self.host.limits())
-            .and_then(|()| attrs.check(&cfg, self.host.limits()));
-        if let Err(why) = checked {
-            let kernel = self.kernel_name(raw_func);
-            return Err(MetraleError::KernelLaunch {
-                message: format!("kernel '{kernel}': launch not attempted, {why} {shape}"),
-                kernel: kernel.to_string(),
-                status: None,
-            });
-        }
-        if cfg.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT
-            && self.smem.limit(raw_func.0) < cfg.shared_mem_bytes
-        {
-            self.opt_in(raw_func, &cfg)?;
-        }
+        self.prepare_launch(raw_func, &cfg, Some(attrs))?;
         let (mut driver_attrs, n) = attrs.to_driver();
         let (g, b) = (cfg.grid_dim, cfg.block_dim);
         let config = sys::CUlaunchConfig {
@@ -874,7 +835,7 @@ impl MetraleRegistry {
                 )
             )
         };
-        launched.map_err(|e| e.launch_error(&self.kernel_name(raw_func), &shape))
+        launched.map_err(|e| self.launch_error(raw_func, &cfg, Some(attrs), e))
     }
 
     /// [`MetraleRegistry::launch_ex_on_stream`] with typed arguments, as
@@ -899,8 +860,41 @@ impl MetraleRegistry {
         })
     }
 
+    /// Everything a launch does before the driver's launch call: bind the context,
+    /// check the shape (and attributes) against the device, and opt the kernel in
+    /// to large dynamic shared memory the first time a size needs it.
+    #[inline]
+    fn prepare_launch(
+        &self,
+        raw_func: RawCudaFunc,
+        cfg: &LaunchConfig,
+        attrs: Option<&LaunchAttributes>,
+    ) -> Result<()> {
+        if let Err(e) = self.host.bind() {
+            return Err(self.launch_error(raw_func, cfg, attrs, e));
+        }
+        let limits = self.host.limits();
+        let checked = cfg
+            .check_limits(limits)
+            .and_then(|()| attrs.map_or(Ok(()), |a| a.check(cfg, limits)));
+        if let Err(why) = checked {
+            return Err(self.refused(raw_func, cfg, attrs, &why));
+        }
+        if cfg.shared_mem_bytes > DEFAULT_DYNAMIC_SHARED_LIMIT
+            && self.smem.limit(raw_func.0) < cfg.shared_mem_bytes
+        {
+            self.opt_in(raw_func, cfg, attrs)?;
+        }
+        Ok(())
+    }
+
     #[cold]
-    fn opt_in(&self, raw_func: RawCudaFunc, cfg: &LaunchConfig) -> Result<()> {
+    fn opt_in(
+        &self,
+        raw_func: RawCudaFunc,
+        cfg: &LaunchConfig,
+        attrs: Option<&LaunchAttributes>,
+    ) -> Result<()> {
         let bytes = c_int::try_from(cfg.shared_mem_bytes).unwrap_or(c_int::MAX);
         let attr = sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         // SAFETY: sets a plain attribute of a live function handle.
@@ -910,13 +904,13 @@ impl MetraleRegistry {
                 cuFuncSetAttribute(raw_func.0, attr, bytes)
             )
         }
-        .map_err(|e| self.launch_error(raw_func, cfg, e))?;
+        .map_err(|e| self.launch_error(raw_func, cfg, attrs, e))?;
         self.smem.record(raw_func.0, cfg.shared_mem_bytes);
         Ok(())
     }
 
     /// The name a kernel handle was looked up under, or its address.
-    pub(crate) fn kernel_name(&self, raw_func: RawCudaFunc) -> Arc<str> {
+    fn kernel_name(&self, raw_func: RawCudaFunc) -> Arc<str> {
         let names = self
             .kernel_names
             .read()
@@ -931,38 +925,49 @@ impl MetraleRegistry {
     }
 
     #[cold]
-    pub(crate) fn launch_error(
+    fn launch_error(
         &self,
         raw_func: RawCudaFunc,
         cfg: &LaunchConfig,
+        attrs: Option<&LaunchAttributes>,
         e: CallError,
     ) -> MetraleError {
-        e.launch_error(&self.kernel_name(raw_func), cfg)
+        e.launch_error(&self.kernel_name(raw_func), &LaunchShape(cfg, attrs))
     }
 
     #[cold]
-    fn refused(&self, raw_func: RawCudaFunc, cfg: &LaunchConfig) -> MetraleError {
-        let why = match cfg.check_limits(self.host.limits()) {
-            Err(why) => why,
-            Ok(()) => String::from("refused:"),
-        };
+    fn refused(
+        &self,
+        raw_func: RawCudaFunc,
+        cfg: &LaunchConfig,
+        attrs: Option<&LaunchAttributes>,
+        why: &str,
+    ) -> MetraleError {
         let kernel = self.kernel_name(raw_func);
         MetraleError::KernelLaunch {
-            message: format!("kernel '{kernel}': launch not attempted, {why} {cfg}"),
+            message: format!(
+                "kernel '{kernel}': launch not attempted, {why} {}",
+                LaunchShape(cfg, attrs)
+            ),
             kernel: kernel.to_string(),
             status: None,
         }
     }
 }
 
-/// A launch shape followed by its extended attributes, for error texts.
-struct ShapeWithAttrs<'a>(&'a LaunchConfig, &'a LaunchAttributes);
+/// A launch shape, with its extended attributes when there are any, for error
+/// texts: `(grid=[..], block=[..], shared_mem=N cluster=[..])`.
+struct LaunchShape<'a>(&'a LaunchConfig, Option<&'a LaunchAttributes>);
 
-impl fmt::Display for ShapeWithAttrs<'_> {
+impl fmt::Display for LaunchShape<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let text = self.0.to_string();
-        // `(grid=..., shared_mem=N cluster=[..])`
-        write!(f, "{}{})", text.trim_end_matches(')'), self.1)
+        match self.1 {
+            None => self.0.fmt(f),
+            Some(attrs) => {
+                let text = self.0.to_string();
+                write!(f, "{}{attrs})", text.trim_end_matches(')'))
+            }
+        }
     }
 }
 
@@ -986,15 +991,5 @@ fn log_text(buf: &[u8]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::log_text;
-
-    #[test]
-    fn jit_log_is_trimmed_and_bounded() {
-        assert_eq!(log_text(b"  error: x \n\0garbage"), "error: x");
-        let long = vec![b'a'; 10_000];
-        let text = log_text(&long);
-        assert!(text.starts_with(&"a".repeat(4096)));
-        assert!(text.ends_with("[... log cut at 4096 bytes]"));
-    }
-}
+#[path = "tests/registry.rs"]
+mod tests;
