@@ -7,7 +7,7 @@
 //! | module | owns |
 //! | --- | --- |
 //! | [`error`] | [`MetraleError`], [`Result`], [`cuda_error_text`], [`is_teardown_noop`] |
-//! | [`host`] | [`CudaHost`]: per device, `cuInit` once, the primary context, one stream |
+//! | [`host`](mod@host) | [`CudaHost`]: per device, `cuInit` once, the primary context, one stream |
 //! | [`blob`] | what a kernel blob is and how it is handed to the driver |
 //! | [`registry`] | [`MetraleRegistry`]: one model's modules, lookups, symbols, copies, launches |
 //! | [`memory`] | [`DeviceBuffer`], [`PinnedBuffer`] |
