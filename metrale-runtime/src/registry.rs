@@ -3,10 +3,12 @@
 //! copies, stream synchronisation and raw or typed launches.
 //!
 //! Invariants:
-//! - The registry owns its modules and nothing else: the context and stream belong
-//!   to the [`CudaHost`] it holds, which therefore outlives every module.
+//! - The registry owns its modules (shared with the [`CudaFunction`]s taken from
+//!   it) and nothing else: the context and stream belong to the [`CudaHost`] the
+//!   modules hold, which therefore outlives every module.
 //! - Module handles are written only while loading and read afterwards; Drop unloads
-//!   each one exactly once. A load that fails at module k unloads modules 0..k.
+//!   each one exactly once, when the registry and its `CudaFunction`s are gone. A
+//!   load that fails at module k unloads modules 0..k.
 //! - Function handles ([`RawCudaFunc`], [`CudaFunction`]) stay valid while the
 //!   registry that produced them is alive.
 //! - The launch path binds the context (one `cuCtxGetCurrent`), checks the shape
@@ -49,12 +51,13 @@ unsafe impl Send for RawCudaFunc {}
 unsafe impl Sync for RawCudaFunc {}
 
 /// A kernel of a loaded module, with its name: for attributes, occupancy and
-/// launches. Valid while the registry it came from is alive.
+/// launches. It keeps its module loaded: the modules of a registry are unloaded
+/// when the registry and every `CudaFunction` taken from it are gone.
 #[derive(Clone)]
 pub struct CudaFunction {
     raw: RawCudaFunc,
     name: Arc<str>,
-    host: Arc<CudaHost>,
+    modules: Arc<ModuleSet>,
 }
 
 impl fmt::Debug for CudaFunction {
@@ -102,12 +105,12 @@ impl CudaFunction {
 
     fn get(&self, attr: CUfunction_attribute) -> Result<i32> {
         let subject = || format!("kernel '{}'", self.name);
-        self.host.bind().map_err(|e| e.about(subject()))?;
+        self.modules.host.bind().map_err(|e| e.about(subject()))?;
         let mut v: c_int = 0;
         // SAFETY: writes one int for a live function handle.
         unsafe {
             cu!(
-                self.host.driver(),
+                self.modules.host.driver(),
                 cuFuncGetAttribute(&mut v, attr, self.raw.0)
             )
         }
@@ -117,11 +120,11 @@ impl CudaFunction {
 
     fn set(&self, attr: CUfunction_attribute, value: i32) -> Result<()> {
         let subject = || format!("kernel '{}'", self.name);
-        self.host.bind().map_err(|e| e.about(subject()))?;
+        self.modules.host.bind().map_err(|e| e.about(subject()))?;
         // SAFETY: sets a plain attribute of a live function handle.
         unsafe {
             cu!(
-                self.host.driver(),
+                self.modules.host.driver(),
                 cuFuncSetAttribute(self.raw.0, attr, value)
             )
         }
@@ -195,12 +198,12 @@ impl CudaFunction {
                 self.name
             ))
         })?;
-        self.host.bind().map_err(|e| e.about(subject()))?;
+        self.modules.host.bind().map_err(|e| e.about(subject()))?;
         let mut n: c_int = 0;
         // SAFETY: writes one int for a live function handle.
         unsafe {
             cu!(
-                self.host.driver(),
+                self.modules.host.driver(),
                 cuOccupancyMaxActiveBlocksPerMultiprocessor(
                     &mut n,
                     self.raw.0,
@@ -220,12 +223,12 @@ impl CudaFunction {
     /// The failing occupancy call, naming the kernel.
     pub fn potential_block_size(&self, dynamic_shared_bytes: usize) -> Result<(u32, u32)> {
         let subject = || format!("kernel '{}'", self.name);
-        self.host.bind().map_err(|e| e.about(subject()))?;
+        self.modules.host.bind().map_err(|e| e.about(subject()))?;
         let (mut grid, mut block): (c_int, c_int) = (0, 0);
         // SAFETY: writes two ints; no per-block-size callback is passed.
         unsafe {
             cu!(
-                self.host.driver(),
+                self.modules.host.driver(),
                 cuOccupancyMaxPotentialBlockSize(
                     &mut grid,
                     &mut block,
@@ -250,25 +253,60 @@ struct Module {
     kind: BlobKind,
 }
 
+/// The modules of one registry, shared with the [`CudaFunction`]s taken from it;
+/// unloaded once, when the last holder goes.
+struct ModuleSet {
+    host: Arc<CudaHost>,
+    list: Vec<Module>,
+}
+
+// SAFETY: the module handles are written only while the set is built, before it is
+// shared, and unloaded only in Drop; shared access reads them and passes them to the
+// thread-safe driver.
+unsafe impl Send for ModuleSet {}
+// SAFETY: as for Send.
+unsafe impl Sync for ModuleSet {}
+
+impl ModuleSet {
+    fn find(&self, name: &str) -> Option<&Module> {
+        self.list.iter().find(|m| m.name == name)
+    }
+}
+
+impl Drop for ModuleSet {
+    /// Unloads every module once; see [`CudaHost`] for the teardown rule.
+    fn drop(&mut self) {
+        if self.list.is_empty() {
+            return;
+        }
+        let modules = std::mem::take(&mut self.list);
+        let d = self.host.driver();
+        self.host.release_with(
+            format_args!("unloading kernel modules on device {}", self.host.ordinal()),
+            |failures| {
+                for m in modules {
+                    // SAFETY: each module was loaded into this set and is unloaded once.
+                    if let Err(e) = unsafe { cu!(d, cuModuleUnload(m.raw)) } {
+                        failures.push(e);
+                    }
+                }
+            },
+        );
+    }
+}
+
 /// The kernel modules of one loaded model.
 ///
 /// Get one with [`MetraleRegistry::load`] and pass the `Arc` along; there is no
-/// global accessor. Dropping the last handle unloads the modules.
+/// global accessor. Dropping the last handle unloads the modules (once no
+/// [`CudaFunction`] taken from it is left either).
 pub struct MetraleRegistry {
     host: Arc<CudaHost>,
-    modules: Vec<Module>,
+    modules: Arc<ModuleSet>,
     /// `CUfunction` address → `module::kernel`, for error texts (read only on failure).
     kernel_names: RwLock<HashMap<usize, Arc<str>>>,
     smem: SmemOptIns,
 }
-
-// SAFETY: `modules` holds raw handles written only while the registry is built and
-// unloaded only in Drop (`&mut self`); shared access reads them and passes them to
-// the driver, which is thread-safe. `kernel_names` is behind a lock and `smem` is
-// atomics.
-unsafe impl Send for MetraleRegistry {}
-// SAFETY: as for Send.
-unsafe impl Sync for MetraleRegistry {}
 
 impl fmt::Debug for MetraleRegistry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -276,31 +314,9 @@ impl fmt::Debug for MetraleRegistry {
             .field("device", &self.host.ordinal())
             .field(
                 "modules",
-                &self.modules.iter().map(|m| m.name).collect::<Vec<_>>(),
+                &self.modules.list.iter().map(|m| m.name).collect::<Vec<_>>(),
             )
             .finish_non_exhaustive()
-    }
-}
-
-impl Drop for MetraleRegistry {
-    /// Unloads every module once; see [`CudaHost`] for the teardown rule.
-    fn drop(&mut self) {
-        if self.modules.is_empty() {
-            return;
-        }
-        let modules = std::mem::take(&mut self.modules);
-        let d = self.host.driver();
-        self.host.release_with(
-            format_args!("unloading kernel modules on device {}", self.host.ordinal()),
-            |failures| {
-                for m in modules {
-                    // SAFETY: each module was loaded by this registry and is unloaded once.
-                    if let Err(e) = unsafe { cu!(d, cuModuleUnload(m.raw)) } {
-                        failures.push(e);
-                    }
-                }
-            },
-        );
     }
 }
 
@@ -329,94 +345,26 @@ impl MetraleRegistry {
     /// # Errors
     /// As [`MetraleRegistry::load`].
     pub fn load_into(host: Arc<CudaHost>, kernel_blobs: &[(&'static str, &[u8])]) -> Result<Self> {
-        let mut registry = MetraleRegistry {
-            host,
-            modules: Vec::with_capacity(kernel_blobs.len()),
-            kernel_names: RwLock::new(HashMap::new()),
-            smem: SmemOptIns::new(),
+        let mut set = ModuleSet {
+            host: Arc::clone(&host),
+            list: Vec::with_capacity(kernel_blobs.len()),
         };
         for &(name, blob) in kernel_blobs {
-            if registry.has_module(name) {
+            if set.find(name).is_some() {
                 return Err(MetraleError::InvalidArgument(format!(
                     "module '{name}' is listed twice"
                 )));
             }
-            // On error `registry` drops here and unloads the modules loaded so far.
-            let (raw, kind) = registry.load_module(name, blob)?;
-            registry.modules.push(Module { name, raw, kind });
+            // On error `set` drops here and unloads the modules loaded so far.
+            let (raw, kind) = load_module(&host, name, blob)?;
+            set.list.push(Module { name, raw, kind });
         }
-        Ok(registry)
-    }
-
-    fn load_module(&self, name: &str, blob: &[u8]) -> Result<(CUmodule, BlobKind)> {
-        let image = blob::prepare(name, blob)?;
-        let h = &self.host;
-        h.bind().map_err(|e| e.module_error(name, name, ""))?;
-
-        let mut info_log = vec![0u8; JIT_LOG_BYTES];
-        let mut error_log = vec![0u8; JIT_LOG_BYTES];
-        let mut options: [CUjit_option; 4] = [
-            CUjit_option::CU_JIT_INFO_LOG_BUFFER,
-            CUjit_option::CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
-            CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
-            CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
-        ];
-        // Sizes travel in the pointer-sized slots, as the driver API specifies.
-        let mut values: [*mut c_void; 4] = [
-            info_log.as_mut_ptr().cast(),
-            JIT_LOG_BYTES as *mut c_void,
-            error_log.as_mut_ptr().cast(),
-            JIT_LOG_BYTES as *mut c_void,
-        ];
-        let mut raw: CUmodule = std::ptr::null_mut();
-        // SAFETY: `image` was checked by `blob::prepare` (PTX NUL-terminated, binary
-        // headers within bounds) and outlives the call; both log buffers are
-        // JIT_LOG_BYTES long as declared in `values`; the context is current.
-        let loaded = unsafe {
-            cu!(
-                h.driver(),
-                cuModuleLoadDataEx(
-                    &mut raw,
-                    image.bytes.as_ptr().cast(),
-                    options.len() as c_uint,
-                    options.as_mut_ptr(),
-                    values.as_mut_ptr()
-                )
-            )
-        };
-        match loaded {
-            Ok(()) => Ok((raw, image.kind)),
-            Err(e) => {
-                let mut extra = format!(" [{} of {} bytes]", image.kind.label(), blob.len());
-                if let Some(hint) = self.arch_hint(&image, e.status()) {
-                    extra.push_str("; ");
-                    extra.push_str(&hint);
-                }
-                let log = log_text(&error_log);
-                if !log.is_empty() {
-                    extra.push_str("\nJIT error log:\n");
-                    extra.push_str(&log);
-                }
-                Err(e.module_error(name, name, &extra))
-            }
-        }
-    }
-
-    /// For a binary that has no code for this device: what it was built for.
-    fn arch_hint(&self, image: &blob::Image<'_>, status: Option<CUresult>) -> Option<String> {
-        let (major, minor) = self.host.limits().compute_capability;
-        let device = format!("the device is sm_{major}{minor}");
-        match (image.kind, status) {
-            (BlobKind::Cubin, _) => {
-                let sm = blob::elf_info(&image.bytes)?.sm();
-                (sm != major * 10 + minor)
-                    .then(|| format!("the cubin was built for sm_{sm}, {device}"))
-            }
-            (BlobKind::Fatbin, Some(CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU)) => {
-                Some(format!("the fatbin has no code {device} can run"))
-            }
-            _ => None,
-        }
+        Ok(MetraleRegistry {
+            host,
+            modules: Arc::new(set),
+            kernel_names: RwLock::new(HashMap::new()),
+            smem: SmemOptIns::new(),
+        })
     }
 
     /// The [`CudaHost`] this registry's modules live in.
@@ -441,17 +389,18 @@ impl MetraleRegistry {
 
     /// Names of the loaded modules, in load order.
     pub fn module_names(&self) -> impl Iterator<Item = &'static str> + '_ {
-        self.modules.iter().map(|m| m.name)
+        self.modules.list.iter().map(|m| m.name)
     }
 
     /// Whether a module of this name was loaded.
     pub fn has_module(&self, module_name: &str) -> bool {
-        self.modules.iter().any(|m| m.name == module_name)
+        self.modules.list.iter().any(|m| m.name == module_name)
     }
 
     /// What kind of blob a loaded module came from.
     pub fn module_kind(&self, module_name: &str) -> Option<BlobKind> {
         self.modules
+            .list
             .iter()
             .find(|m| m.name == module_name)
             .map(|m| m.kind)
@@ -459,6 +408,7 @@ impl MetraleRegistry {
 
     fn module(&self, module_name: &str) -> Result<CUmodule> {
         self.modules
+            .list
             .iter()
             .find(|m| m.name == module_name)
             .map(|m| m.raw)
@@ -519,7 +469,7 @@ impl MetraleRegistry {
         Ok(CudaFunction {
             raw: RawCudaFunc(func),
             name,
-            host: Arc::clone(&self.host),
+            modules: Arc::clone(&self.modules),
         })
     }
 
@@ -952,6 +902,76 @@ impl MetraleRegistry {
             kernel: kernel.to_string(),
             status: None,
         }
+    }
+}
+
+/// Check `blob` and load it with `cuModuleLoadDataEx`, capturing the JIT logs.
+fn load_module(h: &CudaHost, name: &str, blob: &[u8]) -> Result<(CUmodule, BlobKind)> {
+    let image = blob::prepare(name, blob)?;
+    h.bind().map_err(|e| e.module_error(name, name, ""))?;
+
+    let mut info_log = vec![0u8; JIT_LOG_BYTES];
+    let mut error_log = vec![0u8; JIT_LOG_BYTES];
+    let mut options: [CUjit_option; 4] = [
+        CUjit_option::CU_JIT_INFO_LOG_BUFFER,
+        CUjit_option::CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES,
+        CUjit_option::CU_JIT_ERROR_LOG_BUFFER,
+        CUjit_option::CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES,
+    ];
+    // Sizes travel in the pointer-sized slots, as the driver API specifies.
+    let mut values: [*mut c_void; 4] = [
+        info_log.as_mut_ptr().cast(),
+        JIT_LOG_BYTES as *mut c_void,
+        error_log.as_mut_ptr().cast(),
+        JIT_LOG_BYTES as *mut c_void,
+    ];
+    let mut raw: CUmodule = std::ptr::null_mut();
+    // SAFETY: `image` was checked by `blob::prepare` (PTX NUL-terminated, binary
+    // headers within bounds) and outlives the call; both log buffers are
+    // JIT_LOG_BYTES long as declared in `values`; the context is current.
+    let loaded = unsafe {
+        cu!(
+            h.driver(),
+            cuModuleLoadDataEx(
+                &mut raw,
+                image.bytes.as_ptr().cast(),
+                options.len() as c_uint,
+                options.as_mut_ptr(),
+                values.as_mut_ptr()
+            )
+        )
+    };
+    match loaded {
+        Ok(()) => Ok((raw, image.kind)),
+        Err(e) => {
+            let mut extra = format!(" [{} of {} bytes]", image.kind.label(), blob.len());
+            if let Some(hint) = arch_hint(h, &image, e.status()) {
+                extra.push_str("; ");
+                extra.push_str(&hint);
+            }
+            let log = log_text(&error_log);
+            if !log.is_empty() {
+                extra.push_str("\nJIT error log:\n");
+                extra.push_str(&log);
+            }
+            Err(e.module_error(name, name, &extra))
+        }
+    }
+}
+
+/// For a binary that has no code for this device: what it was built for.
+fn arch_hint(h: &CudaHost, image: &blob::Image<'_>, status: Option<CUresult>) -> Option<String> {
+    let (major, minor) = h.limits().compute_capability;
+    let device = format!("the device is sm_{major}{minor}");
+    match (image.kind, status) {
+        (BlobKind::Cubin, _) => {
+            let sm = blob::elf_info(&image.bytes)?.sm();
+            (sm != major * 10 + minor).then(|| format!("the cubin was built for sm_{sm}, {device}"))
+        }
+        (BlobKind::Fatbin, Some(CUresult::CUDA_ERROR_NO_BINARY_FOR_GPU)) => {
+            Some(format!("the fatbin has no code {device} can run"))
+        }
+        _ => None,
     }
 }
 

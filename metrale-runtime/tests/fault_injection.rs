@@ -341,6 +341,22 @@ fn registries_share_one_host_and_lookups_memoize() {
     done(reg);
 }
 
+fn a_function_keeps_its_module_loaded_after_the_registry_goes() {
+    let reg = setup();
+    let f = reg.function("kernels", "vec_add").unwrap();
+    drop(reg);
+    assert_eq!(
+        fake().live(Live::Modules),
+        1,
+        "the function still holds its module"
+    );
+    assert_eq!(f.attributes().unwrap().ptx_version, 90);
+    drop(f);
+    release(0);
+    assert_eq!(fake().live(Live::Modules), 0);
+    assert_eq!(fake().primary_refs(), 0);
+}
+
 fn device_symbols_and_copies_round_trip() {
     let reg = setup();
     let (ptr, bytes) = reg.device_symbol("kernels", COUNTERS).unwrap();
@@ -734,6 +750,10 @@ fn main() -> ExitCode {
         Test {
             name: "registries_share_one_host_and_lookups_memoize",
             run: registries_share_one_host_and_lookups_memoize,
+        },
+        Test {
+            name: "a_function_keeps_its_module_loaded_after_the_registry_goes",
+            run: a_function_keeps_its_module_loaded_after_the_registry_goes,
         },
         Test {
             name: "device_symbols_and_copies_round_trip",
