@@ -827,6 +827,38 @@ EXPORT CUresult cuOccupancyMaxActiveBlocksPerMultiprocessor(int *n, void *f, int
     LOCKED(do_occupancy(n, f, block, smem));
 }
 
+/* A simple occupancy model: 2048 threads, 32 blocks and 233472 bytes of shared
+ * memory per multiprocessor, 132 multiprocessors; the largest block size among
+ * those reaching the most resident threads wins. */
+typedef size_t (*b2d_size)(int block);
+static CUresult do_potential(int *grid, int *block, void *f, b2d_size cb, size_t smem,
+                             int limit) {
+    if (!grid || !block) return INVALID_VALUE;
+    if (!find(f, K_FUNC)) return INVALID_HANDLE;
+    (void)limit;
+    int best_block = 0, best_threads = -1, best_blocks = 0;
+    for (int b = 1024; b >= 32; b /= 2) {
+        size_t bytes = cb ? cb(b) : smem;
+        int by_threads = 2048 / b;
+        int by_smem = bytes ? (int)(233472 / bytes) : 32;
+        int n = by_threads < by_smem ? by_threads : by_smem;
+        if (n > 32) n = 32;
+        if (n * b > best_threads) {
+            best_threads = n * b;
+            best_block = b;
+            best_blocks = n;
+        }
+    }
+    *block = best_block;
+    *grid = best_blocks * 132;
+    return SUCCESS;
+}
+EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *grid, int *block, void *f, b2d_size cb,
+                                                 size_t smem, int limit) {
+    /* The callback runs under the lock: it must not call back into the driver. */
+    LOCKED(do_potential(grid, block, f, cb, smem, limit));
+}
+
 /* ---- memory -------------------------------------------------------------- */
 
 static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {

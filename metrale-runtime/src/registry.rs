@@ -222,20 +222,34 @@ impl CudaFunction {
     /// # Errors
     /// The failing occupancy call, naming the kernel.
     pub fn potential_block_size(&self, dynamic_shared_bytes: usize) -> Result<(u32, u32)> {
+        self.potential(None, dynamic_shared_bytes)
+    }
+
+    /// As [`CudaFunction::potential_block_size`], for a kernel whose dynamic shared
+    /// memory depends on its block size: the driver calls `shared_bytes_for_block`
+    /// with each block size it considers. The function must not panic (a panic
+    /// cannot unwind through the driver and aborts the process).
+    ///
+    /// # Errors
+    /// The failing occupancy call, naming the kernel.
+    pub fn potential_block_size_with(
+        &self,
+        shared_bytes_for_block: extern "C" fn(block_size: c_int) -> usize,
+    ) -> Result<(u32, u32)> {
+        self.potential(Some(shared_bytes_for_block), 0)
+    }
+
+    fn potential(&self, per_block: sys::CUoccupancyB2DSize, fixed: usize) -> Result<(u32, u32)> {
         let subject = || format!("kernel '{}'", self.name);
         self.modules.host.bind().map_err(|e| e.about(subject()))?;
         let (mut grid, mut block): (c_int, c_int) = (0, 0);
-        // SAFETY: writes two ints; no per-block-size callback is passed.
+        // SAFETY: writes two ints for a live function handle; the callback, when
+        // given, is a plain function the driver calls synchronously.
         unsafe {
             cu!(
                 self.modules.host.driver(),
                 cuOccupancyMaxPotentialBlockSize(
-                    &mut grid,
-                    &mut block,
-                    self.raw.0,
-                    None,
-                    dynamic_shared_bytes,
-                    0
+                    &mut grid, &mut block, self.raw.0, per_block, fixed, 0
                 )
             )
         }

@@ -569,6 +569,13 @@ fn kernel_attributes_occupancy_and_listing() {
         "kernel 'kernels::vec_add': cuFuncSetAttribute failed: CUDA_ERROR_INVALID_VALUE (1): invalid argument"
     );
     assert_eq!(f.max_active_blocks_per_sm(256, 0).unwrap(), 8);
+    // The stand-in's model: 2048 threads per SM; with no shared memory the largest
+    // block wins; when shared memory grows with the square of the block, 512.
+    assert_eq!(f.potential_block_size(0).unwrap(), (1024, 264));
+    extern "C" fn quadratic(block: std::ffi::c_int) -> usize {
+        (block as usize * block as usize) / 8
+    }
+    assert_eq!(f.potential_block_size_with(quadratic).unwrap(), (512, 528));
     let names = reg.function_names("kernels").unwrap();
     assert_eq!(
         names,

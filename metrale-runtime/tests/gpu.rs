@@ -397,6 +397,18 @@ fn kernel_attributes_occupancy_and_listing() {
     assert!((1..=32).contains(&blocks), "{blocks}");
     let (block, grid) = f.potential_block_size(0).unwrap();
     assert!((32..=1024).contains(&block) && grid >= 1, "{block} {grid}");
+    // smem_check-style kernels need shared memory per thread: 4 bytes each.
+    extern "C" fn four_bytes_per_thread(block: std::ffi::c_int) -> usize {
+        block as usize * 4
+    }
+    let smem = reg.function("kernels", "smem_check").unwrap();
+    let (b2, g2) = smem
+        .potential_block_size_with(four_bytes_per_thread)
+        .unwrap();
+    println!(
+        "    potential block size: vec_add {block} x {grid}; smem_check (4 B/thread) {b2} x {g2}"
+    );
+    assert!((32..=1024).contains(&b2) && g2 >= 1, "{b2} {g2}");
     f.set_preferred_carveout(50).unwrap();
     assert_eq!(f.attributes().unwrap().preferred_carveout, 50);
     let mut names = reg.function_names("kernels").unwrap();
