@@ -11,7 +11,10 @@
 //!   current on the calling thread. Any thread may use a host.
 //! - Drop destroys the stream and releases the primary context; teardown statuses
 //!   (see [`is_teardown_noop`](crate::is_teardown_noop)) count as success, other
-//!   failures are one line on stderr, and Drop never panics.
+//!   failures are one line on stderr, and Drop never panics. The same rule serves
+//!   every resource of the context (`release_with`): when the context is gone —
+//!   the driver shut down, or the primary context was reset (no longer active, or
+//!   its `cuCtxGetId` changed) — there is nothing left to free.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int, CStr};
