@@ -730,7 +730,10 @@ fn an_old_driver_reports_missing_symbols_and_keeps_working() {
 }
 
 fn main() -> ExitCode {
-    if std::env::var_os("METRALE_LIBCUDA_PATH").is_none() {
+    // This suite always runs against the stand-in, also on a machine whose own
+    // METRALE_LIBCUDA_PATH names the real driver. A child process keeps the path its
+    // parent chose for it (the old-driver build, or this one).
+    if std::env::var_os("METRALE_TEST_CHILD").is_none() {
         std::env::set_var("METRALE_LIBCUDA_PATH", metrale_fakecuda::library_path());
     }
     let tests = [
