@@ -13,12 +13,23 @@ fn main() {
         ("libmetrale_fakecuda_old.so", Some("-DFAKECUDA_OLD")),
     ] {
         let mut cmd: Command = compiler.to_command();
-        cmd.args(["-shared", "-fPIC", "-O1", "-fvisibility=hidden", "-std=c11"])
-            .args(define)
-            .arg("-o")
-            .arg(out.join(file))
-            .arg("src/fakecuda.c")
-            .arg("-lpthread");
+        cmd.args([
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-fvisibility=hidden",
+            "-std=c11",
+            "-Wall",
+        ])
+        .args([
+            "-Werror=implicit-function-declaration",
+            "-Werror=int-conversion",
+        ])
+        .args(define)
+        .arg("-o")
+        .arg(out.join(file))
+        .arg("src/fakecuda.c")
+        .arg("-lpthread");
         let status = cmd.status();
         match status {
             Ok(s) if s.success() => {}

@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# Rebuild the kernel fixtures of metrale-runtime's tests and benchmarks from
-# metrale-runtime/tests/fixtures/kernels.cu with nvcc (CUDA 13.0 made the
-# committed ones):
-#   kernels.ptx          PTX for compute_90
-#   kernels.sm_90.cubin  cubin for sm_90
-#   kernels.fatbin       sm_80 and sm_90 cubins plus compute_90 PTX
+# Rebuild the kernel fixtures of metrale-runtime's tests and benchmarks with nvcc
+# (CUDA 13.0 made the committed ones):
+#   kernels.ptx              PTX for compute_90           (from kernels.cu)
+#   kernels.sm_90.cubin      cubin for sm_90
+#   kernels.fatbin           sm_80 and sm_90 cubins plus compute_90 PTX
+#   conditional.ptx          PTX for compute_90           (from conditional.cu)
+#   conditional.sm_90.cubin  cubin for sm_90
 # Usage: scripts/build-fixtures.sh [OUTPUT_DIR]   (default: beside the source)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-src=$root/metrale-runtime/tests/fixtures/kernels.cu
-out=${1:-$root/metrale-runtime/tests/fixtures}
+dir=$root/metrale-runtime/tests/fixtures
+src=$dir/kernels.cu
+out=${1:-$dir}
 mkdir -p "$out"
 nvcc --version | tail -1
 nvcc -ptx -arch=compute_90 -o "$out/kernels.ptx" "$src"
@@ -18,4 +20,6 @@ nvcc -fatbin \
   -gencode arch=compute_80,code=sm_80 \
   -gencode arch=compute_90,code='[sm_90,compute_90]' \
   -o "$out/kernels.fatbin" "$src"
-ls -l "$out"/kernels.*
+nvcc -ptx -arch=compute_90 -o "$out/conditional.ptx" "$dir/conditional.cu"
+nvcc -cubin -arch=sm_90 -o "$out/conditional.sm_90.cubin" "$dir/conditional.cu"
+ls -l "$out"/kernels.* "$out"/conditional.*

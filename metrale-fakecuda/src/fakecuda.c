@@ -1,24 +1,33 @@
 /*
  * fakecuda: a small, honest stand-in for the CUDA driver library, for tests on
  * machines without a GPU. It exports the driver entry points metrale uses, by
- * their real (versioned) names, and a few fakecuda_* control functions.
+ * their real (versioned) names, and fakecuda_* control functions.
  *
- * Behaviour:
- *  - handles are real heap objects and are checked against a table of live
- *    handles, so an unknown or freed handle gives CUDA_ERROR_INVALID_HANDLE;
- *  - "device" memory is host memory; copies copy;
+ * Model:
+ *  - two devices (ordinals 0 and 1), each with a primary context; the current
+ *    context is per thread; resources belong to the context they were made in;
+ *  - handles are real heap objects checked against a table of live handles, so
+ *    an unknown or freed handle gives CUDA_ERROR_INVALID_HANDLE;
+ *  - "device" memory is host memory; copies copy. A device-to-host copy queued on
+ *    a stream is deferred until the stream is synchronised, queried (and idle) or
+ *    destroyed, or the context synchronised: the copy engine writes later, as on a
+ *    GPU. Everything else runs when it is queued;
  *  - a module image is PTX-like text: `.entry NAME(` declares a kernel (its
- *    `.param .TYPE` entries give the parameter sizes), `.global ... NAME[N];`
- *    declares an N-byte global; an image containing "syntax error" fails to
- *    JIT with a log; an ELF or fatbin image is accepted as an empty module;
- *  - a launch records its configuration and the bytes of each parameter.
+ *    `.param` entries give the parameter sizes), `.global ... NAME[N];` or
+ *    `.global .TYPE NAME;` declares a global; an image containing "syntax error"
+ *    fails to JIT with a log; an ELF or fatbin image is accepted as an empty module;
+ *    a library (cuLibraryLoadData) is the same text, made per device on demand;
+ *  - a launch records its configuration and the bytes of each parameter; on a
+ *    capturing stream it becomes a graph node instead; replaying an executable
+ *    graph records each kernel node as a launch.
  *
  * Failure control (through the fakecuda_* exports): make a named call return a
  * status from its Nth call on, for K calls or for ever; switch to "shut down",
- * where every call returns CUDA_ERROR_DEINITIALIZED; count calls by name.
+ * where every call returns CUDA_ERROR_DEINITIALIZED; override device attributes;
+ * count calls by name.
  *
  * Built with -DFAKECUDA_OLD it leaves out entry points a driver before CUDA 12
- * lacks, to test the missing-symbol path.
+ * (or 12.4) lacks, to test the missing-symbol paths.
  *
  * Not thread-safe beyond one big lock: every entry point takes it.
  */
@@ -43,12 +52,20 @@ enum {
     INVALID_DEVICE = 101,
     INVALID_IMAGE = 200,
     INVALID_CONTEXT = 201,
+    PEER_ACCESS_UNSUPPORTED = 217,
     INVALID_PTX = 218,
+    OPERATING_SYSTEM = 304,
     INVALID_HANDLE = 400,
     NOT_FOUND = 500,
-    LAUNCH_OUT_OF_RESOURCES = 701,
-    CONTEXT_IS_DESTROYED = 709,
+    NOT_READY = 600,
     ILLEGAL_ADDRESS = 700,
+    LAUNCH_OUT_OF_RESOURCES = 701,
+    PEER_ACCESS_ALREADY_ENABLED = 704,
+    CONTEXT_IS_DESTROYED = 709,
+    NOT_SUPPORTED = 801,
+    STREAM_CAPTURE_UNSUPPORTED = 900,
+    STREAM_CAPTURE_INVALIDATED = 901,
+    GRAPH_EXEC_UPDATE_FAILURE = 910,
     UNKNOWN = 999,
 };
 
@@ -66,7 +83,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
 /* ---- call accounting and failure injection ------------------------------- */
 
-#define MAX_NAMES 128
+#define MAX_NAMES 256
 struct call_slot {
     char name[64];
     long calls;
@@ -106,58 +123,110 @@ static CUresult enter(const char *name) {
         if (!initialised) return NOT_INITIALIZED;                                   \
     } while (0)
 
-/* ---- live handles --------------------------------------------------------- */
+/* ---- live handles: an open-addressing table keyed by address ------------- */
 
-enum kind { K_FREE = 0, K_MODULE, K_FUNC, K_STREAM, K_DEVMEM, K_HOSTMEM };
-#define MAX_HANDLES 4096
+enum kind {
+    K_FREE = 0,
+    K_MODULE,
+    K_FUNC,
+    K_STREAM,
+    K_DEVMEM,
+    K_HOSTMEM,
+    K_EVENT,
+    K_LIBRARY,
+    K_KERNEL,
+    K_POOL,
+    K_GRAPH,
+    K_EXEC,
+    K_NODE,
+    K_TOMB = 99,
+};
+#define TABLE (1 << 16)
 struct handle {
     void *p;
     enum kind kind;
     size_t bytes;
+    int dev; /* owning device, -1 for none */
 };
-static struct handle handles[MAX_HANDLES];
+static struct handle handles[TABLE];
 
-static void track(void *p, enum kind k, size_t bytes) {
-    for (int i = 0; i < MAX_HANDLES; i++)
-        if (handles[i].kind == K_FREE) {
-            handles[i] = (struct handle){p, k, bytes};
+static size_t hash(const void *p) {
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)(x & (TABLE - 1));
+}
+static void track(void *p, enum kind k, size_t bytes, int dev) {
+    size_t i = hash(p);
+    for (size_t n = 0; n < TABLE; n++, i = (i + 1) & (TABLE - 1))
+        if (handles[i].kind == K_FREE || handles[i].kind == K_TOMB) {
+            handles[i] = (struct handle){p, k, bytes, dev};
             return;
         }
 }
 static struct handle *find(const void *p, enum kind k) {
     if (!p) return NULL;
-    for (int i = 0; i < MAX_HANDLES; i++)
-        if (handles[i].kind == k && handles[i].p == p) return &handles[i];
+    size_t i = hash(p);
+    for (size_t n = 0; n < TABLE; n++, i = (i + 1) & (TABLE - 1)) {
+        if (handles[i].kind == K_FREE) return NULL;
+        if (handles[i].p == p && handles[i].kind == k) return &handles[i];
+    }
     return NULL;
 }
+static void untrack(struct handle *h) { h->kind = K_TOMB; }
 static int live(enum kind k) {
     int n = 0;
-    for (int i = 0; i < MAX_HANDLES; i++) n += handles[i].kind == k;
+    for (int i = 0; i < TABLE; i++) n += handles[i].kind == k;
     return n;
 }
-/* The live device range (allocation or module global) holding [p, p + n). */
-static int device_range_ok(CUdeviceptr p, size_t n);
 
-/* ---- context -------------------------------------------------------------- */
+/* ---- devices and contexts ---------------------------------------------- */
 
+#define MAX_DEV 2
 struct ctx {
     int magic;
     int refs;
     int alive;
     unsigned long long id; /* changes each time the context is created anew */
+    int dev;
+    int peer[MAX_DEV];
 };
-static struct ctx primary = {0x43545821, 0, 0, 1};
+static struct ctx primaries[MAX_DEV] = {
+    {0x43545821, 0, 0, 1, 0, {0, 0}},
+    {0x43545821, 0, 0, 1001, 1, {0, 0}},
+};
+static int device_count = MAX_DEV;
 static __thread struct ctx *current;
+static int attr_override[MAX_DEV][160];
+static int attr_overridden[MAX_DEV][160];
 
-/* ---- modules, functions, globals ------------------------------------------ */
+static struct ctx *ctx_of(const void *p) {
+    for (int d = 0; d < MAX_DEV; d++)
+        if (p == &primaries[d]) return &primaries[d];
+    return NULL;
+}
+
+/* Every call that works inside a context checks it like the real driver does. */
+#define NEED_CTX()                                                                  \
+    do {                                                                            \
+        if (!current) return INVALID_CONTEXT;                                       \
+        if (!current->alive) return CONTEXT_IS_DESTROYED;                           \
+    } while (0)
+
+/* ---- modules, functions, globals --------------------------------------- */
 
 #define MAX_PARAMS 32
+#define PARAM_BYTES 32
+struct module;
 struct func {
     struct module *owner;
     char name[128];
     int nparams;
     int param_size[MAX_PARAMS];
+    int param_offset[MAX_PARAMS];
     int max_dynamic_shared;
+    int dev;
 };
 struct global {
     char name[128];
@@ -165,20 +234,36 @@ struct global {
     size_t bytes;
 };
 #define MAX_ITEMS 32
+struct library;
 struct module {
     int nfuncs, nglobals;
     struct func *funcs[MAX_ITEMS];
     struct global globals[MAX_ITEMS];
+    struct library *library; /* set for a library's template */
+    int dev;
 };
 
-static int param_bytes(const char *type) {
-    /* .u64 .s32 .f32 .b8 ... : the digits give the width in bits. */
-    int bits = atoi(type + 2);
-    if (bits <= 0) bits = atoi(type + 1);
-    return bits > 0 ? bits / 8 : 8;
+/* `.param [.align N] .TYPE NAME[K]`: size in bytes and alignment. */
+static void parse_param(const char *q, int *size, int *align) {
+    int al = 0;
+    if (strncmp(q, ".align ", 7) == 0) {
+        al = atoi(q + 7);
+        q = strchr(q + 7, ' ');
+        q = q ? q + 1 : "";
+    }
+    /* .u64 .s32 .f32 .b8 .u8 ...: the digits give the width in bits. */
+    int bits = atoi(q + 2);
+    if (bits <= 0) bits = atoi(q + 1);
+    if (bits <= 0) bits = 64;
+    int n = 1;
+    const char *end = q;
+    while (*end && *end != ',' && *end != ')' && *end != '\n' && *end != '[') end++;
+    if (*end == '[') n = atoi(end + 1);
+    *size = bits / 8 * n;
+    *align = al ? al : bits / 8;
 }
 
-static void parse_module(struct module *m, const char *text) {
+static void parse_module(struct module *m, const char *text, int dev, int track_funcs) {
     const char *p = text;
     while ((p = strstr(p, ".entry ")) && m->nfuncs < MAX_ITEMS) {
         p += 7;
@@ -186,30 +271,42 @@ static void parse_module(struct module *m, const char *text) {
         int n = 0;
         while (*p && *p != '(' && *p != ' ' && *p != '\n' && n < 127) f->name[n++] = *p++;
         f->owner = m;
+        f->dev = dev;
         f->max_dynamic_shared = 48 * 1024;
         const char *open = strchr(p, '('), *close = open ? strchr(open, ')') : NULL;
+        int offset = 0;
         for (const char *q = open; q && q < close && f->nparams < MAX_PARAMS;) {
-            q = strstr(q, ".param .");
+            q = strstr(q, ".param ");
             if (!q || q > close) break;
-            f->param_size[f->nparams++] = param_bytes(q + 7);
-            q += 8;
+            int size, align;
+            parse_param(q + 7, &size, &align);
+            if (align > 0) offset = (offset + align - 1) / align * align;
+            f->param_offset[f->nparams] = offset;
+            f->param_size[f->nparams++] = size;
+            offset += size;
+            q += 7;
         }
         m->funcs[m->nfuncs++] = f;
-        track(f, K_FUNC, 0);
+        if (track_funcs) track(f, K_FUNC, 0, dev);
     }
     p = text;
     while ((p = strstr(p, ".global ")) && m->nglobals < MAX_ITEMS) {
         const char *end = strchr(p, ';');
-        const char *br = strchr(p, '[');
         if (!end) break;
-        if (br && br < end) {
-            const char *s = br;
-            while (s > p && s[-1] != ' ') s--;
-            struct global *g = &m->globals[m->nglobals++];
-            snprintf(g->name, sizeof g->name, "%.*s", (int)(br - s), s);
-            g->bytes = (size_t)atol(br + 1);
-            g->data = calloc(1, g->bytes ? g->bytes : 1);
-        }
+        const char *br = memchr(p, '[', (size_t)(end - p));
+        const char *name_end = br ? br : end;
+        const char *s = name_end;
+        while (s > p && s[-1] != ' ') s--;
+        /* The type token is the last one starting with '.' before the name. */
+        const char *t = s - 1;
+        while (t > p && t[-1] != '.') t--;
+        int bits = atoi(t + 1);
+        if (bits <= 0) bits = atoi(t);
+        struct global *g = &m->globals[m->nglobals++];
+        snprintf(g->name, sizeof g->name, "%.*s", (int)(name_end - s), s);
+        g->bytes = br ? (size_t)atol(br + 1) * (size_t)(bits > 0 ? bits / 8 : 1)
+                      : (size_t)(bits > 0 ? bits / 8 : 4);
+        g->data = calloc(1, g->bytes ? g->bytes : 1);
         p = end;
     }
 }
@@ -217,42 +314,184 @@ static void parse_module(struct module *m, const char *text) {
 static void free_module(struct module *m) {
     for (int i = 0; i < m->nfuncs; i++) {
         struct handle *h = find(m->funcs[i], K_FUNC);
-        if (h) h->kind = K_FREE;
+        if (h) untrack(h);
+        h = find(m->funcs[i], K_KERNEL);
+        if (h) untrack(h);
         free(m->funcs[i]);
     }
     for (int i = 0; i < m->nglobals; i++) free(m->globals[i].data);
     free(m);
 }
 
-static void free_all_handles(void) {
-    for (int i = 0; i < MAX_HANDLES; i++) {
-        struct handle *h = &handles[i];
-        switch (h->kind) {
-        case K_MODULE: h->kind = K_FREE; free_module(h->p); break;
-        case K_STREAM: case K_DEVMEM: case K_HOSTMEM: h->kind = K_FREE; free(h->p); break;
-        default: break;
-        }
+/* A library: a template module (its kernels are the CUkernel handles) and a
+ * module per device, made when the device first asks for a kernel or global. */
+struct library {
+    struct module *tmpl;
+    struct module *per_dev[MAX_DEV];
+    char *text;
+};
+
+__attribute__((unused)) static struct module *library_module(struct library *l, int dev) {
+    if (!l->per_dev[dev]) {
+        struct module *m = calloc(1, sizeof *m);
+        m->dev = dev;
+        parse_module(m, l->text, dev, 1);
+        l->per_dev[dev] = m;
     }
+    return l->per_dev[dev];
 }
 
+/* ---- streams, events and graphs ---------------------------------------- */
+
+struct op {
+    void *dst;
+    const void *src;
+    size_t n;
+};
+#define MAX_PENDING 64
+struct graph;
+struct node;
+#define MAX_TAILS 8
+struct stream {
+    struct ctx *ctx;
+    unsigned flags;
+    int priority;
+    struct op pending[MAX_PENDING];
+    int npending;
+    struct graph *capture;  /* the graph being captured into, or NULL */
+    struct stream *origin;  /* the stream the capture began on */
+    struct node *tails[MAX_TAILS];
+    int ntails;
+};
+struct event {
+    struct ctx *ctx;
+    unsigned flags;
+    int recorded;
+    long stamp;
+    struct graph *cap_graph;
+    struct node *cap_tails[MAX_TAILS];
+    int cap_ntails;
+};
+enum { NODE_KERNEL = 0, NODE_EMPTY = 5, NODE_CONDITIONAL = 13 };
+struct node {
+    int type;
+    struct func *f;
+    unsigned grid[3], block[3], shared;
+    int nparams;
+    unsigned char params[MAX_PARAMS][PARAM_BYTES];
+    struct graph *body;
+    unsigned long long cond;
+};
+#define MAX_NODES 256
+#define MAX_EDGES 512
+struct graph {
+    struct ctx *ctx;
+    int n;
+    struct node *nodes[MAX_NODES];
+    int nedges;
+    struct node *from[MAX_EDGES], *to[MAX_EDGES];
+    int invalid;
+    int body; /* owned by a conditional node */
+};
+struct gexec {
+    struct ctx *ctx;
+    struct graph *g;       /* a copy of the graph */
+    struct node *orig[MAX_NODES]; /* the original graph's node for each copy */
+};
+static long event_clock;
+__attribute__((unused)) static unsigned long long next_cond = 1;
+
+static void run_pending(struct stream *s) {
+    for (int i = 0; i < s->npending; i++) memcpy(s->pending[i].dst, s->pending[i].src, s->pending[i].n);
+    s->npending = 0;
+}
+
+static void run_all_pending(int dev) {
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && (dev < 0 || handles[i].dev == dev))
+            run_pending(handles[i].p);
+}
+
+/* The stream handle, checked: null is the legacy stream; others must be live and
+ * of the current context. */
+static CUresult stream_ok(void *s) {
+    if (!s) return SUCCESS;
+    if (!find(s, K_STREAM)) return INVALID_HANDLE;
+    if (((struct stream *)s)->ctx != current) return INVALID_HANDLE;
+    return SUCCESS;
+}
+
+static void free_graph(struct graph *g) {
+    for (int i = 0; i < g->n; i++) {
+        struct handle *h = find(g->nodes[i], K_NODE);
+        if (h) untrack(h);
+        if (g->nodes[i]->body) free_graph(g->nodes[i]->body);
+        free(g->nodes[i]);
+    }
+    free(g);
+}
+
+static struct node *add_node(struct graph *g, struct node *proto, struct node *const *deps, int ndeps) {
+    if (g->n >= MAX_NODES) return NULL;
+    struct node *n = malloc(sizeof *n);
+    *n = *proto;
+    g->nodes[g->n++] = n;
+    track(n, K_NODE, 0, g->ctx ? g->ctx->dev : -1);
+    for (int i = 0; i < ndeps && g->nedges < MAX_EDGES; i++) {
+        g->from[g->nedges] = deps[i];
+        g->to[g->nedges++] = n;
+    }
+    return n;
+}
+
+/* ---- memory ranges ----------------------------------------------------- */
+
+static int in_module(struct module *m, CUdeviceptr p, size_t n) {
+    if (!m) return 0;
+    for (int g = 0; g < m->nglobals; g++) {
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)m->globals[g].data;
+        if (p >= b && p + n <= b + m->globals[g].bytes) return 1;
+    }
+    return 0;
+}
+
+/* The live device range (allocation or module global) holding [p, p + n). */
 static int device_range_ok(CUdeviceptr p, size_t n) {
-    for (int i = 0; i < MAX_HANDLES; i++) {
-        if (handles[i].kind == K_DEVMEM) {
-            CUdeviceptr b = (CUdeviceptr)(uintptr_t)handles[i].p;
-            if (p >= b && p + n <= b + handles[i].bytes) return 1;
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        if (h->kind == K_DEVMEM) {
+            CUdeviceptr b = (CUdeviceptr)(uintptr_t)h->p;
+            if (p >= b && p + n <= b + h->bytes) return 1;
         }
-        if (handles[i].kind == K_MODULE) {
-            struct module *m = handles[i].p;
-            for (int g = 0; g < m->nglobals; g++) {
-                CUdeviceptr b = (CUdeviceptr)(uintptr_t)m->globals[g].data;
-                if (p >= b && p + n <= b + m->globals[g].bytes) return 1;
-            }
+        if (h->kind == K_MODULE && in_module(h->p, p, n)) return 1;
+        if (h->kind == K_LIBRARY) {
+            struct library *l = h->p;
+            for (int d = 0; d < MAX_DEV; d++)
+                if (in_module(l->per_dev[d], p, n)) return 1;
         }
     }
     return 0;
 }
 
-/* ---- the last launch ------------------------------------------------------ */
+/* Frees every resource of device `dev` (all devices for -1). */
+static void free_all_handles(int dev) {
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        if (h->kind == K_FREE || h->kind == K_TOMB) continue;
+        if (dev >= 0 && h->dev != dev) continue;
+        void *p = h->p;
+        switch (h->kind) {
+        case K_MODULE: untrack(h); free_module(p); break;
+        case K_STREAM: case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
+            untrack(h); free(p); break;
+        case K_GRAPH: untrack(h); free_graph(p); break;
+        case K_EXEC: untrack(h); free_graph(((struct gexec *)p)->g); free(p); break;
+        default: break;
+        }
+    }
+}
+
+/* ---- the last launch ---------------------------------------------------- */
 
 static struct {
     char kernel[128];
@@ -264,6 +503,8 @@ static struct {
     int cooperative;
 } last_launch;
 static long launches;
+static void *last_free_stream;
+static int last_prefetch_dev = -99;
 
 /* ---- control -------------------------------------------------------------- */
 
@@ -273,8 +514,12 @@ EXPORT void fakecuda_reset(void) {
     shut_down = 0;
     no_error_strings = 0;
     driver_version = 13000;
+    device_count = MAX_DEV;
+    memset(attr_overridden, 0, sizeof attr_overridden);
     memset(&last_launch, 0, sizeof last_launch);
     launches = 0;
+    last_free_stream = NULL;
+    last_prefetch_dev = -99;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_fail(const char *name, int status, long from_call, long times) {
@@ -292,6 +537,12 @@ EXPORT void fakecuda_shutdown(int on) {
 }
 EXPORT void fakecuda_set_driver_version(int v) { driver_version = v; }
 EXPORT void fakecuda_set_error_strings(int on) { no_error_strings = !on; }
+EXPORT void fakecuda_set_device_count(int n) { device_count = n < 0 ? 0 : n > MAX_DEV ? MAX_DEV : n; }
+EXPORT void fakecuda_set_attribute(int dev, int attr, int value) {
+    if (dev < 0 || dev >= MAX_DEV || attr < 0 || attr >= 160) return;
+    attr_override[dev][attr] = value;
+    attr_overridden[dev][attr] = 1;
+}
 EXPORT long fakecuda_calls(const char *name) {
     pthread_mutex_lock(&lock);
     long n = slot(name)->calls;
@@ -304,7 +555,8 @@ EXPORT int fakecuda_live(int what) {
     pthread_mutex_unlock(&lock);
     return n;
 }
-EXPORT int fakecuda_primary_refs(void) { return primary.refs; }
+EXPORT int fakecuda_primary_refs(void) { return primaries[0].refs + primaries[1].refs; }
+EXPORT int fakecuda_device_refs(int dev) { return dev >= 0 && dev < MAX_DEV ? primaries[dev].refs : -1; }
 EXPORT long fakecuda_launches(void) { return launches; }
 /* Copy the last launch's kernel name into buf, and its dims into dims[0..12]:
  * grid xyz, block xyz, shared bytes, parameter count, cluster xyz, cooperative. */
@@ -321,6 +573,7 @@ EXPORT void fakecuda_last_launch(char *buf, size_t len, unsigned *dims) {
     dims[11] = (unsigned)last_launch.cooperative;
     pthread_mutex_unlock(&lock);
 }
+EXPORT void *fakecuda_last_launch_stream(void) { return last_launch.stream; }
 /* The first 8 bytes (zero-padded) of parameter i of the last launch. */
 EXPORT unsigned long long fakecuda_last_param(int i) {
     unsigned long long v = 0;
@@ -328,9 +581,20 @@ EXPORT unsigned long long fakecuda_last_param(int i) {
     return v;
 }
 EXPORT int fakecuda_func_max_dynamic_shared(void *f) {
-    struct func *fn = f;
-    return find(f, K_FUNC) ? fn->max_dynamic_shared : -1;
+    pthread_mutex_lock(&lock);
+    int v = find(f, K_FUNC) ? ((struct func *)f)->max_dynamic_shared : -1;
+    pthread_mutex_unlock(&lock);
+    return v;
 }
+EXPORT int fakecuda_pending(void *s) {
+    pthread_mutex_lock(&lock);
+    int n = find(s, K_STREAM) ? ((struct stream *)s)->npending : -1;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+EXPORT void *fakecuda_last_free_stream(void) { return last_free_stream; }
+EXPORT int fakecuda_last_prefetch_device(void) { return last_prefetch_dev; }
+EXPORT void *fakecuda_current_context(void) { return current; }
 
 /* ---- errors ---------------------------------------------------------------- */
 
@@ -347,37 +611,36 @@ static const struct {
     {INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
     {INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {PEER_ACCESS_UNSUPPORTED, "CUDA_ERROR_PEER_ACCESS_UNSUPPORTED", "peer access is not supported between these two devices"},
     {INVALID_PTX, "CUDA_ERROR_INVALID_PTX", "a PTX JIT compilation failed"},
+    {OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM", "OS call failed or operation not supported on this OS"},
     {INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
     {NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
     {LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", "too many resources requested for launch"},
+    {PEER_ACCESS_ALREADY_ENABLED, "CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED", "peer access is already enabled"},
     {CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED", "context is destroyed"},
+    {NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {STREAM_CAPTURE_UNSUPPORTED, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {STREAM_CAPTURE_INVALIDATED, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
+    {GRAPH_EXEC_UPDATE_FAILURE, "CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE", "the graph update was not performed because it included changes which violated constraints specific to instantiated graph update"},
     {UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
-EXPORT CUresult cuGetErrorName(CUresult e, const char **s) {
+static CUresult error_string(CUresult e, const char **s, int name) {
     if (!s) return INVALID_VALUE;
     *s = NULL;
     if (no_error_strings) return INVALID_VALUE;
     for (size_t i = 0; i < sizeof errors / sizeof *errors; i++)
         if (errors[i].code == e) {
-            *s = errors[i].name;
+            *s = name ? errors[i].name : errors[i].text;
             return SUCCESS;
         }
     return INVALID_VALUE;
 }
-EXPORT CUresult cuGetErrorString(CUresult e, const char **s) {
-    if (!s) return INVALID_VALUE;
-    *s = NULL;
-    if (no_error_strings) return INVALID_VALUE;
-    for (size_t i = 0; i < sizeof errors / sizeof *errors; i++)
-        if (errors[i].code == e) {
-            *s = errors[i].text;
-            return SUCCESS;
-        }
-    return INVALID_VALUE;
-}
+EXPORT CUresult cuGetErrorName(CUresult e, const char **s) { return error_string(e, s, 1); }
+EXPORT CUresult cuGetErrorString(CUresult e, const char **s) { return error_string(e, s, 0); }
 
 /* ---- init, version, devices ---------------------------------------------- */
 
@@ -398,16 +661,21 @@ EXPORT CUresult cuDriverGetVersion(int *v) { LOCKED(do_version(v)); }
 static CUresult do_count(int *n) {
     NEED_INIT();
     if (!n) return INVALID_VALUE;
-    *n = 1;
+    *n = device_count;
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetCount(int *n) { LOCKED(do_count(n)); }
 
+#define NEED_DEV(dev)                                                               \
+    do {                                                                            \
+        if ((dev) < 0 || (dev) >= device_count) return INVALID_DEVICE;              \
+    } while (0)
+
 static CUresult do_device_get(int *dev, int ordinal) {
     NEED_INIT();
     if (!dev) return INVALID_VALUE;
-    if (ordinal != 0) return INVALID_DEVICE;
-    *dev = 0;
+    NEED_DEV(ordinal);
+    *dev = ordinal;
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGet(int *dev, int ordinal) { LOCKED(do_device_get(dev, ordinal)); }
@@ -415,15 +683,36 @@ EXPORT CUresult cuDeviceGet(int *dev, int ordinal) { LOCKED(do_device_get(dev, o
 static CUresult do_device_name(char *name, int len, int dev) {
     NEED_INIT();
     if (!name || len <= 0) return INVALID_VALUE;
-    if (dev != 0) return INVALID_DEVICE;
-    snprintf(name, (size_t)len, "fakecuda stand-in device");
+    NEED_DEV(dev);
+    snprintf(name, (size_t)len, "fakecuda stand-in device %d", dev);
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetName(char *name, int len, int dev) {
     LOCKED(do_device_name(name, len, dev));
 }
 
-static int attribute(int a) {
+static CUresult do_uuid(unsigned char *uuid, int dev) {
+    NEED_INIT();
+    if (!uuid) return INVALID_VALUE;
+    NEED_DEV(dev);
+    for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(0xf0 + i + 16 * dev);
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int dev) { LOCKED(do_uuid(uuid, dev)); }
+
+#define TOTAL_MEMORY (80ull << 30)
+static CUresult do_total_mem(size_t *bytes, int dev) {
+    NEED_INIT();
+    if (!bytes) return INVALID_VALUE;
+    NEED_DEV(dev);
+    *bytes = TOTAL_MEMORY;
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, int dev) { LOCKED(do_total_mem(bytes, dev)); }
+
+static int attribute(int dev, int a) {
+    if (dev >= 0 && dev < MAX_DEV && a >= 0 && a < 160 && attr_overridden[dev][a])
+        return attr_override[dev][a];
     switch (a) {
     case 1: return 1024;         /* max threads per block */
     case 2: case 3: return 1024; /* max block dim x, y */
@@ -437,8 +726,12 @@ static int attribute(int a) {
     case 75: return 9;           /* compute capability */
     case 76: return 0;
     case 81: return 233472;      /* shared memory per multiprocessor */
+    case 83: return 1;           /* managed memory */
     case 95: return 1;           /* cooperative launch */
     case 97: return 232448;      /* shared memory per block, opt-in */
+#ifndef FAKECUDA_OLD
+    case 115: return 1;          /* memory pools */
+#endif
     case 120: return 1;          /* cluster launch */
     default: return 0;
     }
@@ -446,51 +739,92 @@ static int attribute(int a) {
 static CUresult do_attr(int *v, int a, int dev) {
     NEED_INIT();
     if (!v) return INVALID_VALUE;
-    if (dev != 0) return INVALID_DEVICE;
-    *v = attribute(a);
+    NEED_DEV(dev);
+    if (a <= 0 || a > 200) return INVALID_VALUE;
+    *v = attribute(dev, a);
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetAttribute(int *v, int a, int dev) { LOCKED(do_attr(v, a, dev)); }
+
+static CUresult do_can_peer(int *can, int dev, int peer) {
+    NEED_INIT();
+    if (!can) return INVALID_VALUE;
+    NEED_DEV(dev);
+    NEED_DEV(peer);
+    *can = dev != peer;
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceCanAccessPeer(int *can, int dev, int peer) {
+    LOCKED(do_can_peer(can, dev, peer));
+}
+
+static CUresult do_p2p_attr(int *v, int attr, int src, int dst) {
+    NEED_INIT();
+    if (!v) return INVALID_VALUE;
+    NEED_DEV(src);
+    NEED_DEV(dst);
+    if (src == dst) return INVALID_DEVICE;
+    switch (attr) {
+    case 1: *v = 0; break;  /* performance rank */
+    case 2: *v = 1; break;  /* access supported */
+    case 3: *v = 1; break;  /* native atomics */
+    case 4: *v = 1; break;  /* CUDA array access */
+    default: return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetP2PAttribute(int *v, int attr, int src, int dst) {
+    LOCKED(do_p2p_attr(v, attr, src, dst));
+}
 
 /* ---- contexts ------------------------------------------------------------ */
 
 static CUresult do_retain(void **ctx, int dev) {
     NEED_INIT();
     if (!ctx) return INVALID_VALUE;
-    if (dev != 0) return INVALID_DEVICE;
-    primary.refs++;
-    if (!primary.alive) primary.id++;
-    primary.alive = 1;
-    *ctx = &primary;
+    NEED_DEV(dev);
+    struct ctx *c = &primaries[dev];
+    c->refs++;
+    if (!c->alive) c->id++;
+    c->alive = 1;
+    *ctx = c;
     return SUCCESS;
 }
 EXPORT CUresult cuDevicePrimaryCtxRetain(void **ctx, int dev) { LOCKED(do_retain(ctx, dev)); }
 
 static CUresult do_release(int dev) {
-    if (dev != 0) return INVALID_DEVICE;
-    if (primary.refs <= 0) return INVALID_CONTEXT;
-    if (--primary.refs == 0) primary.alive = 0;
+    NEED_DEV(dev);
+    struct ctx *c = &primaries[dev];
+    if (c->refs <= 0) return INVALID_CONTEXT;
+    if (--c->refs == 0) c->alive = 0;
     return SUCCESS;
 }
 EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(do_release(dev)); }
 
-static void free_all_handles(void);
-
 /* Destroys every resource of the primary context; the retains stay, and the
  * context is created anew (with a new id) when it is next made current. */
 static CUresult do_reset(int dev) {
-    if (dev != 0) return INVALID_DEVICE;
-    free_all_handles();
-    primary.alive = 0;
+    NEED_DEV(dev);
+    free_all_handles(dev);
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_LIBRARY) {
+            struct library *l = handles[i].p;
+            if (l->per_dev[dev]) {
+                free_module(l->per_dev[dev]);
+                l->per_dev[dev] = NULL;
+            }
+        }
+    primaries[dev].alive = 0;
+    memset(primaries[dev].peer, 0, sizeof primaries[dev].peer);
     return SUCCESS;
 }
 EXPORT CUresult cuDevicePrimaryCtxReset_v2(int dev) { LOCKED(do_reset(dev)); }
 
 static CUresult do_get_state(int dev, unsigned *flags, int *active) {
-    if (dev != 0) return INVALID_DEVICE;
+    NEED_DEV(dev);
     if (!flags || !active) return INVALID_VALUE;
     *flags = 0;
-    *active = primary.alive;
+    *active = primaries[dev].alive;
     return SUCCESS;
 }
 EXPORT CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active) {
@@ -500,9 +834,10 @@ EXPORT CUresult cuDevicePrimaryCtxGetState(int dev, unsigned *flags, int *active
 #ifndef FAKECUDA_OLD
 static CUresult do_ctx_id(void *ctx, unsigned long long *id) {
     if (!id) return INVALID_VALUE;
-    if (ctx != &primary) return INVALID_CONTEXT;
-    if (!primary.alive) return CONTEXT_IS_DESTROYED;
-    *id = primary.id;
+    struct ctx *c = ctx_of(ctx);
+    if (!c) return INVALID_CONTEXT;
+    if (!c->alive) return CONTEXT_IS_DESTROYED;
+    *id = c->id;
     return SUCCESS;
 }
 EXPORT CUresult cuCtxGetId(void *ctx, unsigned long long *id) { LOCKED(do_ctx_id(ctx, id)); }
@@ -516,61 +851,218 @@ static CUresult do_get_current(void **ctx) {
 EXPORT CUresult cuCtxGetCurrent(void **ctx) { LOCKED(do_get_current(ctx)); }
 
 static CUresult do_set_current(void *ctx) {
-    if (ctx && ctx != &primary) return INVALID_CONTEXT;
-    if (ctx && !primary.alive) {
+    struct ctx *c = ctx_of(ctx);
+    if (ctx && !c) return INVALID_CONTEXT;
+    if (c && !c->alive) {
         /* A model, not a copy of the real driver: a reset primary context that is
          * still retained is created anew (with a new id) when made current. */
-        if (primary.refs <= 0) return CONTEXT_IS_DESTROYED;
-        primary.alive = 1;
-        primary.id++;
+        if (c->refs <= 0) return CONTEXT_IS_DESTROYED;
+        c->alive = 1;
+        c->id++;
     }
-    current = ctx;
+    current = c;
     return SUCCESS;
 }
 EXPORT CUresult cuCtxSetCurrent(void *ctx) { LOCKED(do_set_current(ctx)); }
 
-/* Every call that works inside a context checks it like the real driver does. */
-#define NEED_CTX()                                                                  \
-    do {                                                                            \
-        if (!current) return INVALID_CONTEXT;                                       \
-        if (!current->alive) return CONTEXT_IS_DESTROYED;                           \
-    } while (0)
+static CUresult do_ctx_sync(void) {
+    NEED_CTX();
+    run_all_pending(current->dev);
+    return SUCCESS;
+}
+EXPORT CUresult cuCtxSynchronize(void) { LOCKED(do_ctx_sync()); }
+
+static CUresult do_priority_range(int *least, int *greatest) {
+    NEED_CTX();
+    if (least) *least = 0;
+    if (greatest) *greatest = -5;
+    return SUCCESS;
+}
+EXPORT CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest) {
+    LOCKED(do_priority_range(least, greatest));
+}
+
+static CUresult do_enable_peer(void *peer, unsigned flags) {
+    NEED_CTX();
+    struct ctx *p = ctx_of(peer);
+    if (!p || flags) return INVALID_VALUE;
+    if (p == current) return INVALID_DEVICE;
+    if (current->peer[p->dev]) return PEER_ACCESS_ALREADY_ENABLED;
+    current->peer[p->dev] = 1;
+    return SUCCESS;
+}
+EXPORT CUresult cuCtxEnablePeerAccess(void *peer, unsigned flags) {
+    LOCKED(do_enable_peer(peer, flags));
+}
 
 /* ---- streams ------------------------------------------------------------- */
 
-static CUresult do_stream_create(void **s, unsigned flags) {
+static CUresult do_stream_create(void **s, unsigned flags, int priority) {
     NEED_CTX();
-    (void)flags;
     if (!s) return INVALID_VALUE;
-    *s = malloc(16);
-    track(*s, K_STREAM, 0);
+    if (priority > 0) priority = 0;
+    if (priority < -5) priority = -5;
+    struct stream *st = calloc(1, sizeof *st);
+    st->ctx = current;
+    st->flags = flags;
+    st->priority = priority;
+    *s = st;
+    track(st, K_STREAM, 0, current->dev);
     return SUCCESS;
 }
-EXPORT CUresult cuStreamCreate(void **s, unsigned flags) { LOCKED(do_stream_create(s, flags)); }
+EXPORT CUresult cuStreamCreate(void **s, unsigned flags) { LOCKED(do_stream_create(s, flags, 0)); }
+EXPORT CUresult cuStreamCreateWithPriority(void **s, unsigned flags, int priority) {
+    LOCKED(do_stream_create(s, flags, priority));
+}
+
+static CUresult do_stream_priority(void *s, int *priority) {
+    NEED_CTX();
+    if (!priority) return INVALID_VALUE;
+    if (!s) { *priority = 0; return SUCCESS; }
+    if (!find(s, K_STREAM)) return INVALID_HANDLE;
+    *priority = ((struct stream *)s)->priority;
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamGetPriority(void *s, int *priority) { LOCKED(do_stream_priority(s, priority)); }
 
 static CUresult do_stream_destroy(void *s) {
     NEED_CTX();
     struct handle *h = find(s, K_STREAM);
     if (!h) return INVALID_HANDLE;
-    h->kind = K_FREE;
+    run_pending(s);
+    untrack(h);
     free(s);
     return SUCCESS;
 }
 EXPORT CUresult cuStreamDestroy_v2(void *s) { LOCKED(do_stream_destroy(s)); }
 
-static CUresult stream_ok(void *s) { return !s || find(s, K_STREAM) ? SUCCESS : INVALID_HANDLE; }
+static CUresult invalidate_capture(struct stream *st) {
+    if (st && st->capture) {
+        st->capture->invalid = 1;
+        return STREAM_CAPTURE_UNSUPPORTED;
+    }
+    return SUCCESS;
+}
 
 static CUresult do_stream_sync(void *s) {
     NEED_CTX();
-    return stream_ok(s);
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
+    if (s) run_pending(s);
+    return SUCCESS;
 }
 EXPORT CUresult cuStreamSynchronize(void *s) { LOCKED(do_stream_sync(s)); }
 
-/* ---- modules ------------------------------------------------------------- */
-
-static CUresult load(void **mod, const void *image, unsigned n, const int *opts, void **vals) {
+static CUresult do_stream_query(void *s) {
     NEED_CTX();
-    if (!mod || !image) return INVALID_VALUE;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
+    if (s) run_pending(s);
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamQuery(void *s) { LOCKED(do_stream_query(s)); }
+
+/* ---- events -------------------------------------------------------------- */
+
+static CUresult do_event_create(void **e, unsigned flags) {
+    NEED_CTX();
+    if (!e) return INVALID_VALUE;
+    struct event *ev = calloc(1, sizeof *ev);
+    ev->ctx = current;
+    ev->flags = flags;
+    *e = ev;
+    track(ev, K_EVENT, 0, current->dev);
+    return SUCCESS;
+}
+EXPORT CUresult cuEventCreate(void **e, unsigned flags) { LOCKED(do_event_create(e, flags)); }
+
+static CUresult do_event_destroy(void *e) {
+    NEED_CTX();
+    struct handle *h = find(e, K_EVENT);
+    if (!h) return INVALID_HANDLE;
+    untrack(h);
+    free(e);
+    return SUCCESS;
+}
+EXPORT CUresult cuEventDestroy_v2(void *e) { LOCKED(do_event_destroy(e)); }
+
+static CUresult do_event_record(void *e, void *s) {
+    NEED_CTX();
+    struct event *ev = e;
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    if (ev->ctx != current) return INVALID_HANDLE;
+    struct stream *st = s;
+    ev->cap_graph = NULL;
+    if (st && st->capture) {
+        ev->cap_graph = st->capture;
+        ev->cap_ntails = st->ntails;
+        memcpy(ev->cap_tails, st->tails, sizeof st->tails);
+        return SUCCESS;
+    }
+    if (st) run_pending(st);
+    ev->recorded = 1;
+    ev->stamp = ++event_clock;
+    return SUCCESS;
+}
+EXPORT CUresult cuEventRecord(void *e, void *s) { LOCKED(do_event_record(e, s)); }
+
+static CUresult do_event_query(void *e) {
+    NEED_CTX();
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    return SUCCESS;
+}
+EXPORT CUresult cuEventQuery(void *e) { LOCKED(do_event_query(e)); }
+EXPORT CUresult cuEventSynchronize(void *e) { LOCKED(do_event_query(e)); }
+
+static CUresult do_elapsed(float *ms, void *a, void *b) {
+    NEED_CTX();
+    struct event *ea = a, *eb = b;
+    if (!ms) return INVALID_VALUE;
+    if (!find(a, K_EVENT) || !find(b, K_EVENT)) return INVALID_HANDLE;
+    if ((ea->flags & 2) || (eb->flags & 2)) return INVALID_HANDLE; /* no timing */
+    if (!ea->recorded || !eb->recorded) return INVALID_HANDLE;
+    *ms = (float)(eb->stamp - ea->stamp) * 0.5f;
+    return SUCCESS;
+}
+EXPORT CUresult cuEventElapsedTime_v2(float *ms, void *a, void *b) { LOCKED(do_elapsed(ms, a, b)); }
+
+static CUresult do_stream_wait(void *s, void *e, unsigned flags) {
+    NEED_CTX();
+    if (flags) return INVALID_VALUE;
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    struct stream *st = s;
+    struct event *ev = e;
+    if (st && ev->cap_graph) {
+        if (!st->capture) {
+            /* Joins the capture (fork). */
+            st->capture = ev->cap_graph;
+            st->origin = NULL;
+            st->ntails = ev->cap_ntails;
+            memcpy(st->tails, ev->cap_tails, sizeof st->tails);
+        } else if (st->capture == ev->cap_graph) {
+            /* Rejoins (join): depends on the event's nodes too. */
+            for (int i = 0; i < ev->cap_ntails && st->ntails < MAX_TAILS; i++) {
+                int seen = 0;
+                for (int j = 0; j < st->ntails; j++) seen |= st->tails[j] == ev->cap_tails[i];
+                if (!seen) st->tails[st->ntails++] = ev->cap_tails[i];
+            }
+        }
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamWaitEvent(void *s, void *e, unsigned flags) {
+    LOCKED(do_stream_wait(s, e, flags));
+}
+
+/* ---- modules and libraries ------------------------------------------------ */
+
+static CUresult jit(const void *image, unsigned n, const int *opts, void **vals, int *binary) {
     const unsigned char *b = image;
     char *error_log = NULL;
     size_t error_len = 0;
@@ -578,27 +1070,33 @@ static CUresult load(void **mod, const void *image, unsigned n, const int *opts,
         if (opts[i] == 5) error_log = vals[i];
         if (opts[i] == 6) error_len = (size_t)(uintptr_t)vals[i];
     }
-    struct module *m = calloc(1, sizeof *m);
-    int binary = (b[0] == 0x7f && b[1] == 'E' && b[2] == 'L' && b[3] == 'F') ||
-                 (b[0] == 0x50 && b[1] == 0xed && b[2] == 0x55 && b[3] == 0xba);
-    if (!binary) {
-        const char *text = image;
-        if (!(text[0] == '.' || text[0] == '/' || text[0] == ' ' || text[0] == '\n' ||
-              text[0] == '\t' || (text[0] >= 'a' && text[0] <= 'z'))) {
-            free(m);
-            return INVALID_IMAGE;
-        }
-        if (strstr(text, "syntax error")) {
-            if (error_log && error_len)
-                snprintf(error_log, error_len,
-                         "ptxas application ptx input, line 3; error   : syntax error\n"
-                         "ptxas fatal   : Ptx assembly aborted due to errors\n");
-            free(m);
-            return INVALID_PTX;
-        }
-        parse_module(m, text);
+    *binary = (b[0] == 0x7f && b[1] == 'E' && b[2] == 'L' && b[3] == 'F') ||
+              (b[0] == 0x50 && b[1] == 0xed && b[2] == 0x55 && b[3] == 0xba);
+    if (*binary) return SUCCESS;
+    const char *text = image;
+    if (!(text[0] == '.' || text[0] == '/' || text[0] == ' ' || text[0] == '\n' ||
+          text[0] == '\t' || (text[0] >= 'a' && text[0] <= 'z')))
+        return INVALID_IMAGE;
+    if (strstr(text, "syntax error")) {
+        if (error_log && error_len)
+            snprintf(error_log, error_len,
+                     "ptxas application ptx input, line 3; error   : syntax error\n"
+                     "ptxas fatal   : Ptx assembly aborted due to errors\n");
+        return INVALID_PTX;
     }
-    track(m, K_MODULE, 0);
+    return SUCCESS;
+}
+
+static CUresult load(void **mod, const void *image, unsigned n, const int *opts, void **vals) {
+    NEED_CTX();
+    if (!mod || !image) return INVALID_VALUE;
+    int binary;
+    CUresult r = jit(image, n, opts, vals, &binary);
+    if (r) return r;
+    struct module *m = calloc(1, sizeof *m);
+    m->dev = current->dev;
+    if (!binary) parse_module(m, image, current->dev, 1);
+    track(m, K_MODULE, 0, current->dev);
     *mod = m;
     return SUCCESS;
 }
@@ -613,7 +1111,8 @@ EXPORT CUresult cuModuleLoadDataEx(void **mod, const void *image, unsigned n, in
 static CUresult do_unload(void *mod) {
     struct handle *h = find(mod, K_MODULE);
     if (!h) return INVALID_HANDLE;
-    h->kind = K_FREE;
+    if (current && !current->alive) return CONTEXT_IS_DESTROYED;
+    untrack(h);
     free_module(mod);
     return SUCCESS;
 }
@@ -635,12 +1134,7 @@ EXPORT CUresult cuModuleGetFunction(void **f, void *mod, const char *name) {
     LOCKED(do_get_function(f, mod, name));
 }
 
-#ifndef FAKECUDA_OLD
-static CUresult do_get_global(CUdeviceptr *p, size_t *bytes, void *mod, const char *name) {
-    NEED_CTX();
-    if (!name) return INVALID_VALUE;
-    if (!find(mod, K_MODULE)) return INVALID_HANDLE;
-    struct module *m = mod;
+__attribute__((unused)) static CUresult global_of(struct module *m, const char *name, CUdeviceptr *p, size_t *bytes) {
     for (int i = 0; i < m->nglobals; i++)
         if (strcmp(m->globals[i].name, name) == 0) {
             if (p) *p = (CUdeviceptr)(uintptr_t)m->globals[i].data;
@@ -648,6 +1142,14 @@ static CUresult do_get_global(CUdeviceptr *p, size_t *bytes, void *mod, const ch
             return SUCCESS;
         }
     return NOT_FOUND;
+}
+
+#ifndef FAKECUDA_OLD
+static CUresult do_get_global(CUdeviceptr *p, size_t *bytes, void *mod, const char *name) {
+    NEED_CTX();
+    if (!name) return INVALID_VALUE;
+    if (!find(mod, K_MODULE)) return INVALID_HANDLE;
+    return global_of(mod, name, p, bytes);
 }
 EXPORT CUresult cuModuleGetGlobal_v2(CUdeviceptr *p, size_t *bytes, void *mod,
                                      const char *name) {
@@ -681,6 +1183,129 @@ static CUresult do_func_name(const char **name, void *f) {
     return SUCCESS;
 }
 EXPORT CUresult cuFuncGetName(const char **name, void *f) { LOCKED(do_func_name(name, f)); }
+
+static CUresult do_param_info(void *f, size_t index, size_t *offset, size_t *size) {
+    if (!find(f, K_FUNC)) return INVALID_HANDLE;
+    struct func *fn = f;
+    if (index >= (size_t)fn->nparams) return INVALID_VALUE;
+    if (offset) *offset = (size_t)fn->param_offset[index];
+    if (size) *size = (size_t)fn->param_size[index];
+    return SUCCESS;
+}
+EXPORT CUresult cuFuncGetParamInfo(void *f, size_t index, size_t *offset, size_t *size) {
+    LOCKED(do_param_info(f, index, offset, size));
+}
+
+/* Libraries (CUDA 12.0+). */
+static CUresult do_library_load(void **lib, const void *image, int *opts, void **vals,
+                                unsigned n) {
+    NEED_INIT();
+    if (!lib || !image) return INVALID_VALUE;
+    int binary;
+    CUresult r = jit(image, n, opts, vals, &binary);
+    if (r) return r;
+    struct library *l = calloc(1, sizeof *l);
+    l->tmpl = calloc(1, sizeof *l->tmpl);
+    l->tmpl->library = l;
+    const char *text = binary ? "" : image;
+    size_t len = strlen(text);
+    l->text = malloc(len + 1);
+    memcpy(l->text, text, len + 1);
+    parse_module(l->tmpl, l->text, -1, 0);
+    for (int i = 0; i < l->tmpl->nfuncs; i++) track(l->tmpl->funcs[i], K_KERNEL, 0, -1);
+    track(l, K_LIBRARY, 0, -1);
+    *lib = l;
+    return SUCCESS;
+}
+EXPORT CUresult cuLibraryLoadData(void **lib, const void *image, int *opts, void **vals,
+                                  unsigned n, void *lopts, void **lvals, unsigned ln) {
+    (void)lopts;
+    (void)lvals;
+    (void)ln;
+    LOCKED(do_library_load(lib, image, opts, vals, n));
+}
+
+static CUresult do_library_unload(void *lib) {
+    struct handle *h = find(lib, K_LIBRARY);
+    if (!h) return INVALID_HANDLE;
+    struct library *l = lib;
+    untrack(h);
+    for (int d = 0; d < MAX_DEV; d++)
+        if (l->per_dev[d]) free_module(l->per_dev[d]);
+    free_module(l->tmpl);
+    free(l->text);
+    free(l);
+    return SUCCESS;
+}
+EXPORT CUresult cuLibraryUnload(void *lib) { LOCKED(do_library_unload(lib)); }
+
+static CUresult do_library_kernel(void **kernel, void *lib, const char *name) {
+    if (!kernel || !name) return INVALID_VALUE;
+    if (!find(lib, K_LIBRARY)) return INVALID_HANDLE;
+    struct module *m = ((struct library *)lib)->tmpl;
+    for (int i = 0; i < m->nfuncs; i++)
+        if (strcmp(m->funcs[i]->name, name) == 0) {
+            *kernel = m->funcs[i];
+            return SUCCESS;
+        }
+    return NOT_FOUND;
+}
+EXPORT CUresult cuLibraryGetKernel(void **kernel, void *lib, const char *name) {
+    LOCKED(do_library_kernel(kernel, lib, name));
+}
+
+static CUresult do_kernel_function(void **f, void *kernel) {
+    NEED_CTX();
+    if (!f) return INVALID_VALUE;
+    if (!find(kernel, K_KERNEL)) return INVALID_HANDLE;
+    struct func *k = kernel;
+    struct module *m = library_module(k->owner->library, current->dev);
+    for (int i = 0; i < m->nfuncs; i++)
+        if (strcmp(m->funcs[i]->name, k->name) == 0) {
+            *f = m->funcs[i];
+            return SUCCESS;
+        }
+    return NOT_FOUND;
+}
+EXPORT CUresult cuKernelGetFunction(void **f, void *kernel) { LOCKED(do_kernel_function(f, kernel)); }
+
+static CUresult do_library_global(CUdeviceptr *p, size_t *bytes, void *lib, const char *name) {
+    NEED_CTX();
+    if (!name) return INVALID_VALUE;
+    if (!find(lib, K_LIBRARY)) return INVALID_HANDLE;
+    return global_of(library_module(lib, current->dev), name, p, bytes);
+}
+EXPORT CUresult cuLibraryGetGlobal(CUdeviceptr *p, size_t *bytes, void *lib, const char *name) {
+    LOCKED(do_library_global(p, bytes, lib, name));
+}
+
+static CUresult do_kernel_count(unsigned *n, void *lib) {
+    if (!n) return INVALID_VALUE;
+    if (!find(lib, K_LIBRARY)) return INVALID_HANDLE;
+    *n = (unsigned)((struct library *)lib)->tmpl->nfuncs;
+    return SUCCESS;
+}
+EXPORT CUresult cuLibraryGetKernelCount(unsigned *n, void *lib) { LOCKED(do_kernel_count(n, lib)); }
+
+static CUresult do_enumerate_kernels(void **ks, unsigned n, void *lib) {
+    if (!ks) return INVALID_VALUE;
+    if (!find(lib, K_LIBRARY)) return INVALID_HANDLE;
+    struct module *m = ((struct library *)lib)->tmpl;
+    if (n != (unsigned)m->nfuncs) return INVALID_VALUE;
+    for (int i = 0; i < m->nfuncs; i++) ks[i] = m->funcs[i];
+    return SUCCESS;
+}
+EXPORT CUresult cuLibraryEnumerateKernels(void **ks, unsigned n, void *lib) {
+    LOCKED(do_enumerate_kernels(ks, n, lib));
+}
+
+static CUresult do_kernel_name(const char **name, void *k) {
+    if (!name) return INVALID_VALUE;
+    if (!find(k, K_KERNEL)) return INVALID_HANDLE;
+    *name = ((struct func *)k)->name;
+    return SUCCESS;
+}
+EXPORT CUresult cuKernelGetName(const char **name, void *k) { LOCKED(do_kernel_name(name, k)); }
 #endif
 
 /* ---- function attributes ------------------------------------------------- */
@@ -690,7 +1315,7 @@ static CUresult do_func_set(void *f, int attr, int value) {
     struct handle *h = find(f, K_FUNC);
     if (!h) return INVALID_HANDLE;
     if (attr == 8) {
-        if (value < 0 || value > attribute(97)) return INVALID_VALUE;
+        if (value < 0 || value > attribute(current->dev, 97)) return INVALID_VALUE;
         ((struct func *)f)->max_dynamic_shared = value;
         return SUCCESS;
     }
@@ -724,29 +1349,65 @@ EXPORT CUresult cuFuncGetAttribute(int *v, int attr, void *f) { LOCKED(do_func_g
 
 /* ---- launches ------------------------------------------------------------ */
 
-static CUresult record_launch(struct func *fn, const unsigned *grid, const unsigned *block,
-                              unsigned shared, void *stream, void **params) {
+static CUresult check_launch(struct func *fn, const unsigned *grid, const unsigned *block,
+                             unsigned shared, void **params) {
     for (int i = 0; i < 3; i++)
         if (!grid[i] || !block[i]) return INVALID_VALUE;
     if ((unsigned long long)block[0] * block[1] * block[2] > 1024) return INVALID_VALUE;
     if (block[2] > 64) return INVALID_VALUE;
     if (shared > (unsigned)fn->max_dynamic_shared) return INVALID_VALUE;
-    if (stream_ok(stream)) return INVALID_HANDLE;
     if (fn->nparams && !params) return INVALID_VALUE;
+    if (fn->dev != current->dev) return INVALID_HANDLE;
+    return SUCCESS;
+}
+
+static void record(struct func *fn, const unsigned *grid, const unsigned *block, unsigned shared,
+                   void *stream, int nparams, unsigned char params[][PARAM_BYTES]) {
     snprintf(last_launch.kernel, sizeof last_launch.kernel, "%s", fn->name);
     memcpy(last_launch.grid, grid, sizeof last_launch.grid);
     memcpy(last_launch.block, block, sizeof last_launch.block);
     last_launch.shared = shared;
     last_launch.stream = stream;
-    last_launch.nparams = fn->nparams;
+    last_launch.nparams = nparams;
     memset(last_launch.params, 0, sizeof last_launch.params);
-    for (int i = 0; i < fn->nparams; i++) {
-        int n = fn->param_size[i] > 8 ? 8 : fn->param_size[i];
-        memcpy(last_launch.params[i], params[i], (size_t)n);
-    }
+    for (int i = 0; i < nparams; i++) memcpy(last_launch.params[i], params[i], 8);
     memset(last_launch.cluster, 0, sizeof last_launch.cluster);
     last_launch.cooperative = 0;
     launches++;
+}
+
+/* A node holding fn's launch, its parameter bytes copied out of `params`. */
+static void fill_node(struct node *n, struct func *fn, const unsigned *grid,
+                      const unsigned *block, unsigned shared, void **params) {
+    memset(n, 0, sizeof *n);
+    n->type = NODE_KERNEL;
+    n->f = fn;
+    memcpy(n->grid, grid, sizeof n->grid);
+    memcpy(n->block, block, sizeof n->block);
+    n->shared = shared;
+    n->nparams = fn->nparams;
+    for (int i = 0; i < fn->nparams; i++) {
+        int size = fn->param_size[i] > PARAM_BYTES ? PARAM_BYTES : fn->param_size[i];
+        memcpy(n->params[i], params[i], (size_t)size);
+    }
+}
+
+static CUresult launch_on(struct func *fn, const unsigned *grid, const unsigned *block,
+                          unsigned shared, void *stream, void **params) {
+    CUresult r = check_launch(fn, grid, block, shared, params);
+    if (r) return r;
+    if ((r = stream_ok(stream))) return r;
+    struct node n;
+    fill_node(&n, fn, grid, block, shared, params);
+    struct stream *st = stream;
+    if (st && st->capture) {
+        struct node *added = add_node(st->capture, &n, st->tails, st->ntails);
+        if (!added) return OUT_OF_MEMORY;
+        st->tails[0] = added;
+        st->ntails = 1;
+        return SUCCESS;
+    }
+    record(fn, grid, block, shared, stream, n.nparams, n.params);
     return SUCCESS;
 }
 
@@ -757,7 +1418,7 @@ static CUresult do_launch(void *f, unsigned gx, unsigned gy, unsigned gz, unsign
     (void)extra;
     if (!find(f, K_FUNC)) return INVALID_HANDLE;
     unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
-    return record_launch(f, grid, block, shared, stream, params);
+    return launch_on(f, grid, block, shared, stream, params);
 }
 EXPORT CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                                unsigned by, unsigned bz, unsigned shared, void *stream,
@@ -801,7 +1462,7 @@ static CUresult do_launch_ex(const struct launch_config *c, void *f, void **para
         }
         if (c->attrs[i].id == 2) coop = c->attrs[i].v.value;
     }
-    CUresult r = record_launch(f, c->grid, c->block, c->shared, c->stream, params);
+    CUresult r = launch_on(f, c->grid, c->block, c->shared, c->stream, params);
     if (r) return r;
     memcpy(last_launch.cluster, cluster, sizeof cluster);
     last_launch.cooperative = coop;
@@ -861,33 +1522,64 @@ EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *grid, int *block, void *f,
 
 /* ---- memory -------------------------------------------------------------- */
 
-static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
-    NEED_CTX();
+static CUresult alloc_device(CUdeviceptr *p, size_t bytes) {
     if (!p || !bytes) return INVALID_VALUE;
+    if (bytes > TOTAL_MEMORY) return OUT_OF_MEMORY;
     void *m = malloc(bytes);
     if (!m) return OUT_OF_MEMORY;
-    track(m, K_DEVMEM, bytes);
+    track(m, K_DEVMEM, bytes, current->dev);
     *p = (CUdeviceptr)(uintptr_t)m;
     return SUCCESS;
 }
+
+static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
+    NEED_CTX();
+    return alloc_device(p, bytes);
+}
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { LOCKED(do_alloc(p, bytes)); }
 
-static CUresult do_free(CUdeviceptr p) {
-    NEED_CTX();
+static CUresult free_device(CUdeviceptr p) {
     struct handle *h = find((void *)(uintptr_t)p, K_DEVMEM);
     if (!h) return INVALID_VALUE;
-    h->kind = K_FREE;
+    untrack(h);
     free((void *)(uintptr_t)p);
     return SUCCESS;
 }
+static CUresult do_free(CUdeviceptr p) {
+    NEED_CTX();
+    run_all_pending(current->dev);
+    return free_device(p);
+}
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) { LOCKED(do_free(p)); }
+
+static CUresult do_alloc_managed(CUdeviceptr *p, size_t bytes, unsigned flags) {
+    NEED_CTX();
+    if (flags != 1 && flags != 2) return INVALID_VALUE;
+    return alloc_device(p, bytes);
+}
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t bytes, unsigned flags) {
+    LOCKED(do_alloc_managed(p, bytes, flags));
+}
+
+static CUresult do_mem_info(size_t *free_bytes, size_t *total) {
+    NEED_CTX();
+    size_t used = 0;
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_DEVMEM && handles[i].dev == current->dev) used += handles[i].bytes;
+    if (free_bytes) *free_bytes = TOTAL_MEMORY - used;
+    if (total) *total = TOTAL_MEMORY;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    LOCKED(do_mem_info(free_bytes, total));
+}
 
 static CUresult do_alloc_host(void **p, size_t bytes) {
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;
     *p = malloc(bytes);
     if (!*p) return OUT_OF_MEMORY;
-    track(*p, K_HOSTMEM, bytes);
+    track(*p, K_HOSTMEM, bytes, current->dev);
     return SUCCESS;
 }
 EXPORT CUresult cuMemAllocHost_v2(void **p, size_t bytes) { LOCKED(do_alloc_host(p, bytes)); }
@@ -896,15 +1588,28 @@ static CUresult do_free_host(void *p) {
     NEED_CTX();
     struct handle *h = find(p, K_HOSTMEM);
     if (!h) return INVALID_VALUE;
-    h->kind = K_FREE;
+    run_all_pending(current->dev);
+    untrack(h);
     free(p);
     return SUCCESS;
 }
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
 
+/* Queued work on a capturing stream would become a graph node; the stand-in
+ * models only kernel nodes, so other work invalidates the capture. */
+#define NO_CAPTURE(s)                                                               \
+    do {                                                                            \
+        if ((s) && ((struct stream *)(s))->capture) {                               \
+            ((struct stream *)(s))->capture->invalid = 1;                           \
+            return STREAM_CAPTURE_UNSUPPORTED;                                      \
+        }                                                                           \
+    } while (0)
+
 static CUresult do_htod(CUdeviceptr dst, const void *src, size_t n, void *stream) {
     NEED_CTX();
-    if (stream_ok(stream)) return INVALID_HANDLE;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
     if (!src || !device_range_ok(dst, n)) return INVALID_VALUE;
     memcpy((void *)(uintptr_t)dst, src, n);
     return SUCCESS;
@@ -915,11 +1620,575 @@ EXPORT CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n,
 
 static CUresult do_dtoh(void *dst, CUdeviceptr src, size_t n, void *stream) {
     NEED_CTX();
-    if (stream_ok(stream)) return INVALID_HANDLE;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
     if (!dst || !device_range_ok(src, n)) return INVALID_VALUE;
+    struct stream *st = stream;
+    if (st && st->npending < MAX_PENDING) {
+        /* The copy engine writes the host memory later. */
+        st->pending[st->npending++] = (struct op){dst, (const void *)(uintptr_t)src, n};
+        return SUCCESS;
+    }
     memcpy(dst, (void *)(uintptr_t)src, n);
     return SUCCESS;
 }
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
     LOCKED(do_dtoh(dst, src, n, stream));
 }
+
+static CUresult do_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+    NEED_CTX();
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
+    LOCKED(do_dtod(dst, src, n, stream));
+}
+
+static CUresult do_peer(CUdeviceptr dst, void *dctx, CUdeviceptr src, void *sctx, size_t n,
+                        void *stream) {
+    NEED_CTX();
+    if (!ctx_of(dctx) || !ctx_of(sctx)) return INVALID_CONTEXT;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (!device_range_ok(dst, n) || !device_range_ok(src, n)) return INVALID_VALUE;
+    memmove((void *)(uintptr_t)dst, (void *)(uintptr_t)src, n);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemcpyPeerAsync(CUdeviceptr dst, void *dctx, CUdeviceptr src, void *sctx,
+                                  size_t n, void *stream) {
+    LOCKED(do_peer(dst, dctx, src, sctx, n, stream));
+}
+
+static CUresult do_memset(CUdeviceptr dst, unsigned value, size_t n, int width, void *stream) {
+    NEED_CTX();
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (dst % (CUdeviceptr)width) return INVALID_VALUE;
+    if (!device_range_ok(dst, n * (size_t)width)) return INVALID_VALUE;
+    unsigned char *p = (unsigned char *)(uintptr_t)dst;
+    for (size_t i = 0; i < n; i++) memcpy(p + i * (size_t)width, &value, (size_t)width);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *stream) {
+    LOCKED(do_memset(dst, v, n, 1, stream));
+}
+EXPORT CUresult cuMemsetD16Async(CUdeviceptr dst, unsigned short v, size_t n, void *stream) {
+    LOCKED(do_memset(dst, v, n, 2, stream));
+}
+EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *stream) {
+    LOCKED(do_memset(dst, v, n, 4, stream));
+}
+
+#ifndef FAKECUDA_OLD
+/* Stream-ordered allocation and pools (CUDA 11.2+; left out of the old build). */
+struct pool {
+    int dev;
+    unsigned long long threshold;
+};
+static struct pool default_pools[MAX_DEV] = {{0, 0}, {1, 0}};
+
+static CUresult do_alloc_async(CUdeviceptr *p, size_t bytes, void *pool, void *stream) {
+    NEED_CTX();
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (!attribute(current->dev, 115)) return NOT_SUPPORTED;
+    if (pool && !find(pool, K_POOL) && pool != &default_pools[0] && pool != &default_pools[1])
+        return INVALID_HANDLE;
+    return alloc_device(p, bytes);
+}
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, void *stream) {
+    LOCKED(do_alloc_async(p, bytes, NULL, stream));
+}
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t bytes, void *pool, void *stream) {
+    LOCKED(do_alloc_async(p, bytes, pool, stream));
+}
+
+static CUresult do_free_async(CUdeviceptr p, void *stream) {
+    NEED_CTX();
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (stream) run_pending(stream);
+    last_free_stream = stream;
+    return free_device(p);
+}
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, void *stream) { LOCKED(do_free_async(p, stream)); }
+
+static CUresult do_default_pool(void **pool, int dev) {
+    NEED_INIT();
+    if (!pool) return INVALID_VALUE;
+    NEED_DEV(dev);
+    if (!attribute(dev, 115)) return NOT_SUPPORTED;
+    *pool = &default_pools[dev];
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetDefaultMemPool(void **pool, int dev) { LOCKED(do_default_pool(pool, dev)); }
+
+struct pool_props {
+    int alloc_type, handle_types;
+    int location_type, location_id;
+};
+static CUresult do_pool_create(void **pool, const struct pool_props *props) {
+    NEED_CTX();
+    if (!pool || !props) return INVALID_VALUE;
+    if (props->alloc_type != 1 || props->location_type != 1) return INVALID_VALUE;
+    NEED_DEV(props->location_id);
+    struct pool *p = calloc(1, sizeof *p);
+    p->dev = props->location_id;
+    track(p, K_POOL, 0, p->dev);
+    *pool = p;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolCreate(void **pool, const void *props) { LOCKED(do_pool_create(pool, props)); }
+
+static struct pool *pool_ok(void *pool) {
+    if (pool == &default_pools[0] || pool == &default_pools[1]) return pool;
+    return find(pool, K_POOL) ? pool : NULL;
+}
+static CUresult do_pool_destroy(void *pool) {
+    NEED_CTX();
+    struct handle *h = find(pool, K_POOL);
+    if (!h) return INVALID_HANDLE;
+    untrack(h);
+    free(pool);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolDestroy(void *pool) { LOCKED(do_pool_destroy(pool)); }
+
+static CUresult do_pool_attr(void *pool, int attr, void *value, int set) {
+    NEED_CTX();
+    struct pool *p = pool_ok(pool);
+    if (!p || !value) return INVALID_VALUE;
+    if (attr == 4) { /* release threshold */
+        if (set) p->threshold = *(unsigned long long *)value;
+        else *(unsigned long long *)value = p->threshold;
+        return SUCCESS;
+    }
+    if (!set && (attr == 5 || attr == 7)) { /* reserved / used current */
+        *(unsigned long long *)value = 0;
+        return SUCCESS;
+    }
+    return INVALID_VALUE;
+}
+EXPORT CUresult cuMemPoolSetAttribute(void *pool, int attr, void *value) {
+    LOCKED(do_pool_attr(pool, attr, value, 1));
+}
+EXPORT CUresult cuMemPoolGetAttribute(void *pool, int attr, void *value) {
+    LOCKED(do_pool_attr(pool, attr, value, 0));
+}
+
+static CUresult do_pool_trim(void *pool, size_t keep) {
+    NEED_CTX();
+    (void)keep;
+    return pool_ok(pool) ? SUCCESS : INVALID_VALUE;
+}
+EXPORT CUresult cuMemPoolTrimTo(void *pool, size_t keep) { LOCKED(do_pool_trim(pool, keep)); }
+
+struct mem_location {
+    int type;
+    int id;
+};
+static CUresult do_prefetch(CUdeviceptr p, size_t n, struct mem_location loc, unsigned flags,
+                            void *stream) {
+    NEED_CTX();
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    if (flags || !device_range_ok(p, n)) return INVALID_VALUE;
+    if (loc.type == 1) {
+        NEED_DEV(loc.id);
+        last_prefetch_dev = loc.id;
+    } else if (loc.type == 2) {
+        last_prefetch_dev = -1;
+    } else {
+        return INVALID_VALUE;
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPrefetchAsync_v2(CUdeviceptr p, size_t n, struct mem_location loc,
+                                      unsigned flags, void *stream) {
+    LOCKED(do_prefetch(p, n, loc, flags, stream));
+}
+#endif
+
+/* ---- graphs --------------------------------------------------------------- */
+
+static CUresult do_begin_capture(void *s, int mode) {
+    NEED_CTX();
+    if (!s) return STREAM_CAPTURE_UNSUPPORTED;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    if (mode < 0 || mode > 2) return INVALID_VALUE;
+    struct stream *st = s;
+    if (st->capture) return STREAM_CAPTURE_UNSUPPORTED;
+    st->capture = calloc(1, sizeof *st->capture);
+    st->capture->ctx = current;
+    st->origin = st;
+    st->ntails = 0;
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamBeginCapture_v2(void *s, int mode) { LOCKED(do_begin_capture(s, mode)); }
+
+static CUresult do_end_capture(void *s, void **graph) {
+    NEED_CTX();
+    if (!graph) return INVALID_VALUE;
+    *graph = NULL;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    struct stream *st = s;
+    if (!st || !st->capture || st->origin != st) return INVALID_VALUE;
+    struct graph *g = st->capture;
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && ((struct stream *)handles[i].p)->capture == g) {
+            struct stream *o = handles[i].p;
+            o->capture = NULL;
+            o->origin = NULL;
+            o->ntails = 0;
+        }
+    if (g->invalid) {
+        free_graph(g);
+        return STREAM_CAPTURE_INVALIDATED;
+    }
+    track(g, K_GRAPH, 0, current->dev);
+    *graph = g;
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamEndCapture(void *s, void **graph) { LOCKED(do_end_capture(s, graph)); }
+
+static CUresult do_capture_info(void *s, int *status, unsigned long long *id, void **graph,
+                                void *deps, void *edges, size_t *ndeps) {
+    NEED_CTX();
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    struct stream *st = s;
+    if (status) *status = !st || !st->capture ? 0 : st->capture->invalid ? 2 : 1;
+    if (id) *id = st && st->capture ? (unsigned long long)(uintptr_t)st->capture : 0;
+    if (graph) *graph = st ? st->capture : NULL;
+    (void)deps;
+    (void)edges;
+    if (ndeps) *ndeps = st ? (size_t)st->ntails : 0;
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamGetCaptureInfo_v3(void *s, int *status, unsigned long long *id,
+                                          void **graph, void *deps, void *edges, size_t *ndeps) {
+    LOCKED(do_capture_info(s, status, id, graph, deps, edges, ndeps));
+}
+
+static CUresult do_graph_create(void **graph, unsigned flags) {
+    NEED_CTX();
+    if (!graph || flags) return INVALID_VALUE;
+    struct graph *g = calloc(1, sizeof *g);
+    g->ctx = current;
+    track(g, K_GRAPH, 0, current->dev);
+    *graph = g;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphCreate(void **graph, unsigned flags) { LOCKED(do_graph_create(graph, flags)); }
+
+static CUresult do_graph_destroy(void *graph) {
+    struct handle *h = find(graph, K_GRAPH);
+    if (!h) return INVALID_HANDLE;
+    if (current && !current->alive) return CONTEXT_IS_DESTROYED;
+    untrack(h);
+    free_graph(graph);
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphDestroy(void *graph) { LOCKED(do_graph_destroy(graph)); }
+
+/* A live graph: a tracked one, or the body of a conditional node of one. */
+static struct graph *graph_ok(void *graph) {
+    if (find(graph, K_GRAPH)) return graph;
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_NODE && ((struct node *)handles[i].p)->body == graph) return graph;
+    return NULL;
+}
+
+static CUresult do_graph_nodes(void *graph, void **nodes, size_t *n) {
+    struct graph *g = graph_ok(graph);
+    if (!g || !n) return INVALID_VALUE;
+    if (nodes) {
+        size_t k = *n < (size_t)g->n ? *n : (size_t)g->n;
+        for (size_t i = 0; i < k; i++) nodes[i] = g->nodes[i];
+    }
+    *n = (size_t)g->n;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphGetNodes(void *graph, void **nodes, size_t *n) {
+    LOCKED(do_graph_nodes(graph, nodes, n));
+}
+
+static CUresult do_graph_edges(void *graph, void **from, void **to, void *data, size_t *n) {
+    struct graph *g = graph_ok(graph);
+    (void)data;
+    if (!g || !n) return INVALID_VALUE;
+    if (from && to) {
+        size_t k = *n < (size_t)g->nedges ? *n : (size_t)g->nedges;
+        for (size_t i = 0; i < k; i++) {
+            from[i] = g->from[i];
+            to[i] = g->to[i];
+        }
+    }
+    *n = (size_t)g->nedges;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphGetEdges_v2(void *graph, void **from, void **to, void *data, size_t *n) {
+    LOCKED(do_graph_edges(graph, from, to, data, n));
+}
+
+static CUresult do_node_type(void *node, int *type) {
+    if (!find(node, K_NODE) || !type) return INVALID_VALUE;
+    *type = ((struct node *)node)->type;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphNodeGetType(void *node, int *type) { LOCKED(do_node_type(node, type)); }
+
+struct kparams {
+    void *func;
+    unsigned grid[3], block[3], shared;
+    void **params;
+    void **extra;
+    void *kern;
+    void *ctx;
+};
+static CUresult do_kernel_node_params(void *node, struct kparams *p) {
+    struct node *n = node;
+    if (!find(node, K_NODE) || !p || n->type != NODE_KERNEL) return INVALID_VALUE;
+    memset(p, 0, sizeof *p);
+    p->func = n->f;
+    memcpy(p->grid, n->grid, sizeof p->grid);
+    memcpy(p->block, n->block, sizeof p->block);
+    p->shared = n->shared;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphKernelNodeGetParams_v2(void *node, struct kparams *p) {
+    LOCKED(do_kernel_node_params(node, p));
+}
+
+static CUresult do_add_kernel_node(void **node, void *graph, void *const *deps, size_t ndeps,
+                                   const struct kparams *p) {
+    NEED_CTX();
+    struct graph *g = graph_ok(graph);
+    if (!node || !g || !p) return INVALID_VALUE;
+    struct func *fn = p->func;
+    if (!find(fn, K_FUNC)) return INVALID_HANDLE;
+    CUresult r = check_launch(fn, p->grid, p->block, p->shared, p->params);
+    if (r) return r;
+    for (size_t i = 0; i < ndeps; i++)
+        if (!find(deps[i], K_NODE)) return INVALID_VALUE;
+    struct node n;
+    fill_node(&n, fn, p->grid, p->block, p->shared, p->params);
+    struct node *added = add_node(g, &n, (struct node *const *)deps, (int)ndeps);
+    if (!added) return OUT_OF_MEMORY;
+    *node = added;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphAddKernelNode_v2(void **node, void *graph, void *const *deps, size_t ndeps,
+                                        const struct kparams *p) {
+    LOCKED(do_add_kernel_node(node, graph, deps, ndeps, p));
+}
+
+static struct graph *copy_graph(struct graph *g, struct node **orig) {
+    struct graph *c = calloc(1, sizeof *c);
+    c->ctx = g->ctx;
+    for (int i = 0; i < g->n; i++) {
+        c->nodes[i] = malloc(sizeof(struct node));
+        *c->nodes[i] = *g->nodes[i];
+        c->nodes[i]->body = NULL;
+        if (orig) orig[i] = g->nodes[i];
+    }
+    c->n = g->n;
+    return c;
+}
+
+static CUresult do_instantiate(void **exec, void *graph, unsigned long long flags) {
+    NEED_CTX();
+    struct graph *g = find(graph, K_GRAPH) ? graph : NULL;
+    if (!exec || !g) return INVALID_VALUE;
+    if (flags & ~0xfull) return INVALID_VALUE;
+    struct gexec *e = calloc(1, sizeof *e);
+    e->ctx = current;
+    e->g = copy_graph(g, e->orig);
+    track(e, K_EXEC, 0, current->dev);
+    *exec = e;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
+    LOCKED(do_instantiate(exec, graph, flags));
+}
+
+static CUresult do_exec_destroy(void *exec) {
+    struct handle *h = find(exec, K_EXEC);
+    if (!h) return INVALID_HANDLE;
+    if (current && !current->alive) return CONTEXT_IS_DESTROYED;
+    untrack(h);
+    free_graph(((struct gexec *)exec)->g);
+    free(exec);
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphExecDestroy(void *exec) { LOCKED(do_exec_destroy(exec)); }
+
+static CUresult do_graph_launch(void *exec, void *stream) {
+    NEED_CTX();
+    struct gexec *e = exec;
+    if (!find(exec, K_EXEC)) return INVALID_HANDLE;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    if (e->ctx != current) return INVALID_HANDLE;
+    for (int i = 0; i < e->g->n; i++) {
+        struct node *n = e->g->nodes[i];
+        if (n->type == NODE_KERNEL)
+            record(n->f, n->grid, n->block, n->shared, stream, n->nparams, n->params);
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphLaunch(void *exec, void *stream) { LOCKED(do_graph_launch(exec, stream)); }
+
+static CUresult do_graph_upload(void *exec, void *stream) {
+    NEED_CTX();
+    if (!find(exec, K_EXEC)) return INVALID_HANDLE;
+    return stream_ok(stream);
+}
+EXPORT CUresult cuGraphUpload(void *exec, void *stream) { LOCKED(do_graph_upload(exec, stream)); }
+
+struct update_info {
+    int result;
+    void *error_node;
+    void *error_from;
+};
+static CUresult do_exec_update(void *exec, void *graph, struct update_info *info) {
+    NEED_CTX();
+    struct gexec *e = exec;
+    struct graph *g = find(graph, K_GRAPH) ? graph : NULL;
+    if (!find(exec, K_EXEC) || !g || !info) return INVALID_VALUE;
+    memset(info, 0, sizeof *info);
+    if (g->n != e->g->n) {
+        info->result = 2; /* topology changed */
+        info->error_node = g->n > e->g->n ? g->nodes[e->g->n] : (g->n ? g->nodes[g->n - 1] : NULL);
+        return GRAPH_EXEC_UPDATE_FAILURE;
+    }
+    for (int i = 0; i < g->n; i++) {
+        if (g->nodes[i]->type != e->g->nodes[i]->type) {
+            info->result = 3;
+            info->error_node = g->nodes[i];
+            return GRAPH_EXEC_UPDATE_FAILURE;
+        }
+        if (g->nodes[i]->f != e->g->nodes[i]->f) {
+            info->result = 4; /* function changed */
+            info->error_node = g->nodes[i];
+            return GRAPH_EXEC_UPDATE_FAILURE;
+        }
+    }
+    /* Nodes of the graph the executable was instantiated from keep naming them. */
+    for (int i = 0; i < g->n; i++) {
+        *e->g->nodes[i] = *g->nodes[i];
+        e->g->nodes[i]->body = NULL;
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphExecUpdate_v2(void *exec, void *graph, struct update_info *info) {
+    LOCKED(do_exec_update(exec, graph, info));
+}
+
+static CUresult do_exec_node_params(void *exec, void *node, const struct kparams *p) {
+    NEED_CTX();
+    struct gexec *e = exec;
+    if (!find(exec, K_EXEC) || !p) return INVALID_VALUE;
+    for (int i = 0; i < e->g->n; i++)
+        if (e->orig[i] == node) {
+            struct node *n = e->g->nodes[i];
+            if (p->func != n->f) return INVALID_VALUE;
+            CUresult r = check_launch(n->f, p->grid, p->block, p->shared, p->params);
+            if (r) return r;
+            fill_node(n, n->f, p->grid, p->block, p->shared, p->params);
+            return SUCCESS;
+        }
+    return INVALID_VALUE;
+}
+EXPORT CUresult cuGraphExecKernelNodeSetParams_v2(void *exec, void *node, const struct kparams *p) {
+    LOCKED(do_exec_node_params(exec, node, p));
+}
+
+static CUresult do_dot(void *graph, const char *path, unsigned flags) {
+    struct graph *g = graph_ok(graph);
+    (void)flags;
+    if (!g || !path) return INVALID_VALUE;
+    FILE *f = fopen(path, "w");
+    if (!f) return OPERATING_SYSTEM;
+    fprintf(f, "digraph fakecuda {\n");
+    for (int i = 0; i < g->n; i++)
+        fprintf(f, "  n%p [label=\"%s\"];\n", (void *)g->nodes[i],
+                g->nodes[i]->type == NODE_KERNEL ? g->nodes[i]->f->name : "node");
+    for (int i = 0; i < g->nedges; i++)
+        fprintf(f, "  n%p -> n%p;\n", (void *)g->from[i], (void *)g->to[i]);
+    fprintf(f, "}\n");
+    fclose(f);
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphDebugDotPrint(void *graph, const char *path, unsigned flags) {
+    LOCKED(do_dot(graph, path, flags));
+}
+
+#ifndef FAKECUDA_OLD
+/* Conditional nodes (CUDA 12.4+). */
+static CUresult do_cond_handle(unsigned long long *h, void *graph, void *ctx, unsigned value,
+                               unsigned flags) {
+    NEED_CTX();
+    (void)value;
+    (void)flags;
+    if (!h || !graph_ok(graph) || !ctx_of(ctx)) return INVALID_VALUE;
+    *h = next_cond++;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphConditionalHandleCreate(unsigned long long *h, void *graph, void *ctx,
+                                               unsigned value, unsigned flags) {
+    LOCKED(do_cond_handle(h, graph, ctx, value, flags));
+}
+
+struct node_params {
+    int type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        struct {
+            unsigned long long handle;
+            int type;
+            unsigned size;
+            void **graph_out;
+            void *ctx;
+        } conditional;
+    } u;
+    long long reserved2;
+};
+static CUresult do_add_node(void **node, void *graph, void *const *deps, const void *data,
+                            size_t ndeps, struct node_params *p) {
+    NEED_CTX();
+    struct graph *g = graph_ok(graph);
+    (void)data;
+    if (!node || !g || !p) return INVALID_VALUE;
+    if (p->type != NODE_CONDITIONAL || p->u.conditional.size != 1) return NOT_SUPPORTED;
+    struct node n;
+    memset(&n, 0, sizeof n);
+    n.type = NODE_CONDITIONAL;
+    n.cond = p->u.conditional.handle;
+    struct node *added = add_node(g, &n, (struct node *const *)deps, (int)ndeps);
+    if (!added) return OUT_OF_MEMORY;
+    added->body = calloc(1, sizeof *added->body);
+    added->body->ctx = current;
+    added->body->body = 1;
+    p->u.conditional.graph_out = (void **)&added->body;
+    *node = added;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphAddNode_v2(void **node, void *graph, void *const *deps, const void *data,
+                                  size_t ndeps, struct node_params *p) {
+    LOCKED(do_add_node(node, graph, deps, data, ndeps, p));
+}
+#endif

@@ -17,8 +17,11 @@ pub fn library_path() -> &'static Path {
 }
 
 /// Path of the stand-in built as an old driver: it lacks `cuModuleGetGlobal_v2`,
-/// `cuLaunchKernelEx`, `cuModuleGetFunctionCount`, `cuModuleEnumerateFunctions`
-/// and `cuFuncGetName`.
+/// `cuLaunchKernelEx`, `cuModuleGetFunctionCount`, `cuModuleEnumerateFunctions`,
+/// `cuFuncGetName`, `cuFuncGetParamInfo`, `cuCtxGetId`, the library API
+/// (`cuLibrary*`, `cuKernel*`), stream-ordered allocation and pools (and reports
+/// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` as 0), `cuMemPrefetchAsync_v2`
+/// and conditional graph nodes.
 pub fn old_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda_old.so"))
 }
@@ -37,6 +40,20 @@ pub enum Live {
     DeviceMemory = 4,
     /// Pinned host allocations.
     HostMemory = 5,
+    /// Created events.
+    Events = 6,
+    /// Loaded libraries.
+    Libraries = 7,
+    /// Kernel handles of loaded libraries.
+    Kernels = 8,
+    /// Created memory pools.
+    Pools = 9,
+    /// Graphs.
+    Graphs = 10,
+    /// Executable graphs.
+    Execs = 11,
+    /// Graph nodes.
+    Nodes = 12,
 }
 
 /// The last launch the stand-in accepted.
@@ -164,12 +181,91 @@ impl Fake {
         )
     }
 
-    /// Retain count of the primary context.
+    /// Retain count of the primary contexts of all devices together.
     pub fn primary_refs(&self) -> i32 {
         call!(
             self,
             "fakecuda_primary_refs",
             unsafe extern "C" fn() -> c_int
+        )
+    }
+
+    /// Retain count of device `dev`'s primary context.
+    pub fn device_refs(&self, dev: i32) -> i32 {
+        call!(
+            self,
+            "fakecuda_device_refs",
+            unsafe extern "C" fn(c_int) -> c_int,
+            dev
+        )
+    }
+
+    /// How many devices `cuDeviceGetCount` reports (0..=2; default 2).
+    pub fn set_device_count(&self, n: i32) {
+        call!(
+            self,
+            "fakecuda_set_device_count",
+            unsafe extern "C" fn(c_int),
+            n
+        );
+    }
+
+    /// Make `cuDeviceGetAttribute(attr, dev)` report `value` (until the next reset).
+    pub fn set_attribute(&self, dev: i32, attr: i32, value: i32) {
+        call!(
+            self,
+            "fakecuda_set_attribute",
+            unsafe extern "C" fn(c_int, c_int, c_int),
+            dev,
+            attr,
+            value
+        );
+    }
+
+    /// Device-to-host copies queued on `stream` that the copy engine has not
+    /// written yet (-1 for an unknown stream).
+    pub fn pending(&self, stream: *mut c_void) -> i32 {
+        call!(
+            self,
+            "fakecuda_pending",
+            unsafe extern "C" fn(*mut c_void) -> c_int,
+            stream
+        )
+    }
+
+    /// The stream of the last `cuMemFreeAsync`.
+    pub fn last_free_stream(&self) -> *mut c_void {
+        call!(
+            self,
+            "fakecuda_last_free_stream",
+            unsafe extern "C" fn() -> *mut c_void
+        )
+    }
+
+    /// The device of the last prefetch (-1: the host; -99: none).
+    pub fn last_prefetch_device(&self) -> i32 {
+        call!(
+            self,
+            "fakecuda_last_prefetch_device",
+            unsafe extern "C" fn() -> c_int
+        )
+    }
+
+    /// The calling thread's current context (null: none).
+    pub fn current_context(&self) -> *mut c_void {
+        call!(
+            self,
+            "fakecuda_current_context",
+            unsafe extern "C" fn() -> *mut c_void
+        )
+    }
+
+    /// The stream of the last accepted launch.
+    pub fn last_launch_stream(&self) -> *mut c_void {
+        call!(
+            self,
+            "fakecuda_last_launch_stream",
+            unsafe extern "C" fn() -> *mut c_void
         )
     }
 

@@ -6,13 +6,11 @@
 //! Without a driver it exits with status 2 and the loader's message.
 
 use std::process::ExitCode;
-use std::sync::OnceLock;
 use std::time::Instant;
 
-use metrale_runtime::{DeviceBuffer, LaunchConfig, MetraleError, MetraleRegistry, RawCudaFunc};
+use metrale_runtime::{DeviceBuffer, LaunchConfig, MetraleError, MetraleRegistry};
 
 static KERNELS: &[u8] = include_bytes!("../tests/fixtures/kernels.ptx");
-static VEC_ADD: OnceLock<RawCudaFunc> = OnceLock::new();
 
 const N: usize = 1 << 20;
 
@@ -33,19 +31,21 @@ fn run() -> Result<(), MetraleError> {
 
     let a: Vec<f32> = (0..N).map(|i| i as f32 * 0.5).collect();
     let b: Vec<f32> = (0..N).map(|i| 1.0 - i as f32 * 0.25).collect();
-    let da = DeviceBuffer::from_host(host, &a)?;
-    let db = DeviceBuffer::from_host(host, &b)?;
-    let dc = DeviceBuffer::<f32>::alloc(host, N)?;
+    let s = reg.stream();
+    let da = DeviceBuffer::from_host(s, &a)?;
+    let db = DeviceBuffer::from_host(s, &b)?;
+    let mut dc = DeviceBuffer::<f32>::alloc(s, N)?;
 
-    let f = reg.raw_function_cached(&VEC_ADD, "kernels", "vec_add")?;
+    let vec_add = reg.function("kernels", "vec_add")?;
     let cfg = LaunchConfig::for_num_elems(N as u32, 256)?;
     let t1 = Instant::now();
     // SAFETY: vec_add(const float*, const float*, float*, unsigned) over N elements
-    // of buffers that live until the synchronisation below.
-    unsafe { reg.launch(f, cfg, reg.raw_stream(), (&da, &db, &dc, N as u32))? };
-    reg.stream_synchronize(reg.raw_stream())?;
+    // of buffers that outlive the kernel (the copy below waits for it). The
+    // arguments' sizes are checked against the kernel's parameters.
+    unsafe { s.launch(&vec_add, cfg, (&da, &db, &mut dc, N as u32))? };
+    s.synchronize()?;
     let kernel = t1.elapsed();
-    let c = dc.to_host_vec()?;
+    let c = s.to_vec(&dc)?;
 
     let wrong = (0..N).filter(|&i| c[i] != a[i] + b[i]).count();
     if wrong > 0 {

@@ -5,12 +5,17 @@
 //! call this module checks what a caller's bytes claim about themselves:
 //! - PTX must be valid UTF-8 without interior NUL; it is passed NUL-terminated
 //!   (borrowed when the caller already ends it with a NUL, copied once otherwise);
-//! - an ELF cubin's section and program header tables must lie inside the blob;
-//! - a fatbin's header must describe no more bytes than the blob has;
+//! - an ELF cubin must be a consistent ELF64 file: entry sizes of 64 and 56 bytes,
+//!   a section name table that exists, every section, segment and section name
+//!   inside the blob;
+//! - a fatbin's header must describe no more bytes than the blob has, and every
+//!   entry must lie inside it (an uncompressed cubin entry is checked as above);
 //! - a clang offload bundle is unpacked to its CUDA entry.
 //!
 //! An empty or inconsistent blob is an error naming the module, never a driver read
-//! past the end of the caller's bytes.
+//! past the end of the caller's bytes. A header that contradicts itself is reported
+//! as corrupted; only a consistent header whose tables run past the end is reported
+//! as a possible truncation.
 
 use std::borrow::Cow;
 
@@ -71,10 +76,9 @@ pub(crate) struct Image<'a> {
 }
 
 fn refuse(module: &str, what: impl std::fmt::Display) -> MetraleError {
-    MetraleError::ModuleLoad {
+    MetraleError::InvalidBlob {
         module: module.to_owned(),
-        message: format!("{module}: {what}"),
-        status: None,
+        reason: what.to_string(),
     }
 }
 
@@ -174,14 +178,24 @@ impl ElfInfo {
     }
 }
 
+/// ELF64 section header size, the only one a cubin uses.
+const SHDR: u64 = 64;
+/// ELF64 program header size.
+const PHDR: u64 = 56;
+const SHT_STRTAB: u64 = 3;
+const SHT_NOBITS: u64 = 8;
+/// `e_shstrndx` escape to extended numbering, which no cubin uses.
+const SHN_XINDEX: u64 = 0xffff;
+
 fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
-    let bad = |what: &str| refuse(module, format_args!("malformed cubin: {what}"));
+    let bad =
+        |what: std::fmt::Arguments<'_>| refuse(module, format_args!("malformed cubin: {what}"));
     // 64-bit little-endian only: every CUDA cubin is.
     if blob.len() < 64 {
-        return Err(bad("shorter than an ELF header"));
+        return Err(bad(format_args!("shorter than an ELF header")));
     }
     if blob[4] != 2 || blob[5] != 1 {
-        return Err(bad("not a 64-bit little-endian ELF file"));
+        return Err(bad(format_args!("not a 64-bit little-endian ELF file")));
     }
     let header = (|| {
         Some((
@@ -192,41 +206,102 @@ fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
             u16_at(blob, 0x38)?, // e_phnum
             u16_at(blob, 0x3a)?, // e_shentsize
             u16_at(blob, 0x3c)?, // e_shnum
+            u16_at(blob, 0x3e)?, // e_shstrndx
         ))
     })();
-    let Some((phoff, shoff, flags, phentsize, phnum, shentsize, shnum)) = header else {
-        return Err(bad("truncated header"));
+    let Some((phoff, shoff, flags, phentsize, phnum, shentsize, shnum, shstrndx)) = header else {
+        return Err(bad(format_args!("truncated header")));
     };
+    // A header that contradicts itself is corruption, not truncation.
+    if shnum > 0 && shentsize != SHDR {
+        return Err(bad(format_args!(
+            "corrupted header: e_shentsize is {shentsize}, ELF64 section headers are {SHDR} bytes"
+        )));
+    }
+    if phnum > 0 && phentsize != PHDR {
+        return Err(bad(format_args!(
+            "corrupted header: e_phentsize is {phentsize}, ELF64 program headers are {PHDR} bytes"
+        )));
+    }
+    if shnum == 0 && shoff != 0 {
+        return Err(bad(format_args!(
+            "corrupted header: extended section numbering (e_shnum 0 with a section table)"
+        )));
+    }
+    if shnum > 0 && (shstrndx >= shnum || shstrndx == SHN_XINDEX) {
+        return Err(bad(format_args!(
+            "corrupted header: e_shstrndx {shstrndx} names no section (there are {shnum})"
+        )));
+    }
     let len = blob.len() as u64;
-    let table_end = |off: u64, size: u64, n: u64| off.checked_add(size.checked_mul(n)?);
-    match table_end(shoff, shentsize, shnum) {
-        Some(end) if end <= len => {}
-        _ => {
-            return Err(bad(
-                "section headers lie past the end of the blob (truncated?)",
-            ))
-        }
+    let end_of = |off: u64, size: u64| off.checked_add(size).filter(|&end| end <= len);
+    // The header is consistent: a table past the end means the file was cut short.
+    if end_of(shoff, SHDR * shnum).is_none() {
+        return Err(bad(format_args!(
+            "section headers lie past the end of the blob (truncated?)"
+        )));
     }
-    match table_end(phoff, phentsize, phnum) {
-        Some(end) if end <= len => {}
-        _ => {
-            return Err(bad(
-                "program headers lie past the end of the blob (truncated?)",
-            ))
-        }
+    if end_of(phoff, PHDR * phnum).is_none() {
+        return Err(bad(format_args!(
+            "program headers lie past the end of the blob (truncated?)"
+        )));
     }
-    // Every section's contents must be inside the blob too.
+    let field = |at: u64, f: fn(&[u8], usize) -> Option<u64>| {
+        usize::try_from(at)
+            .ok()
+            .and_then(|at| f(blob, at))
+            .unwrap_or(0)
+    };
+    let section = |i: u64| {
+        let at = shoff + i * SHDR;
+        (
+            field(at, u32_at),        // sh_name
+            field(at + 4, u32_at),    // sh_type
+            field(at + 0x18, u64_at), // sh_offset
+            field(at + 0x20, u64_at), // sh_size
+        )
+    };
     for i in 0..shnum {
-        let at = usize::try_from(shoff + i * shentsize).unwrap_or(usize::MAX);
-        let kind = u32_at(blob, at + 4);
-        let offset = u64_at(blob, at + 0x18);
-        let size = u64_at(blob, at + 0x20);
-        let (Some(kind), Some(offset), Some(size)) = (kind, offset, size) else {
-            return Err(bad("truncated section header"));
-        };
-        const SHT_NOBITS: u64 = 8;
-        if kind != SHT_NOBITS && offset.checked_add(size).is_none_or(|end| end > len) {
-            return Err(bad("a section lies past the end of the blob (truncated?)"));
+        let (_, kind, offset, size) = section(i);
+        if kind != SHT_NOBITS && end_of(offset, size).is_none() {
+            return Err(bad(format_args!(
+                "section {i} ({size} bytes at offset {offset}) lies past the end of the blob of {len} bytes"
+            )));
+        }
+    }
+    for i in 0..phnum {
+        let at = phoff + i * PHDR;
+        let (offset, filesz) = (field(at + 8, u64_at), field(at + 0x20, u64_at));
+        if end_of(offset, filesz).is_none() {
+            return Err(bad(format_args!(
+                "segment {i} ({filesz} bytes at offset {offset}) lies past the end of the blob of {len} bytes"
+            )));
+        }
+    }
+    if shnum > 0 {
+        let (_, kind, names_at, names_len) = section(shstrndx);
+        if kind != SHT_STRTAB {
+            return Err(bad(format_args!(
+                "corrupted header: section {shstrndx} (e_shstrndx) is not a string table"
+            )));
+        }
+        // In bounds: checked above for every section that is not NOBITS.
+        let names = usize::try_from(names_at)
+            .ok()
+            .zip(usize::try_from(names_len).ok())
+            .and_then(|(at, n)| blob.get(at..at.checked_add(n)?))
+            .unwrap_or_default();
+        for i in 0..shnum {
+            let (name, ..) = section(i);
+            let terminated = usize::try_from(name)
+                .ok()
+                .and_then(|at| names.get(at..))
+                .is_some_and(|rest| rest.contains(&0));
+            if !terminated {
+                return Err(bad(format_args!(
+                    "section {i}'s name (offset {name}) lies outside the section name table of {names_len} bytes"
+                )));
+            }
         }
     }
     Ok(ElfInfo {
@@ -243,22 +318,67 @@ pub(crate) fn elf_info(blob: &[u8]) -> Option<ElfInfo> {
     check_elf("", blob).ok()
 }
 
+/// Fatbin entry kind of an ELF cubin.
+const FATBIN_ELF: u64 = 2;
+/// Fatbin entry flag: the payload is compressed.
+const FATBIN_COMPRESSED: u64 = 0x2000;
+
 fn check_fatbin(module: &str, blob: &[u8]) -> Result<()> {
+    let bad =
+        |what: std::fmt::Arguments<'_>| refuse(module, format_args!("malformed fatbin: {what}"));
     // Header: magic u32, version u16, header size u16, payload size u64.
     let header = (|| Some((u16_at(blob, 6)?, u64_at(blob, 8)?)))();
     let Some((header_size, payload)) = header else {
-        return Err(refuse(module, "malformed fatbin: truncated header"));
+        return Err(bad(format_args!("truncated header")));
     };
-    match header_size.checked_add(payload) {
-        Some(total) if header_size >= 16 && total <= blob.len() as u64 => Ok(()),
-        _ => Err(refuse(
-            module,
-            format_args!(
-                "malformed fatbin: its header describes {header_size} + {payload} bytes, the blob has {}",
+    let total = header_size.checked_add(payload);
+    let end = match total {
+        Some(total) if header_size >= 16 && total <= blob.len() as u64 => total,
+        _ => {
+            return Err(bad(format_args!(
+                "its header describes {header_size} + {payload} bytes, the blob has {}",
                 blob.len()
-            ),
-        )),
+            )))
+        }
+    };
+    // Entries follow back to back: kind u16, version u16, header size u32, payload
+    // size u64, ..., flags u64 at 0x28. Each must lie inside the container.
+    let mut at = header_size;
+    let mut index = 0;
+    while at < end {
+        let field = |off: u64, f: fn(&[u8], usize) -> Option<u64>| {
+            usize::try_from(at + off).ok().and_then(|i| f(blob, i))
+        };
+        let (Some(kind), Some(entry_header), Some(size)) =
+            (field(0, u16_at), field(4, u32_at), field(8, u64_at))
+        else {
+            return Err(bad(format_args!(
+                "entry {index} at offset {at}: truncated entry header"
+            )));
+        };
+        let flags = field(0x28, u64_at).unwrap_or(0);
+        let entry_end = at
+            .checked_add(entry_header)
+            .and_then(|p| p.checked_add(size));
+        if entry_header < 16 || entry_end.is_none_or(|e| e > end) {
+            return Err(bad(format_args!(
+                "entry {index} at offset {at} claims {entry_header} + {size} bytes, past the end of the fatbin ({end} bytes)"
+            )));
+        }
+        let start = (at + entry_header) as usize;
+        let body = &blob[start..start + size as usize];
+        if kind == FATBIN_ELF && flags & FATBIN_COMPRESSED == 0 && body.starts_with(ELF_MAGIC) {
+            check_elf(module, body).map_err(|e| match e {
+                MetraleError::InvalidBlob { reason, .. } => {
+                    bad(format_args!("entry {index}: {reason}"))
+                }
+                other => other,
+            })?;
+        }
+        at = entry_end.unwrap_or(end);
+        index += 1;
     }
+    Ok(())
 }
 
 /// The CUDA entry of a clang offload bundle (the first whose target triple names

@@ -2,14 +2,17 @@
 //! the teardown rule ([`is_teardown_noop`]).
 //!
 //! This module is the one place where a `CUresult` becomes an error. Driver calls go
-//! through the crate's `cu!` macro, which yields a small `Copy` [`CallError`] (the call's
-//! name and its status, or the missing symbol); the caller then attaches what it was
-//! working on (module, kernel, symbol, launch shape) while turning it into a
-//! [`MetraleError`]. Text is built only on that error path, never on success.
+//! through the crate's `cu!` macro, which yields a small `Copy` [`CallError`] (the
+//! call's name and its status, or the missing symbol); the caller attaches what it
+//! was working on while turning it into a [`MetraleError`]. Variants carry data (the
+//! call, the status, the module, kernel or symbol, the launch shape, the JIT log);
+//! text is made only when an error is displayed, never on success.
 //!
-//! Invariant: every [`MetraleError`] text names the driver call that failed (or the
-//! check that refused the input), the status name and number with the driver's
-//! description, and the module, kernel or symbol involved.
+//! Invariants:
+//! - Every [`MetraleError`] text names the driver call that failed (or the check
+//!   that refused the input), the status name and number with the driver's
+//!   description, and the device, module, kernel, symbol or copy involved.
+//! - `{:?}` of an error is its message, so `fn main() -> Result<()>` prints words.
 
 use std::ffi::{c_char, CStr};
 use std::fmt;
@@ -88,8 +91,71 @@ pub(crate) fn loaded_driver_version() -> Option<i32> {
     unsafe { f(&mut version) }.is_success().then_some(version)
 }
 
+/// What a name lookup was looking for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NameKind {
+    /// A module of the registry.
+    Module,
+    /// A kernel (`__global__` function) of a module.
+    Kernel,
+    /// A `__device__` symbol of a module.
+    Symbol,
+}
+
+impl NameKind {
+    fn word(self) -> &'static str {
+        match self {
+            NameKind::Module => "module",
+            NameKind::Kernel => "kernel",
+            NameKind::Symbol => "symbol",
+        }
+    }
+}
+
+/// The shape of a launch, as an error reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LaunchShape {
+    /// Blocks in the grid (x, y, z).
+    pub grid: [u32; 3],
+    /// Threads in a block (x, y, z).
+    pub block: [u32; 3],
+    /// Dynamic shared memory per block, bytes.
+    pub shared_mem_bytes: u32,
+    /// Extended launch attributes (` cluster=[4,1,1] cooperative`), or empty.
+    pub attributes: String,
+}
+
+impl fmt::Display for LaunchShape {
+    /// `(grid=[x,y,z], block=[x,y,z], shared_mem=N cluster=[..])`
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (g, b) = (self.grid, self.block);
+        write!(
+            f,
+            "(grid=[{},{},{}], block=[{},{},{}], shared_mem={}{})",
+            g[0], g[1], g[2], b[0], b[1], b[2], self.shared_mem_bytes, self.attributes
+        )
+    }
+}
+
+/// Why a launch did not happen.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LaunchFailure {
+    /// A driver call (the launch itself, or the shared-memory opt-in) failed.
+    Driver {
+        /// The driver function.
+        call: &'static str,
+        /// Its status.
+        status: CUresult,
+    },
+    /// Refused before the driver was called; the reason names the rule.
+    Refused(String),
+}
+
 /// Everything that can go wrong in metrale.
-#[derive(Debug, Clone, thiserror::Error)]
+///
+/// Each variant carries the data of the failure; `Display` (and `Debug`, which
+/// prints the same message) puts it into words.
+#[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum MetraleError {
     /// The driver library could not be loaded (the loader's list of what was tried).
@@ -111,43 +177,169 @@ pub enum MetraleError {
     },
 
     /// A driver call returned an error status.
-    #[error("{subject}: {call} failed: {text}")]
+    #[error("{subject}: {call} failed: {}", cuda_error_text(*status))]
     Driver {
         /// The driver function.
         call: &'static str,
         /// Its status.
         status: CUresult,
-        /// [`cuda_error_text`] of the status.
-        text: String,
-        /// What was being done (`device 0`, `stream synchronize`).
+        /// What was being done (`device 0 stream synchronize`).
         subject: String,
     },
 
-    /// A module could not be loaded, or a name could not be found in one.
-    #[error("{message}")]
+    /// The driver refused to load a module (with the JIT log for PTX).
+    #[error(
+        "{module}: {call} failed: {} [{image}]{}{}",
+        cuda_error_text(*status),
+        hint.as_deref().map(|h| format!("; {h}")).unwrap_or_default(),
+        jit_log.as_deref().map(|l| format!("\nJIT error log:\n{l}")).unwrap_or_default()
+    )]
     ModuleLoad {
         /// The module's name.
         module: String,
-        /// The full text: module (and kernel or symbol), call, status, JIT log.
-        message: String,
-        /// The driver's status, when a driver call failed.
+        /// The loading call (`cuModuleLoadDataEx`, `cuLibraryLoadData`).
+        call: &'static str,
+        /// Its status.
+        status: CUresult,
+        /// What was handed to the driver (`PTX of 87 bytes`).
+        image: String,
+        /// What the blob was built for, when the device cannot run it.
+        hint: Option<String>,
+        /// The JIT compiler's error log, when it wrote one.
+        jit_log: Option<String>,
+    },
+
+    /// A kernel blob was refused before the driver saw it (malformed, empty, ...).
+    #[error("{module}: {reason}")]
+    InvalidBlob {
+        /// The module's name.
+        module: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+
+    /// An unknown module, kernel or symbol.
+    #[error("{}", not_found_text(*kind, module, name.as_deref(), *call, *status))]
+    NotFound {
+        /// What was not found.
+        kind: NameKind,
+        /// The module (asked for, or searched).
+        module: String,
+        /// The kernel or symbol asked for, if any.
+        name: Option<String>,
+        /// The driver call that reported it, when the driver did.
+        call: Option<&'static str>,
+        /// Its status (`CUDA_ERROR_NOT_FOUND`).
         status: Option<CUresult>,
     },
 
-    /// A launch was refused (before or by the driver).
-    #[error("{message}")]
+    /// A kernel or symbol name the driver cannot be given (an interior NUL).
+    #[error(
+        "{module}::{}: name has an interior NUL byte at offset {nul_at}",
+        name.escape_debug()
+    )]
+    InvalidName {
+        /// The module.
+        module: String,
+        /// The name as given.
+        name: String,
+        /// Where its first NUL is.
+        nul_at: usize,
+    },
+
+    /// A launch failed, before or in the driver.
+    #[error("{}", launch_text(kernel, shape, failure))]
     KernelLaunch {
-        /// `module::kernel`, or the raw handle when the registry does not know it.
+        /// `module::kernel`.
         kernel: String,
-        /// The full text: kernel, call, status, grid, block and shared memory.
-        message: String,
-        /// The driver's status, when a driver call failed.
-        status: Option<CUresult>,
+        /// Grid, block, shared memory and attributes.
+        shape: LaunchShape,
+        /// The driver's refusal, or the rule that refused it first.
+        failure: LaunchFailure,
+    },
+
+    /// Typed arguments that do not match the kernel's parameter list (checked
+    /// before the driver, against `cuFuncGetParamInfo`).
+    #[error("{}", mismatch_text(kernel, *index, *expected, *given))]
+    ArgumentMismatch {
+        /// `module::kernel`.
+        kernel: String,
+        /// The parameter index of a size mismatch; `None` for a count mismatch.
+        index: Option<usize>,
+        /// The kernel's parameter size in bytes (or its parameter count).
+        expected: usize,
+        /// The argument's size in bytes (or the argument count).
+        given: usize,
+    },
+
+    /// A handle of one device (or context) used with another's.
+    #[error("{}", wrong_device_text(what, *belongs_to, used_with, *used_device))]
+    WrongDevice {
+        /// The handle (`kernel 'm::k'`, `device buffer`).
+        what: String,
+        /// The device it belongs to.
+        belongs_to: usize,
+        /// What it was used with (`a stream`, `registry`).
+        used_with: String,
+        /// That one's device.
+        used_device: usize,
+    },
+
+    /// A kernel handle from another registry, or one that was dropped.
+    #[error(
+        "kernel '{kernel}': the handle comes from another registry (or one that was dropped); \
+         look the kernel up through this registry"
+    )]
+    ForeignHandle {
+        /// The kernel the handle was looked up as.
+        kernel: String,
+    },
+
+    /// A `__device__` symbol whose size does not match the type asked for.
+    #[error(
+        "{module}::{symbol}: the symbol is {symbol_bytes} bytes, {elements} x {type_name} is {type_bytes}"
+    )]
+    SymbolSize {
+        /// The module.
+        module: String,
+        /// The symbol.
+        symbol: String,
+        /// Its size as the driver reports it.
+        symbol_bytes: usize,
+        /// The element type asked for.
+        type_name: &'static str,
+        /// How many elements were asked for.
+        elements: usize,
+        /// Their size in bytes.
+        type_bytes: usize,
+    },
+
+    /// `cuGraphExecUpdate` refused a new graph for an executable graph.
+    #[error(
+        "graph update on device {device} refused: {} ({}){}",
+        update_reason(*result),
+        result_name(*result),
+        node.as_deref().map(|n| format!(", at {n}")).unwrap_or_default()
+    )]
+    GraphUpdate {
+        /// The device.
+        device: usize,
+        /// The driver's verdict (`CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED`).
+        result: sys::CUgraphExecUpdateResult,
+        /// The node the driver blamed, described.
+        node: Option<String>,
     },
 
     /// Input the driver would reject (or crash on) was refused before any call.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+}
+
+impl fmt::Debug for MetraleError {
+    /// The message itself, so `main` returning an error prints words, not a struct.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
 }
 
 fn version_suffix(version: Option<i32>) -> String {
@@ -157,14 +349,131 @@ fn version_suffix(version: Option<i32>) -> String {
     }
 }
 
+fn not_found_text(
+    kind: NameKind,
+    module: &str,
+    name: Option<&str>,
+    call: Option<&'static str>,
+    status: Option<CUresult>,
+) -> String {
+    match (kind, call, status) {
+        (NameKind::Module, _, _) => match name {
+            Some(n) => format!("Module '{module}' not loaded (looking up '{module}::{n}')"),
+            None => format!("Module '{module}' not loaded"),
+        },
+        (_, Some(call), Some(status)) => format!(
+            "{module}::{}: {call} failed: {}",
+            name.unwrap_or_default(),
+            cuda_error_text(status)
+        ),
+        _ => format!(
+            "{module}::{}: no such {} in the module",
+            name.unwrap_or_default(),
+            kind.word()
+        ),
+    }
+}
+
+fn launch_text(kernel: &str, shape: &LaunchShape, failure: &LaunchFailure) -> String {
+    match failure {
+        LaunchFailure::Driver { call, status } => format!(
+            "kernel '{kernel}': {call} failed: {} {shape}",
+            cuda_error_text(*status)
+        ),
+        LaunchFailure::Refused(why) => {
+            format!("kernel '{kernel}': launch not attempted, {why} {shape}")
+        }
+    }
+}
+
+fn mismatch_text(kernel: &str, index: Option<usize>, expected: usize, given: usize) -> String {
+    match index {
+        None => format!(
+            "kernel '{kernel}': launch not attempted, {given} argument(s) given, the kernel takes {expected} parameter(s)"
+        ),
+        Some(i) => format!(
+            "kernel '{kernel}': launch not attempted, argument {i} is {given} bytes, the kernel's parameter {i} is {expected} bytes"
+        ),
+    }
+}
+
+fn wrong_device_text(what: &str, belongs_to: usize, used_with: &str, used_device: usize) -> String {
+    if belongs_to == used_device {
+        format!(
+            "{what} belongs to an earlier context of device {belongs_to} (released and created \
+             anew since), not to the one of {used_with}"
+        )
+    } else {
+        format!("{what} belongs to device {belongs_to}, but {used_with} is on device {used_device}")
+    }
+}
+
+fn result_name(r: sys::CUgraphExecUpdateResult) -> String {
+    use sys::CUgraphExecUpdateResult as R;
+    let name = match r {
+        R::CU_GRAPH_EXEC_UPDATE_SUCCESS => "CU_GRAPH_EXEC_UPDATE_SUCCESS",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR => "CU_GRAPH_EXEC_UPDATE_ERROR",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED => "CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED => {
+            "CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED"
+        }
+        _ => return format!("CU_GRAPH_EXEC_UPDATE result {}", r.0),
+    };
+    name.to_owned()
+}
+
+/// `cuGraphExecUpdate`'s verdict in words.
+fn update_reason(r: sys::CUgraphExecUpdateResult) -> &'static str {
+    use sys::CUgraphExecUpdateResult as R;
+    match r {
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED => {
+            "the graph's topology changed (nodes or edges added or removed)"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NODE_TYPE_CHANGED => "a node's type changed",
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_FUNCTION_CHANGED => {
+            "a kernel node's function changed in a way the driver cannot update"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_PARAMETERS_CHANGED => {
+            "a node's parameters changed in a way the driver cannot update"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_NOT_SUPPORTED => {
+            "something in the graph cannot be updated in place"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_UNSUPPORTED_FUNCTION_CHANGE => {
+            "a kernel node's function changed to one of another module or context"
+        }
+        R::CU_GRAPH_EXEC_UPDATE_ERROR_ATTRIBUTES_CHANGED => "a node's attributes changed",
+        _ => "the driver could not update the executable graph",
+    }
+}
+
 impl MetraleError {
     /// The driver status behind this error, when a driver call returned one.
     pub fn status(&self) -> Option<CUresult> {
         match self {
-            MetraleError::Driver { status, .. } => Some(*status),
-            MetraleError::ModuleLoad { status, .. } | MetraleError::KernelLaunch { status, .. } => {
-                *status
+            MetraleError::Driver { status, .. } | MetraleError::ModuleLoad { status, .. } => {
+                Some(*status)
             }
+            MetraleError::NotFound { status, .. } => *status,
+            MetraleError::KernelLaunch {
+                failure: LaunchFailure::Driver { status, .. },
+                ..
+            } => Some(*status),
             _ => None,
         }
     }
@@ -184,6 +493,25 @@ pub enum CallError {
     Missing(sys::MissingSymbol),
 }
 
+impl fmt::Display for CallError {
+    /// `call failed: NAME (n): description`, or the missing-symbol sentence.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match *self {
+            CallError::Status { call, status } => {
+                write!(f, "{call} failed: {}", cuda_error_text(status))
+            }
+            CallError::Missing(m) => write!(
+                f,
+                "{} is not exported by the loaded CUDA driver{}",
+                m.name,
+                version_suffix(loaded_driver_version())
+            ),
+        }
+    }
+}
+
+impl std::error::Error for CallError {}
+
 impl CallError {
     /// The status, for a call that returned one.
     pub fn status(self) -> Option<CUresult> {
@@ -193,27 +521,13 @@ impl CallError {
         }
     }
 
-    /// `call failed: NAME (n): description`, or the missing-symbol sentence.
-    fn describe(self) -> String {
-        match self {
-            CallError::Status { call, status } => {
-                format!("{call} failed: {}", cuda_error_text(status))
-            }
-            CallError::Missing(m) => format!(
-                "{} is not exported by the loaded CUDA driver{}",
-                m.name,
-                version_suffix(loaded_driver_version())
-            ),
-        }
-    }
-
     /// The error for a call made while working on `subject` (`device 0`, ...).
+    #[cold]
     pub fn about(self, subject: impl fmt::Display) -> MetraleError {
         match self {
             CallError::Status { call, status } => MetraleError::Driver {
                 call,
                 status,
-                text: cuda_error_text(status),
                 subject: subject.to_string(),
             },
             CallError::Missing(m) => MetraleError::MissingSymbol {
@@ -224,29 +538,35 @@ impl CallError {
         }
     }
 
-    /// A [`MetraleError::ModuleLoad`] for `module`; `prefix` names the module and
-    /// the kernel or symbol (`vec_add::vadd`), `extra` is appended (a JIT log). A
-    /// missing driver symbol stays a [`MetraleError::MissingSymbol`] about `prefix`.
-    pub(crate) fn module_error(self, module: &str, prefix: &str, extra: &str) -> MetraleError {
+    /// A lookup of `name` (a kernel or symbol) in `module` failed: NOT_FOUND is a
+    /// [`MetraleError::NotFound`], other statuses a [`MetraleError::Driver`] about
+    /// `module::name`.
+    #[cold]
+    pub(crate) fn lookup(self, kind: NameKind, module: &str, name: &str) -> MetraleError {
         match self {
-            CallError::Missing(_) => self.about(prefix),
-            CallError::Status { .. } => MetraleError::ModuleLoad {
-                module: module.to_owned(),
-                message: format!("{prefix}: {}{extra}", self.describe()),
-                status: self.status(),
-            },
+            CallError::Status { call, status } if status == CUresult::CUDA_ERROR_NOT_FOUND => {
+                MetraleError::NotFound {
+                    kind,
+                    module: module.to_owned(),
+                    name: Some(name.to_owned()),
+                    call: Some(call),
+                    status: Some(status),
+                }
+            }
+            _ => self.about(format_args!("{module}::{name}")),
         }
     }
 
-    /// A [`MetraleError::KernelLaunch`] for `kernel`, with the launch's shape. A
-    /// missing driver symbol stays a [`MetraleError::MissingSymbol`] about the kernel.
-    pub(crate) fn launch_error(self, kernel: &str, shape: &dyn fmt::Display) -> MetraleError {
+    /// A launch failed in the driver: a [`MetraleError::KernelLaunch`] with the
+    /// shape, or a missing-symbol error about the kernel.
+    #[cold]
+    pub(crate) fn launch(self, kernel: &str, shape: LaunchShape) -> MetraleError {
         match self {
             CallError::Missing(_) => self.about(format_args!("kernel '{kernel}'")),
-            CallError::Status { .. } => MetraleError::KernelLaunch {
+            CallError::Status { call, status } => MetraleError::KernelLaunch {
                 kernel: kernel.to_owned(),
-                message: format!("kernel '{kernel}': {} {shape}", self.describe()),
-                status: self.status(),
+                shape,
+                failure: LaunchFailure::Driver { call, status },
             },
         }
     }
@@ -258,7 +578,7 @@ impl From<sys::MissingSymbol> for CallError {
     }
 }
 
-/// Call a driver function through the process table and check its status:
+/// Call a driver function through a table and check its status:
 /// `cu!(driver, cuCtxSetCurrent(ctx))` is a `Result<(), CallError>`.
 ///
 /// The macro expands to an `unsafe` call; each use site carries the `// SAFETY:`
@@ -283,14 +603,18 @@ pub(crate) use cu;
 /// Report a failure met while dropping a resource: teardown no-ops are success,
 /// anything else is one line on stderr. Never panics.
 pub(crate) fn report_drop_failures(what: fmt::Arguments<'_>, failures: &[CallError]) {
-    use std::io::Write as _;
     let real: Vec<String> = failures
         .iter()
         .filter(|f| !f.status().is_some_and(is_teardown_noop))
-        .map(|f| f.describe())
+        .map(ToString::to_string)
         .collect();
     if !real.is_empty() {
-        // A failed write to stderr cannot be reported anywhere else.
-        let _ = writeln!(std::io::stderr(), "metrale: {what}: {}", real.join("; "));
+        report_line(format_args!("{what}: {}", real.join("; ")));
     }
+}
+
+/// One line on stderr, `metrale: ...`; a failed write cannot be reported anywhere.
+pub(crate) fn report_line(text: fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "metrale: {text}");
 }

@@ -1,29 +1,35 @@
-//! Launch configuration, its validation, typed kernel arguments, and the
-//! dynamic shared memory opt-in bookkeeping.
+//! Launching kernels: [`LaunchConfig`] and its checks, [`LaunchAttributes`] for
+//! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`]), and the one launch path
+//! every launch of the crate goes through (plain or extended, typed or raw, from a
+//! stream, the registry or a graph update).
 //!
-//! Owns:
-//! - [`LaunchConfig`] (grid, block, dynamic shared memory) and its checks, against
-//!   the fixed CUDA rules ([`LaunchConfig::new`]) and against a device's limits
-//!   ([`LaunchConfig::validate_for`]);
-//! - [`KernelArgs`]: tuples of [`KernelArg`] values packed into the driver's
-//!   `void**` array on the stack, with no heap allocation;
-//! - `SmemOptIns`, the per-registry record of the dynamic shared memory limit set on
-//!   each kernel, so `cuFuncSetAttribute` runs once per kernel and size, not per launch.
-//!
-//! Invariant: nothing here allocates or locks on the launch path.
+//! Invariants:
+//! - A launch is refused before the driver is called when the kernel belongs to
+//!   another context than the stream, when the shape breaks the device's limits or
+//!   the attributes' rules, or when typed arguments do not match the kernel's
+//!   parameter layout (count and each size; skipped when the driver cannot report
+//!   the layout).
+//! - The hot path (bind, those checks, the shared-memory check, the launch call)
+//!   allocates nothing and takes no lock; text is made only on failure.
+//! - Dynamic shared memory above what the kernel is set to is opted in once
+//!   (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`), under the kernel's lock.
 
-use std::ffi::c_void;
+use std::ffi::{c_uint, c_void};
 use std::fmt;
-use std::sync::atomic::{AtomicPtr, AtomicU32, Ordering};
+use std::sync::Arc;
 
 use metrale_cuda_sys::{
-    CUdeviceptr, CUfunction, CUlaunchAttribute, CUlaunchAttributeID,
+    self as sys, CUdeviceptr, CUlaunchAttribute, CUlaunchAttributeID,
     CUlaunchAttributeValue_union__bindgen_ty_1,
 };
 
-use crate::error::{MetraleError, Result};
-use crate::host::DeviceLimits;
-use crate::memory::{DeviceBuffer, DeviceRepr};
+use crate::context::{CudaContext, DeviceLimits};
+use crate::error::{cu, LaunchFailure, LaunchShape, MetraleError, Result};
+use crate::function::{CudaFunction, KernelInfo};
+use crate::memory::{
+    DeviceBuffer, DevicePod, DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer,
+};
+use crate::stream::CudaStream;
 
 /// Dynamic shared memory a kernel may use without opting in (48 KiB).
 pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
@@ -257,46 +263,58 @@ impl fmt::Display for LaunchAttributes {
 /// One kernel argument: something whose bytes are passed by pointer to the driver.
 ///
 /// # Safety
-/// `param_ptr` must return a pointer to this value's bytes, valid while `self` is
-/// borrowed, laid out as the kernel's matching parameter expects.
+/// `param_ptr` must return a pointer to `SIZE` bytes of this value, valid while
+/// `self` is borrowed, laid out as the kernel's matching parameter expects.
 pub unsafe trait KernelArg {
+    /// The bytes the kernel receives (checked against its parameter layout).
+    const SIZE: usize;
     /// Pointer to the argument's bytes.
     fn param_ptr(&self) -> *mut c_void;
 }
 
-// SAFETY: a plain-old-data value is passed by its own bytes.
+// SAFETY: a DeviceRepr value is passed by its own bytes.
 unsafe impl<T: DeviceRepr> KernelArg for T {
+    const SIZE: usize = std::mem::size_of::<T>();
     #[inline]
     fn param_ptr(&self) -> *mut c_void {
         (self as *const T).cast_mut().cast()
     }
 }
 
-// SAFETY: a device buffer is passed as its device address, a `CUdeviceptr` field the
-// buffer holds for as long as it is borrowed.
-unsafe impl<T: DeviceRepr> KernelArg for &DeviceBuffer<T> {
-    #[inline]
-    fn param_ptr(&self) -> *mut c_void {
-        self.device_ptr_ref() as *const CUdeviceptr as *mut c_void
-    }
+/// Device memory handles are passed as their address: a `CUdeviceptr` field the
+/// handle holds for as long as it is borrowed.
+macro_rules! pointer_arg {
+    ($([$($gen:tt)*] $ty:ty),* $(,)?) => { $(
+        // SAFETY: `device_ptr_ref` points at the handle's own CUdeviceptr field.
+        unsafe impl<$($gen)*> KernelArg for $ty {
+            const SIZE: usize = std::mem::size_of::<CUdeviceptr>();
+            #[inline]
+            fn param_ptr(&self) -> *mut c_void {
+                (self.device_ptr_ref() as *const CUdeviceptr).cast_mut().cast()
+            }
+        }
+    )* };
 }
-
-// SAFETY: as for `&DeviceBuffer<T>`.
-unsafe impl<T: DeviceRepr> KernelArg for &mut DeviceBuffer<T> {
-    #[inline]
-    fn param_ptr(&self) -> *mut c_void {
-        self.device_ptr_ref() as *const CUdeviceptr as *mut c_void
-    }
-}
+pointer_arg!(
+    [T: DeviceRepr] &DeviceBuffer<T>,
+    [T: DeviceRepr] &mut DeviceBuffer<T>,
+    ['a, T: DeviceRepr] DeviceSlice<'a, T>,
+    ['a, 'b, T: DeviceRepr] &'b DeviceSlice<'a, T>,
+    ['a, T: DeviceRepr] DeviceSliceMut<'a, T>,
+    ['a, 'b, T: DeviceRepr] &'b mut DeviceSliceMut<'a, T>,
+    [T: DevicePod] &ManagedBuffer<T>,
+    [T: DevicePod] &mut ManagedBuffer<T>,
+    [T: DeviceRepr] &DeviceSymbol<T>,
+);
 
 /// A kernel's whole argument list: a tuple of up to 16 [`KernelArg`]s, or `()`.
 ///
 /// # Safety
 /// `with_params` must pass `f` an array holding one valid [`KernelArg::param_ptr`]
-/// per element, in order.
+/// per element, in order, and `SIZES` must list each element's `SIZE`.
 pub unsafe trait KernelArgs {
-    /// Number of arguments.
-    const COUNT: usize;
+    /// Each argument's size in bytes, in order.
+    const SIZES: &'static [usize];
     /// Call `f` with the packed `void*` array (on the stack).
     fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R;
 }
@@ -305,7 +323,7 @@ macro_rules! impl_kernel_args {
     ($n:literal; $($t:ident . $i:tt),*) => {
         // SAFETY: one pointer per tuple element, in order, borrowed from `self`.
         unsafe impl<$($t: KernelArg),*> KernelArgs for ($($t,)*) {
-            const COUNT: usize = $n;
+            const SIZES: &'static [usize] = &[$($t::SIZE),*];
             #[inline]
             fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
                 let mut params: [*mut c_void; $n] = [$(self.$i.param_ptr()),*];
@@ -317,7 +335,7 @@ macro_rules! impl_kernel_args {
 
 // SAFETY: no arguments, an empty array.
 unsafe impl KernelArgs for () {
-    const COUNT: usize = 0;
+    const SIZES: &'static [usize] = &[];
     #[inline]
     fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
         f(&mut [])
@@ -340,66 +358,294 @@ impl_kernel_args!(14; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.
 impl_kernel_args!(15; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14);
 impl_kernel_args!(16; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15);
 
-/// Kernels whose dynamic shared memory limit this registry raised, with the limit:
-/// a fixed-size, lock-free open-addressing table (no allocation on the launch path).
-/// A kernel that finds the table full is opted in on every launch above 48 KiB,
-/// which is correct, only slower.
-pub(crate) struct SmemOptIns {
-    slots: [(AtomicPtr<c_void>, AtomicU32); Self::SLOTS],
+/// The shape of a launch as an error reports it.
+#[cold]
+pub(crate) fn shape(cfg: &LaunchConfig, attrs: Option<&LaunchAttributes>) -> LaunchShape {
+    let (g, b) = (cfg.grid_dim, cfg.block_dim);
+    LaunchShape {
+        grid: [g.0, g.1, g.2],
+        block: [b.0, b.1, b.2],
+        shared_mem_bytes: cfg.shared_mem_bytes,
+        attributes: attrs.map(ToString::to_string).unwrap_or_default(),
+    }
 }
 
-impl SmemOptIns {
-    const SLOTS: usize = 64;
+#[cold]
+fn refused(
+    info: &KernelInfo,
+    cfg: &LaunchConfig,
+    attrs: Option<&LaunchAttributes>,
+    why: String,
+) -> MetraleError {
+    MetraleError::KernelLaunch {
+        kernel: info.name.to_string(),
+        shape: shape(cfg, attrs),
+        failure: LaunchFailure::Refused(why),
+    }
+}
 
-    pub(crate) fn new() -> SmemOptIns {
-        SmemOptIns {
-            slots: std::array::from_fn(|_| (AtomicPtr::default(), AtomicU32::new(0))),
+/// Compare typed argument sizes with the kernel's layout (when the driver gave one).
+#[inline]
+pub(crate) fn check_args(info: &KernelInfo, sizes: &[usize]) -> Result<()> {
+    let Some(params) = info.params.as_deref() else {
+        return Ok(());
+    };
+    if params.len() != sizes.len() {
+        return Err(mismatch(info, None, params.len(), sizes.len()));
+    }
+    for (i, (p, &given)) in params.iter().zip(sizes).enumerate() {
+        if p.size != given {
+            return Err(mismatch(info, Some(i), p.size, given));
         }
     }
+    Ok(())
+}
 
-    fn start(func: CUfunction) -> usize {
-        // Kernel handles are heap addresses: drop the alignment bits, then mix.
-        let x = (func as usize >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15_u64 as usize);
-        x % Self::SLOTS
+#[cold]
+fn mismatch(
+    info: &KernelInfo,
+    index: Option<usize>,
+    expected: usize,
+    given: usize,
+) -> MetraleError {
+    MetraleError::ArgumentMismatch {
+        kernel: info.name.to_string(),
+        index,
+        expected,
+        given,
     }
+}
 
-    /// The limit recorded for `func` (0 when none).
-    #[inline]
-    pub(crate) fn limit(&self, func: CUfunction) -> u32 {
-        let key = func.cast::<c_void>();
-        let start = Self::start(func);
-        for i in 0..Self::SLOTS {
-            let (k, v) = &self.slots[(start + i) % Self::SLOTS];
-            let found = k.load(Ordering::Acquire);
-            if found == key {
-                return v.load(Ordering::Acquire);
-            }
-            if found.is_null() {
-                return 0;
-            }
+#[cold]
+fn wrong_device(info: &KernelInfo, kernel_ctx: &CudaContext, stream: &CudaStream) -> MetraleError {
+    MetraleError::WrongDevice {
+        what: format!("kernel '{}'", info.name),
+        belongs_to: kernel_ctx.ordinal(),
+        used_with: "the stream".to_owned(),
+        used_device: stream.ordinal(),
+    }
+}
+
+/// Check a launch against the device (shape, attributes, typed argument sizes when
+/// given) and opt the kernel in to the dynamic shared memory it needs. The context
+/// must be current. Also used by graph node updates.
+#[inline]
+pub(crate) fn prepare(
+    ctx: &CudaContext,
+    info: &KernelInfo,
+    cfg: &LaunchConfig,
+    attrs: Option<&LaunchAttributes>,
+    sizes: Option<&[usize]>,
+) -> Result<()> {
+    let limits = ctx.limits();
+    if let Err(why) = cfg.check_limits(limits) {
+        return Err(refused(info, cfg, attrs, why));
+    }
+    if let Some(a) = attrs {
+        if let Err(why) = a.check(cfg, limits) {
+            return Err(refused(info, cfg, attrs, why));
         }
-        0
     }
+    if let Some(sizes) = sizes {
+        check_args(info, sizes)?;
+    }
+    if !info.smem_ready(cfg.shared_mem_bytes) {
+        info.opt_in(ctx.driver(), cfg.shared_mem_bytes)
+            .map_err(|e| e.launch(&info.name, shape(cfg, attrs)))?;
+    }
+    Ok(())
+}
 
-    /// Record that `func`'s limit is now at least `bytes`.
-    pub(crate) fn record(&self, func: CUfunction, bytes: u32) {
-        let key = func.cast::<c_void>();
-        let start = Self::start(func);
-        for i in 0..Self::SLOTS {
-            let (k, v) = &self.slots[(start + i) % Self::SLOTS];
-            let claimed = match k.compare_exchange(
-                std::ptr::null_mut(),
-                key,
-                Ordering::AcqRel,
-                Ordering::Acquire,
-            ) {
-                Ok(_) => true,
-                Err(existing) => existing == key,
+/// The one launch path: the kernel `info` (of context `kernel_ctx`) on `stream`.
+///
+/// # Safety
+/// `params` holds one pointer per kernel parameter, each to a value of the
+/// parameter's type, valid for this call; what the kernel reads and writes stays
+/// valid until it finishes.
+#[inline]
+pub(crate) unsafe fn launch_kernel(
+    stream: &CudaStream,
+    kernel_ctx: &Arc<CudaContext>,
+    info: &KernelInfo,
+    cfg: &LaunchConfig,
+    attrs: Option<&LaunchAttributes>,
+    sizes: Option<&[usize]>,
+    params: *mut *mut c_void,
+) -> Result<()> {
+    let ctx = stream.context();
+    if !Arc::ptr_eq(ctx, kernel_ctx) {
+        return Err(wrong_device(info, kernel_ctx, stream));
+    }
+    if let Err(e) = ctx.bind_fast() {
+        return Err(e.launch(&info.name, shape(cfg, attrs)));
+    }
+    prepare(ctx, info, cfg, attrs, sizes)?;
+    let d = ctx.driver();
+    let (g, b) = (cfg.grid_dim, cfg.block_dim);
+    let launched = match attrs {
+        // SAFETY: the caller's contract covers the parameters; the handle is live (its
+        // table is held by the caller), the stream is of this current context and the
+        // shape was checked.
+        None => unsafe {
+            cu!(
+                d,
+                cuLaunchKernel(
+                    info.raw,
+                    g.0,
+                    g.1,
+                    g.2,
+                    b.0,
+                    b.1,
+                    b.2,
+                    cfg.shared_mem_bytes,
+                    stream.raw(),
+                    params,
+                    std::ptr::null_mut()
+                )
+            )
+        },
+        Some(a) => {
+            let (mut driver_attrs, n) = a.to_driver();
+            let config = sys::CUlaunchConfig {
+                gridDimX: g.0,
+                gridDimY: g.1,
+                gridDimZ: g.2,
+                blockDimX: b.0,
+                blockDimY: b.1,
+                blockDimZ: b.2,
+                sharedMemBytes: cfg.shared_mem_bytes,
+                hStream: stream.raw(),
+                attrs: driver_attrs.as_mut_ptr(),
+                numAttrs: n as c_uint,
             };
-            if claimed {
-                v.fetch_max(bytes, Ordering::AcqRel);
-                return;
+            // SAFETY: as above; `config` and its attribute array live on this frame.
+            unsafe {
+                cu!(
+                    d,
+                    cuLaunchKernelEx(&config, info.raw, params, std::ptr::null_mut())
+                )
             }
+        }
+    };
+    launched.map_err(|e| e.launch(&info.name, shape(cfg, attrs)))
+}
+
+impl CudaStream {
+    /// Launch `f` with typed arguments: a tuple of values and device memory
+    /// (`(&a, &b, &mut c, n)`), packed on the stack. The argument count and each
+    /// argument's size are checked against the kernel's parameter layout before the
+    /// driver is called (where the driver reports it, CUDA 12.4+), as are the
+    /// launch shape and the stream's device.
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::*;
+    /// # fn main() -> Result<()> {
+    /// # let reg = MetraleRegistry::load(0, &[("kernels", b"...")])?;
+    /// let vec_add = reg.function("kernels", "vec_add")?;
+    /// let s = reg.stream();
+    /// let a = DeviceBuffer::from_host(&s, &[1.0f32; 1024])?;
+    /// let b = DeviceBuffer::from_host(&s, &[2.0f32; 1024])?;
+    /// let mut c = DeviceBuffer::<f32>::alloc(&s, 1024)?;
+    /// // SAFETY: vec_add(const float*, const float*, float*, unsigned) over 1024 elements.
+    /// unsafe { s.launch(&vec_add, LaunchConfig::for_num_elems(1024, 256)?, (&a, &b, &mut c, 1024u32))? };
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Safety
+    /// The arguments must mean what the kernel expects (a pointer where it takes a
+    /// pointer to enough elements of the right type, ...): sizes are checked, meaning
+    /// is not. Memory the kernel reads or writes must stay valid until it finishes.
+    ///
+    /// # Errors
+    /// [`MetraleError::ArgumentMismatch`] (count or a size, naming the parameter),
+    /// [`MetraleError::WrongDevice`], [`MetraleError::KernelLaunch`] for an
+    /// impossible shape or the driver's refusal.
+    #[inline]
+    pub unsafe fn launch<A: KernelArgs>(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: A,
+    ) -> Result<()> {
+        args.with_params(|p| {
+            // SAFETY: the packed pointers point into `args`, alive here; the rest is
+            // the caller's contract.
+            unsafe {
+                launch_kernel(
+                    self,
+                    f.context(),
+                    f.info(),
+                    &cfg,
+                    None,
+                    Some(A::SIZES),
+                    p.as_mut_ptr(),
+                )
+            }
+        })
+    }
+
+    /// As [`CudaStream::launch`], through `cuLaunchKernelEx` (CUDA 12.0+) with
+    /// [`LaunchAttributes`]: thread-block clusters, cooperative launch,
+    /// programmatic dependent launch. The cluster shape is checked first too.
+    ///
+    /// # Safety
+    /// As [`CudaStream::launch`].
+    ///
+    /// # Errors
+    /// As [`CudaStream::launch`]; a driver without `cuLaunchKernelEx` gives a
+    /// missing-symbol error naming it.
+    #[inline]
+    pub unsafe fn launch_ex<A: KernelArgs>(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        attrs: &LaunchAttributes,
+        args: A,
+    ) -> Result<()> {
+        args.with_params(|p| {
+            // SAFETY: as for `launch`.
+            unsafe {
+                launch_kernel(
+                    self,
+                    f.context(),
+                    f.info(),
+                    &cfg,
+                    Some(attrs),
+                    Some(A::SIZES),
+                    p.as_mut_ptr(),
+                )
+            }
+        })
+    }
+
+    /// Launch with the driver's `void*` parameter array, built by hand. The
+    /// library cannot know the arguments' sizes here: prefer the typed
+    /// [`CudaStream::launch`], which checks them.
+    ///
+    /// # Safety
+    /// `params` holds one pointer per kernel parameter, each to a value of the
+    /// parameter's type, valid for this call; as [`CudaStream::launch`] otherwise.
+    ///
+    /// # Errors
+    /// As [`CudaStream::launch`], without the argument check.
+    #[inline]
+    pub unsafe fn launch_raw(
+        &self,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            launch_kernel(
+                self,
+                f.context(),
+                f.info(),
+                &cfg,
+                None,
+                None,
+                params.as_mut_ptr(),
+            )
         }
     }
 }

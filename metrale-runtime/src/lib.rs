@@ -1,58 +1,102 @@
-//! Safe access to the CUDA driver for programs that ship their own kernels.
+//! Safe, fast access to the CUDA driver for programs that ship their own kernels.
 //!
 //! metrale-runtime stands on [`metrale_cuda_sys`] (re-exported as [`sys`]): the
 //! driver is loaded at run time, so a program builds and starts on machines without
 //! CUDA and reports a clear error there.
 //!
+//! ## The types
+//!
+//! - [`MetraleRegistry`]: one model's kernel modules (PTX, cubin, fatbin) on a
+//!   device; [`MetraleRegistry::load_on_devices`] loads one model for several.
+//! - [`CudaFunction`]: a kernel, with its attributes, occupancy and parameter
+//!   layout; launched with typed, checked arguments by [`CudaStream::launch`].
+//! - [`CudaStream`] and [`CudaEvent`]: where work is queued, and how streams are
+//!   ordered and timed.
+//! - [`DeviceBuffer`] (and its slices), [`PinnedBuffer`], [`ManagedBuffer`],
+//!   [`MemPool`], [`DeviceSymbol`]: memory, with copies and fills on a stream.
+//! - [`CudaGraph`] and [`CudaGraphExec`]: capture a step once, replay it, update it.
+//! - [`CudaHost`] ([`host()`]), [`CudaContext`] ([`context()`]), [`Device`]: the
+//!   device, its context and default stream, and what the driver says about it.
+//! - [`MetraleError`]: every failure, naming the call, the status and what was
+//!   being worked on.
+//!
 //! | module | owns |
 //! | --- | --- |
 //! | [`error`] | [`MetraleError`], [`Result`], [`cuda_error_text`], [`is_teardown_noop`] |
-//! | [`host`](mod@host) | [`CudaHost`]: per device, `cuInit` once, the primary context, one stream |
-//! | [`blob`] | what a kernel blob is and how it is handed to the driver |
-//! | [`registry`] | [`MetraleRegistry`]: one model's modules, lookups, symbols, copies, launches |
-//! | [`memory`] | [`DeviceBuffer`], [`PinnedBuffer`] |
-//! | [`launch`] | [`LaunchConfig`], typed kernel arguments, the shared-memory opt-in |
+//! | [`context`](mod@context) | `cuInit`, [`CudaContext`], binding, the release rule, [`ContextGuard`] |
+//! | [`device`] | [`Device`]: count, name, UUID, memory, attributes, peer access |
+//! | [`stream`] | [`CudaStream`], [`CudaEvent`] |
+//! | [`blob`] | what a kernel blob is, checked before the driver sees it |
+//! | [`module`] | loading blobs as modules or libraries, JIT logs |
+//! | [`host`](mod@host) | [`CudaHost`]: a device's context and default stream |
+//! | [`function`] | [`CudaFunction`], [`RawCudaFunc`], attributes, parameter layout |
+//! | [`memory`] | buffers, slices, pools, symbols, copies and fills |
+//! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, the launch path |
+//! | [`registry`] | [`MetraleRegistry`], the seed's facade |
+//! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
 //! the calling thread when it is not; every error names the call, the status and
-//! what was being worked on; Drop never panics, and treats "driver or context already
-//! gone" as nothing left to free.
+//! what was being worked on; no safe function hands the driver an unchecked raw
+//! handle, and a handle of one device used with another is an error; safe code
+//! cannot end a borrow while an async operation may still touch that memory; Drop
+//! never panics, and treats "driver or context already gone" as nothing left to
+//! free.
 //!
 //! ```no_run
-//! use std::sync::OnceLock;
-//! use metrale_runtime::{DeviceBuffer, LaunchConfig, MetraleRegistry, RawCudaFunc};
+//! use metrale_runtime::{DeviceBuffer, LaunchConfig, MetraleRegistry};
 //!
 //! static PTX: &[u8] = b"..."; // e.g. include_bytes!("kernels.ptx")
-//! static VEC_ADD: OnceLock<RawCudaFunc> = OnceLock::new();
 //!
 //! # fn main() -> metrale_runtime::Result<()> {
 //! let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
-//! let f = reg.raw_function_cached(&VEC_ADD, "kernels", "vec_add")?;
-//! let a = DeviceBuffer::from_host(reg.host(), &[1.0f32; 1024])?;
-//! let b = DeviceBuffer::from_host(reg.host(), &[2.0f32; 1024])?;
-//! let c = DeviceBuffer::<f32>::alloc(reg.host(), 1024)?;
+//! let vec_add = reg.function("kernels", "vec_add")?;
+//! let s = reg.stream();
+//! let a = DeviceBuffer::from_host(s, &[1.0f32; 1024])?;
+//! let b = DeviceBuffer::from_host(s, &[2.0f32; 1024])?;
+//! let mut c = DeviceBuffer::<f32>::alloc(s, 1024)?;
 //! let cfg = LaunchConfig::for_num_elems(1024, 256)?;
 //! // SAFETY: vec_add(const float*, const float*, float*, unsigned) over 1024 elements.
-//! unsafe { reg.launch(f, cfg, reg.raw_stream(), (&a, &b, &c, 1024u32))? };
-//! assert!(c.to_host_vec()?.iter().all(|&x| x == 3.0));
+//! unsafe { s.launch(&vec_add, cfg, (&a, &b, &mut c, 1024u32))? };
+//! assert!(s.to_vec(&c)?.iter().all(|&x| x == 3.0));
 //! # Ok(()) }
 //! ```
 
 pub use metrale_cuda_sys as sys;
 
 pub mod blob;
+pub mod context;
+pub mod device;
 pub mod error;
+pub mod function;
+pub mod graph;
 pub mod host;
 pub mod launch;
 pub mod memory;
+pub mod module;
 pub mod registry;
+pub mod stream;
 
 pub use blob::BlobKind;
+pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
+pub use device::{enable_peer_access, memory_info, Device, PeerLink};
 pub use error::{
-    cuda_error_text, is_teardown_noop, CallError, MetraleError, Result,
-    CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT,
+    cuda_error_text, is_teardown_noop, CallError, LaunchFailure, LaunchShape, MetraleError,
+    NameKind, Result, CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED,
+    CUDA_ERROR_INVALID_CONTEXT,
 };
-pub use host::{host, release, CudaContext, CudaHost, CudaStream, DeviceLimits};
+pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};
+pub use graph::{
+    CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
+    InstantiateOptions, KernelNode,
+};
+pub use host::{host, release, CudaHost};
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
-pub use memory::{DeviceBuffer, DeviceRepr, PinnedBuffer};
-pub use registry::{CudaFunction, FunctionAttributes, MetraleRegistry, RawCudaFunc};
+pub use memory::{
+    DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, DeviceSlice,
+    DeviceSliceMut, DeviceSymbol, ManagedBuffer, MemPool, PendingCopy, PinnedBuffer,
+    PrefetchTarget,
+};
+pub use module::NamedBlob;
+pub use registry::MetraleRegistry;
+pub use stream::{CudaEvent, CudaStream, EventOptions, StreamOptions};

@@ -39,42 +39,166 @@ fn bad_ptx_and_empty_blobs_name_the_module() {
     assert_eq!(e, "vec: PTX has a NUL byte at offset 8, before its end");
 }
 
-fn elf(len: usize, shoff: u64, shnum: u16) -> Vec<u8> {
-    let mut b = vec![0u8; len];
+/// A consistent ELF64 cubin skeleton of `len` bytes: section 0 (null) and
+/// section 1, the name table (8 bytes at offset 64), with the section headers at
+/// `shoff`. `len` below `shoff + 128` makes it truncated.
+fn elf(len: usize, shoff: u64) -> Vec<u8> {
+    let mut b = vec![0u8; len.max(shoff as usize + 128)];
     b[..4].copy_from_slice(ELF_MAGIC);
     b[4] = 2;
     b[5] = 1;
     b[0x28..0x30].copy_from_slice(&shoff.to_le_bytes());
     b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes());
-    b[0x3c..0x3e].copy_from_slice(&shnum.to_le_bytes());
+    b[0x3c..0x3e].copy_from_slice(&2u16.to_le_bytes());
+    b[0x3e..0x40].copy_from_slice(&1u16.to_le_bytes());
+    b[64..72].copy_from_slice(b"\0.shstr\0");
+    let sh = shoff as usize + 64;
+    b[sh..sh + 4].copy_from_slice(&1u32.to_le_bytes()); // name ".shstr"
+    b[sh + 4..sh + 8].copy_from_slice(&3u32.to_le_bytes()); // SHT_STRTAB
+    b[sh + 0x18..sh + 0x20].copy_from_slice(&64u64.to_le_bytes());
+    b[sh + 0x20..sh + 0x28].copy_from_slice(&8u64.to_le_bytes());
+    b.truncate(len);
     b
+}
+
+fn put16(b: &mut [u8], at: usize, v: u16) {
+    b[at..at + 2].copy_from_slice(&v.to_le_bytes());
+}
+
+fn put64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+
+fn refused(b: &[u8]) -> String {
+    prepare("k", b).unwrap_err().to_string()
 }
 
 #[test]
 fn truncated_cubin_is_refused_before_the_driver() {
-    assert!(prepare("k", &elf(64 + 128, 64, 2)).is_ok());
-    let e = prepare("k", &elf(64 + 100, 64, 2)).unwrap_err().to_string();
+    assert!(prepare("k", &elf(72 + 128, 72)).is_ok());
     assert_eq!(
-        e,
+        refused(&elf(72 + 100, 72)),
         "k: malformed cubin: section headers lie past the end of the blob (truncated?)"
     );
-    let short = &elf(64, 64, 0)[..40];
-    let e = prepare("k", short).unwrap_err().to_string();
-    assert_eq!(e, "k: malformed cubin: shorter than an ELF header");
+    let short = &elf(200, 72)[..40];
+    assert_eq!(
+        refused(short),
+        "k: malformed cubin: shorter than an ELF header"
+    );
 }
 
 #[test]
-fn fatbin_size_is_checked() {
-    let mut b = vec![0u8; 48];
+fn corrupted_cubin_headers_are_named_not_called_truncated() {
+    let good = elf(200, 72);
+    let mut b = good.clone();
+    put16(&mut b, 0x3e, 65520);
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: corrupted header: e_shstrndx 65520 names no section (there are 2)"
+    );
+    let mut b = good.clone();
+    put16(&mut b, 0x3a, 0);
+    put16(&mut b, 0x3c, 65535);
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: corrupted header: e_shentsize is 0, ELF64 section headers are 64 bytes"
+    );
+    let mut b = good.clone();
+    put64(&mut b, 0x20, 199);
+    put16(&mut b, 0x38, 1);
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: corrupted header: e_phentsize is 0, ELF64 program headers are 56 bytes"
+    );
+    // A 1 GiB segment in a consistent file.
+    let mut b = elf(72 + 128 + 56, 72);
+    put64(&mut b, 0x20, 200);
+    put16(&mut b, 0x36, 56);
+    put16(&mut b, 0x38, 1);
+    put64(&mut b, 200 + 8, 64);
+    put64(&mut b, 200 + 0x20, 1 << 30);
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: segment 0 (1073741824 bytes at offset 64) lies past the end of the blob of 256 bytes"
+    );
+    // A section name outside the name table.
+    let mut b = good.clone();
+    b[72 + 64..72 + 68].copy_from_slice(&100u32.to_le_bytes());
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: section 1's name (offset 100) lies outside the section name table of 8 bytes"
+    );
+    // The name table must be a string table.
+    let mut b = good.clone();
+    b[72 + 68..72 + 72].copy_from_slice(&1u32.to_le_bytes());
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: corrupted header: section 1 (e_shstrndx) is not a string table"
+    );
+    let mut b = good;
+    put64(&mut b, 72 + 64 + 0x20, 1 << 30);
+    assert_eq!(
+        refused(&b),
+        "k: malformed cubin: section 1 (1073741824 bytes at offset 64) lies past the end of the blob of 200 bytes"
+    );
+}
+
+fn fatbin(entries: &[(u16, &[u8])]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (kind, payload) in entries {
+        let mut header = vec![0u8; 64];
+        header[0..2].copy_from_slice(&kind.to_le_bytes());
+        header[4..8].copy_from_slice(&64u32.to_le_bytes());
+        header[8..16].copy_from_slice(&(payload.len() as u64).to_le_bytes());
+        body.extend_from_slice(&header);
+        body.extend_from_slice(payload);
+    }
+    let mut b = vec![0u8; 16];
     b[..4].copy_from_slice(&FATBIN_MAGIC);
     b[6..8].copy_from_slice(&16u16.to_le_bytes());
-    b[8..16].copy_from_slice(&32u64.to_le_bytes());
+    b[8..16].copy_from_slice(&(body.len() as u64).to_le_bytes());
+    b.extend_from_slice(&body);
+    b
+}
+
+#[test]
+fn fatbin_size_and_every_entry_are_checked() {
+    let cubin = elf(200, 72);
+    let ptx = b".version 8.0\n";
+    let mut b = fatbin(&[(2, &cubin), (1, ptx)]);
     assert!(prepare("f", &b).is_ok());
-    b[8..16].copy_from_slice(&33u64.to_le_bytes());
-    let e = prepare("f", &b).unwrap_err().to_string();
+    // The outer header claims more than there is.
+    let total = b.len() as u64;
+    put64(&mut b, 8, total);
     assert_eq!(
-        e,
-        "f: malformed fatbin: its header describes 16 + 33 bytes, the blob has 48"
+        refused(&b).replace("k:", "f:"),
+        format!(
+            "f: malformed fatbin: its header describes 16 + {total} bytes, the blob has {total}"
+        )
+    );
+    // A 32-byte fatbin whose only entry claims 12,704 bytes.
+    let mut small = vec![0u8; 32];
+    small[..4].copy_from_slice(&FATBIN_MAGIC);
+    small[6..8].copy_from_slice(&16u16.to_le_bytes());
+    small[8..16].copy_from_slice(&16u64.to_le_bytes());
+    small[16..18].copy_from_slice(&2u16.to_le_bytes());
+    small[20..24].copy_from_slice(&16u32.to_le_bytes());
+    small[24..32].copy_from_slice(&12_704u64.to_le_bytes());
+    assert_eq!(
+        refused(&small),
+        "k: malformed fatbin: entry 0 at offset 16 claims 16 + 12704 bytes, past the end of the fatbin (32 bytes)"
+    );
+    // An entry of 1 GiB.
+    let mut b = fatbin(&[(2, &cubin)]);
+    put64(&mut b, 16 + 8, 1 << 30);
+    assert!(refused(&b).contains("entry 0 at offset 16 claims 64 + 1073741824 bytes"));
+    // A corrupted cubin inside an entry.
+    let mut bad = cubin.clone();
+    put16(&mut bad, 0x3e, 9);
+    let b = fatbin(&[(1, ptx), (2, &bad)]);
+    assert_eq!(
+        refused(&b),
+        "k: malformed fatbin: entry 1: malformed cubin: corrupted header: e_shstrndx 9 names no section (there are 2)"
     );
 }
 
@@ -120,4 +244,15 @@ fn sm_from_elf_flags_for_both_abis() {
         abi_version: 8,
     };
     assert_eq!(new.sm(), 90);
+}
+
+#[test]
+fn the_real_fixtures_pass_every_check() {
+    let cubin = include_bytes!("../../tests/fixtures/kernels.sm_90.cubin");
+    let fatbin = include_bytes!("../../tests/fixtures/kernels.fatbin");
+    let ptx = include_bytes!("../../tests/fixtures/kernels.ptx");
+    assert_eq!(prepare("c", cubin).unwrap().kind, BlobKind::Cubin);
+    assert_eq!(prepare("f", fatbin).unwrap().kind, BlobKind::Fatbin);
+    assert_eq!(prepare("p", ptx).unwrap().kind, BlobKind::Ptx);
+    assert_eq!(elf_info(cubin).unwrap().sm(), 90);
 }

@@ -13,6 +13,8 @@ fn limits() -> DeviceLimits {
         compute_capability: (9, 0),
         cluster_launch: true,
         cooperative_launch: true,
+        memory_pools: true,
+        managed_memory: true,
     }
 }
 
@@ -124,21 +126,13 @@ fn typed_args_pack_pointers_to_each_value() {
             assert_eq!(*p[2].cast::<f32>(), 1.5);
         }
     });
-    assert_eq!(<(u8, u16) as KernelArgs>::COUNT, 2);
+    assert_eq!(<(u8, u16) as KernelArgs>::SIZES.len(), 2);
     ().with_params(|p| assert!(p.is_empty()));
 }
 
 #[test]
-fn smem_opt_in_table_records_the_max_and_survives_collisions() {
-    let t = SmemOptIns::new();
-    let f = |i: usize| (0x1000 + i * 0x40) as CUfunction;
-    assert_eq!(t.limit(f(1)), 0);
-    t.record(f(1), 100_000);
-    t.record(f(1), 60_000);
-    assert_eq!(t.limit(f(1)), 100_000);
-    for i in 0..SmemOptIns::SLOTS + 10 {
-        t.record(f(i + 100), 50_000 + i as u32);
-    }
-    assert_eq!(t.limit(f(1)), 100_000);
-    assert_eq!(t.limit(f(100)), 50_000);
+fn typed_args_know_their_sizes() {
+    assert_eq!(<(u64, u32, f32) as KernelArgs>::SIZES, &[8, 4, 4]);
+    assert_eq!(<([u8; 3], bool) as KernelArgs>::SIZES, &[3, 1]);
+    assert_eq!(<() as KernelArgs>::SIZES, &[] as &[usize]);
 }

@@ -117,8 +117,9 @@ pub fn main(
             );
             return ExitCode::from(101);
         }
+        println!("every test below is ignored: {reason}");
         for t in &selected {
-            println!("test {} ... ignored, {reason}", t.name);
+            println!("test {} ... ignored, see above", t.name);
         }
         println!(
             "\ntest result: ok. 0 passed; 0 failed; {} ignored; 0 measured; {filtered_out} filtered out; finished in {:.2}s\n",

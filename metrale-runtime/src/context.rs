@@ -1,0 +1,568 @@
+//! [`CudaContext`]: the driver initialised once, one device's retained primary
+//! context, binding it on the calling thread, and the release rule every Drop of
+//! the crate goes through.
+//!
+//! Invariants:
+//! - `cuInit` succeeds once per process; a failure is not remembered, so a later
+//!   call tries again (a transient OUT_OF_MEMORY does not poison the process).
+//! - [`context`] returns the same `Arc<CudaContext>` for an ordinal while anything
+//!   holds it, so "same device" is a pointer compare of contexts. A context is
+//!   created (and the primary context retained) only when none is alive.
+//! - A context's handles and facts never change after creation: shared access
+//!   needs no lock, and any thread may use it.
+//! - Every driver call that needs the context binds it first ([`CudaContext::bind`]:
+//!   one `cuCtxGetCurrent`, and `cuCtxSetCurrent` only when another or no context is
+//!   current). metrale leaves its context current afterwards; code that shares the
+//!   thread with other CUDA libraries keeps its own with a [`ContextGuard`].
+//! - `CudaContext::release_with` is the body of every Drop: it binds the context
+//!   and frees unless the context is already gone (driver shut down, primary
+//!   context reset or re-created), in which case there is nothing left to free. When
+//!   binding fails for another reason the free is skipped and the leak is reported:
+//!   freeing on a thread without the context would only fail quietly.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, c_int, c_uint, c_ulonglong, CStr};
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+
+use metrale_cuda_sys::{self as sys, CUcontext, CUdevice, CUdevice_attribute};
+
+use crate::error::{cu, is_teardown_noop, report_drop_failures, CallError, MetraleError, Result};
+
+/// The limits and capabilities of a device that launches and allocations check,
+/// read once per context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceLimits {
+    /// Threads in one block.
+    pub max_threads_per_block: u32,
+    /// Block dimensions x, y, z.
+    pub max_block_dim: [u32; 3],
+    /// Grid dimensions x, y, z.
+    pub max_grid_dim: [u32; 3],
+    /// Dynamic plus static shared memory per block without opting in (48 KiB).
+    pub max_shared_per_block: u32,
+    /// Shared memory per block a kernel may opt in to.
+    pub max_shared_per_block_optin: u32,
+    /// Streaming multiprocessors.
+    pub multiprocessor_count: u32,
+    /// Compute capability (major, minor).
+    pub compute_capability: (u32, u32),
+    /// Whether thread-block clusters can be launched.
+    pub cluster_launch: bool,
+    /// Whether cooperative launches are supported.
+    pub cooperative_launch: bool,
+    /// Whether stream-ordered allocation (memory pools) is supported.
+    pub memory_pools: bool,
+    /// Whether managed (unified) memory can be allocated.
+    pub managed_memory: bool,
+}
+
+/// Initialise the driver (`cuInit(0)`) once and return the table and its version.
+/// Success is remembered; a failure is returned and tried again next time.
+pub(crate) fn init_driver() -> Result<(&'static sys::Driver, i32)> {
+    static VERSION: OnceLock<i32> = OnceLock::new();
+    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    if let Some(&v) = VERSION.get() {
+        return Ok((d, v));
+    }
+    // SAFETY: cuInit takes flags (must be 0) and nothing else; calling it again after
+    // a success is harmless.
+    unsafe { cu!(d, cuInit(0)) }.map_err(|e| e.about("driver initialisation"))?;
+    let mut version: c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { cu!(d, cuDriverGetVersion(&mut version)) }
+        .map_err(|e| e.about("driver initialisation"))?;
+    Ok((d, *VERSION.get_or_init(|| version)))
+}
+
+/// How many CUDA devices the driver reports (initialising it first).
+///
+/// # Errors
+/// [`MetraleError::DriverUnavailable`] without a driver, or the failing call.
+pub fn device_count() -> Result<usize> {
+    let (d, _) = init_driver()?;
+    let mut count: c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { cu!(d, cuDeviceGetCount(&mut count)) }.map_err(|e| e.about("device count"))?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// The `CUdevice` of `ordinal`, checked against the device count.
+pub(crate) fn device_handle(d: &sys::Driver, ordinal: usize) -> Result<CUdevice> {
+    let subject = || format!("device {ordinal}");
+    let mut count: c_int = 0;
+    // SAFETY: writes one int.
+    unsafe { cu!(d, cuDeviceGetCount(&mut count)) }.map_err(|e| e.about(subject()))?;
+    let Some(index) = c_int::try_from(ordinal).ok().filter(|&i| i < count) else {
+        return Err(MetraleError::InvalidArgument(format!(
+            "device ordinal {ordinal} is out of range: the driver reports {count} CUDA device(s)"
+        )));
+    };
+    let mut device: CUdevice = 0;
+    // SAFETY: writes one CUdevice; the ordinal was checked against the count.
+    unsafe { cu!(d, cuDeviceGet(&mut device, index)) }.map_err(|e| e.about(subject()))?;
+    Ok(device)
+}
+
+/// A device's name (`NVIDIA H200`).
+pub(crate) fn device_name(d: &sys::Driver, device: CUdevice) -> Result<String, CallError> {
+    let mut buf = [0 as c_char; 256];
+    // SAFETY: the buffer's length is passed with it.
+    unsafe { cu!(d, cuDeviceGetName(buf.as_mut_ptr(), 256, device)) }?;
+    buf[255] = 0;
+    // SAFETY: NUL-terminated: the driver writes at most 256 bytes with the NUL, and
+    // the last byte is zero either way.
+    Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
+
+/// One device attribute.
+pub(crate) fn device_attribute(
+    d: &sys::Driver,
+    device: CUdevice,
+    attr: CUdevice_attribute,
+) -> Result<i32, CallError> {
+    let mut v: c_int = 0;
+    // SAFETY: writes one int for a valid device.
+    unsafe { cu!(d, cuDeviceGetAttribute(&mut v, attr, device)) }?;
+    Ok(v)
+}
+
+fn read_limits(d: &sys::Driver, device: CUdevice) -> Result<DeviceLimits, CallError> {
+    use sys::CUdevice_attribute as A;
+    let get = |attr| -> Result<u32, CallError> {
+        Ok(u32::try_from(device_attribute(d, device, attr)?).unwrap_or(0))
+    };
+    Ok(DeviceLimits {
+        max_threads_per_block: get(A::CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK)?,
+        max_block_dim: [
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X)?,
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y)?,
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z)?,
+        ],
+        max_grid_dim: [
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X)?,
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y)?,
+            get(A::CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z)?,
+        ],
+        max_shared_per_block: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK)?,
+        max_shared_per_block_optin: get(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?,
+        multiprocessor_count: get(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?,
+        compute_capability: (
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            get(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ),
+        cluster_launch: get(A::CU_DEVICE_ATTRIBUTE_CLUSTER_LAUNCH)? != 0,
+        cooperative_launch: get(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
+        memory_pools: get(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
+        managed_memory: get(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)? != 0,
+    })
+}
+
+/// One device's retained primary context. Get it with [`context`] (or from a
+/// [`CudaHost`](crate::CudaHost), a stream or a registry).
+///
+/// ```no_run
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = metrale_runtime::context(0)?;
+/// println!("{} (sm_{}{})", ctx.device_name(), ctx.limits().compute_capability.0,
+///          ctx.limits().compute_capability.1);
+/// # Ok(()) }
+/// ```
+pub struct CudaContext {
+    driver: &'static sys::Driver,
+    ordinal: usize,
+    device: CUdevice,
+    raw: CUcontext,
+    /// `cuCtxGetId` at creation (CUDA 12.0+), to notice at teardown that the
+    /// context was destroyed and re-created under this handle.
+    id: Option<u64>,
+    name: String,
+    driver_version: i32,
+    limits: DeviceLimits,
+}
+
+// SAFETY: the raw handles are written once in `CudaContext::new` and only read
+// afterwards; the driver API is thread-safe for them (any thread may make the context
+// current). `&'static Driver` is Sync.
+unsafe impl Send for CudaContext {}
+// SAFETY: as for Send: no interior mutability.
+unsafe impl Sync for CudaContext {}
+
+impl fmt::Debug for CudaContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaContext")
+            .field("ordinal", &self.ordinal)
+            .field("name", &self.name)
+            .field("raw", &self.raw)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Whether a resource of a context can still be released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReleaseState {
+    /// The context is the one the resource was created in, and is current.
+    Live,
+    /// The context is gone (driver shut down, context destroyed or reset): its
+    /// resources went with it and there is nothing left to release.
+    Gone,
+}
+
+fn contexts() -> std::sync::MutexGuard<'static, HashMap<usize, Weak<CudaContext>>> {
+    static CONTEXTS: OnceLock<Mutex<HashMap<usize, Weak<CudaContext>>>> = OnceLock::new();
+    // Every update is a single insert, so a poisoned lock still holds a consistent map.
+    CONTEXTS
+        .get_or_init(Mutex::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The process's context for device `ordinal`: the live one when anything holds
+/// it, else a new one (initialising the driver and retaining the primary context).
+///
+/// # Errors
+/// [`MetraleError::DriverUnavailable`] without a driver, `InvalidArgument` for an
+/// ordinal the driver does not have (naming the device count), or the failing call.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    let mut map = contexts();
+    if let Some(ctx) = map.get(&ordinal).and_then(Weak::upgrade) {
+        return Ok(ctx);
+    }
+    let ctx = Arc::new(CudaContext::new(ordinal)?);
+    map.insert(ordinal, Arc::downgrade(&ctx));
+    Ok(ctx)
+}
+
+impl CudaContext {
+    fn new(ordinal: usize) -> Result<CudaContext> {
+        let (d, driver_version) = init_driver()?;
+        let subject = || format!("device {ordinal}");
+        let device = device_handle(d, ordinal)?;
+        let name = device_name(d, device).map_err(|e| e.about(subject()))?;
+        let limits = read_limits(d, device).map_err(|e| e.about(subject()))?;
+        let mut raw: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext for a valid device.
+        unsafe { cu!(d, cuDevicePrimaryCtxRetain(&mut raw, device)) }
+            .map_err(|e| e.about(subject()))?;
+        let mut id: c_ulonglong = 0;
+        // SAFETY: writes one integer for the live context. An older driver lacks the
+        // call; the teardown check then relies on statuses alone.
+        let id = unsafe { cu!(d, cuCtxGetId(raw, &mut id)) }
+            .ok()
+            .map(|()| id);
+        Ok(CudaContext {
+            driver: d,
+            ordinal,
+            device,
+            raw,
+            id,
+            name,
+            driver_version,
+            limits,
+        })
+    }
+
+    /// Make this context current on the calling thread, unless it already is.
+    ///
+    /// # Errors
+    /// The failing `cuCtxGetCurrent` / `cuCtxSetCurrent`, naming the device.
+    pub fn bind(&self) -> Result<()> {
+        self.bind_fast()
+            .map_err(|e| e.about(format_args!("device {}", self.ordinal)))
+    }
+
+    /// [`CudaContext::bind`] without building an error: the launch path's check.
+    #[inline]
+    pub(crate) fn bind_fast(&self) -> Result<(), CallError> {
+        let mut current: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext.
+        unsafe { cu!(self.driver, cuCtxGetCurrent(&mut current)) }?;
+        if current != self.raw {
+            // SAFETY: the context is retained for as long as this value lives.
+            unsafe { cu!(self.driver, cuCtxSetCurrent(self.raw)) }?;
+        }
+        Ok(())
+    }
+
+    /// Bind, run `f` with the driver table, and name `subject` on failure: the one
+    /// path of the crate's driver calls. `subject` is only evaluated on failure.
+    #[inline]
+    pub(crate) fn call<R, S: fmt::Display>(
+        &self,
+        subject: impl FnOnce() -> S,
+        f: impl FnOnce(&'static sys::Driver) -> Result<R, CallError>,
+    ) -> Result<R> {
+        match self.bind_fast().and_then(|()| f(self.driver)) {
+            Ok(r) => Ok(r),
+            Err(e) => Err(e.about(subject())),
+        }
+    }
+
+    /// Bind and run `f`, leaving the [`CallError`] to the caller to describe.
+    #[inline]
+    pub(crate) fn with<R>(
+        &self,
+        f: impl FnOnce(&'static sys::Driver) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
+        self.bind_fast().and_then(|()| f(self.driver))
+    }
+
+    /// Bind the context before releasing one of its resources, and say whether
+    /// there is still anything to release. The context counts as gone when the
+    /// driver reports a teardown status, when the primary context is no longer
+    /// active (it was reset), or when its id differs from the one the resources
+    /// were created in (it was re-created).
+    fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
+        let d = self.driver;
+        let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
+        let (mut flags, mut active): (c_uint, c_int) = (0, 0);
+        // SAFETY: writes two integers for a valid device.
+        match unsafe {
+            cu!(
+                d,
+                cuDevicePrimaryCtxGetState(self.device, &mut flags, &mut active)
+            )
+        } {
+            Ok(()) if active == 0 => return Ok(ReleaseState::Gone),
+            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+            _ => {}
+        }
+        match self.bind_fast() {
+            Ok(()) => {}
+            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+            Err(e) => return Err(e),
+        }
+        if let Some(created) = self.id {
+            let mut id: c_ulonglong = 0;
+            // SAFETY: writes one integer; the handle is this context.
+            match unsafe { cu!(d, cuCtxGetId(self.raw, &mut id)) } {
+                Ok(()) if id != created => return Ok(ReleaseState::Gone),
+                Err(e) if gone(e) => return Ok(ReleaseState::Gone),
+                _ => {}
+            }
+        }
+        Ok(ReleaseState::Live)
+    }
+
+    /// Release resources of this context: bind it, run `free` (which pushes what
+    /// failed) unless the context is already gone, and report real failures as one
+    /// line on stderr. When the context cannot be bound for another reason, `free`
+    /// does not run and the line says what leaked. The body of every Drop; never
+    /// panics.
+    pub(crate) fn release_with(
+        &self,
+        what: fmt::Arguments<'_>,
+        free: impl FnOnce(&'static sys::Driver, &mut Vec<CallError>),
+    ) {
+        let mut failures = Vec::new();
+        match self.bind_for_release() {
+            Ok(ReleaseState::Gone) => return,
+            Ok(ReleaseState::Live) => free(self.driver, &mut failures),
+            Err(e) => {
+                crate::error::report_line(format_args!(
+                    "{what}: leaked, the context of device {} could not be made current: {e}",
+                    self.ordinal
+                ));
+                return;
+            }
+        }
+        report_drop_failures(what, &failures);
+    }
+
+    /// Block until all work queued in this context, on every stream, has finished.
+    ///
+    /// # Errors
+    /// `cuCtxSynchronize`'s status (the first failure of that work).
+    pub fn synchronize(&self) -> Result<()> {
+        self.call(
+            || format!("device {} synchronize", self.ordinal),
+            // SAFETY: no arguments; the context is current.
+            |d| unsafe { cu!(d, cuCtxSynchronize()) },
+        )
+    }
+
+    /// The stream priorities this device offers: `(least, greatest)`. Greater
+    /// priority is the numerically lower value (on an H200: `(0, -5)`).
+    ///
+    /// # Errors
+    /// `cuCtxGetStreamPriorityRange`'s status.
+    pub fn stream_priority_range(&self) -> Result<(i32, i32)> {
+        let (mut least, mut greatest): (c_int, c_int) = (0, 0);
+        self.call(
+            || format!("device {} stream priority range", self.ordinal),
+            // SAFETY: writes two ints; the context is current.
+            |d| unsafe { cu!(d, cuCtxGetStreamPriorityRange(&mut least, &mut greatest)) },
+        )?;
+        Ok((least, greatest))
+    }
+
+    /// The driver table this context calls through.
+    pub fn driver(&self) -> &'static sys::Driver {
+        self.driver
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device's name (`NVIDIA H200`).
+    pub fn device_name(&self) -> &str {
+        &self.name
+    }
+
+    /// `cuDriverGetVersion`'s answer (13000 for CUDA 13.0).
+    pub fn driver_version(&self) -> i32 {
+        self.driver_version
+    }
+
+    /// The device limits launches and allocations check.
+    pub fn limits(&self) -> &DeviceLimits {
+        &self.limits
+    }
+
+    /// The raw `CUcontext`, for driver calls of your own.
+    pub fn raw(&self) -> CUcontext {
+        self.raw
+    }
+
+    /// The `CUdevice` the context belongs to.
+    pub fn device(&self) -> CUdevice {
+        self.device
+    }
+
+    /// Whether `other` is this very context (one pointer compare).
+    #[inline]
+    pub(crate) fn same(self: &Arc<Self>, other: &Arc<CudaContext>) -> bool {
+        Arc::ptr_eq(self, other)
+    }
+
+    /// `Ok` when `other` is this context, else [`MetraleError::WrongDevice`] saying
+    /// which handle (`what`) was used with what.
+    #[inline]
+    pub(crate) fn check_same(
+        self: &Arc<Self>,
+        other: &Arc<CudaContext>,
+        what: impl FnOnce() -> String,
+        used_with: &str,
+    ) -> Result<()> {
+        if Arc::ptr_eq(self, other) {
+            Ok(())
+        } else {
+            Err(MetraleError::WrongDevice {
+                what: what(),
+                belongs_to: other.ordinal,
+                used_with: used_with.to_owned(),
+                used_device: self.ordinal,
+            })
+        }
+    }
+}
+
+impl Drop for CudaContext {
+    fn drop(&mut self) {
+        let mut failures = Vec::new();
+        // SAFETY: gives back the one retain this context made (a reset does not undo
+        // a retain, so it is given back in every state).
+        if let Err(e) = unsafe { cu!(self.driver, cuDevicePrimaryCtxRelease_v2(self.device)) } {
+            failures.push(e);
+        }
+        report_drop_failures(
+            format_args!("releasing CUDA device {}", self.ordinal),
+            &failures,
+        );
+    }
+}
+
+/// Something that belongs to one device's context: a context, a host, a stream, a
+/// registry. Allocations and streams are created from any of them.
+pub trait AsContext {
+    /// The context.
+    fn context(&self) -> &Arc<CudaContext>;
+}
+
+impl AsContext for Arc<CudaContext> {
+    fn context(&self) -> &Arc<CudaContext> {
+        self
+    }
+}
+
+impl<T: AsContext + ?Sized> AsContext for &T {
+    fn context(&self) -> &Arc<CudaContext> {
+        (**self).context()
+    }
+}
+
+impl<T: AsContext + ?Sized> AsContext for Arc<T> {
+    fn context(&self) -> &Arc<CudaContext> {
+        (**self).context()
+    }
+}
+
+/// Keeps the calling thread's current CUDA context across metrale calls: saved by
+/// [`ContextGuard::save`], made current again when the guard drops.
+///
+/// metrale binds its own context before each call and leaves it current (so the
+/// next call needs no switch). Code that shares a thread with other CUDA libraries
+/// and relies on the context it set can hold a guard around metrale calls:
+///
+/// ```no_run
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let keep = metrale_runtime::ContextGuard::save()?;
+/// // ... metrale calls on any device ...
+/// drop(keep); // the thread's previous context (or none) is current again
+/// # Ok(()) }
+/// ```
+#[must_use = "the previous context is restored when the guard drops"]
+pub struct ContextGuard {
+    driver: &'static sys::Driver,
+    saved: CUcontext,
+    /// Current contexts are per thread: the guard must drop where it was made.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl ContextGuard {
+    /// Remember the calling thread's current context (possibly none).
+    ///
+    /// # Errors
+    /// Without a driver, or `cuCtxGetCurrent`'s status.
+    pub fn save() -> Result<ContextGuard> {
+        let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+        let mut saved: CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one CUcontext.
+        unsafe { cu!(d, cuCtxGetCurrent(&mut saved)) }
+            .map_err(|e| e.about("saving the current context"))?;
+        Ok(ContextGuard {
+            driver: d,
+            saved,
+            _not_send: PhantomData,
+        })
+    }
+
+    /// The context that will be made current again (null: none).
+    pub fn saved(&self) -> CUcontext {
+        self.saved
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        // SAFETY: restores the handle this thread had current; the driver checks it
+        // (a context destroyed meanwhile gives a status, reported below).
+        let restored = unsafe { cu!(self.driver, cuCtxSetCurrent(self.saved)) };
+        if let Err(e) = restored {
+            report_drop_failures(format_args!("restoring the thread's context"), &[e]);
+        }
+    }
+}
+
+impl fmt::Debug for ContextGuard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ContextGuard")
+            .field("saved", &self.saved)
+            .finish()
+    }
+}

@@ -1,0 +1,1026 @@
+//! CUDA graphs: capture work from streams into a [`CudaGraph`] (or build one node by
+//! node), instantiate it as a [`CudaGraphExec`], replay it for a fraction of the
+//! launch cost, update it in place (whole graph, or one kernel node's shape and
+//! typed arguments), and look at it (nodes, edges, Graphviz DOT).
+//!
+//! Invariants:
+//! - A graph and an executable graph hold their context and the code of every
+//!   kernel they run (found when capture ends, or added with a node), so the
+//!   order in which graphs, executable graphs, streams and registries are dropped
+//!   never matters.
+//! - The body of a conditional node belongs to its node: it is reached only inside
+//!   [`CudaGraph::add_while`]'s closure, never as an owned graph.
+//! - Kernel node updates are checked like launches (device, shape, typed argument
+//!   sizes against the kernel's layout) before the driver is called.
+//! - Capture mode defaults to [`CaptureMode::ThreadLocal`]: it keeps the capturing
+//!   thread from calling APIs that are unsafe during capture, without making other
+//!   threads' allocations and frees fail the way the global mode does.
+
+use std::ffi::{c_void, CString};
+use std::fmt;
+use std::marker::PhantomData;
+use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use metrale_cuda_sys::{self as sys, CUfunction, CUgraph, CUgraphExec, CUgraphNode};
+
+use crate::context::{AsContext, CudaContext};
+use crate::error::{cu, CallError, MetraleError, Result};
+use crate::function::{name_of, owner_of, CudaFunction, KernelTable};
+use crate::launch::{prepare, KernelArgs, LaunchConfig};
+use crate::memory::{DevicePod, DeviceRepr};
+use crate::stream::CudaStream;
+
+/// How a capture treats calls that are unsafe while a stream is captured
+/// (`cuStreamBeginCapture_v2`'s mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CaptureMode {
+    /// Unsafe calls fail on every thread while any global capture is under way.
+    Global,
+    /// Unsafe calls fail on the capturing thread only (the default; see the module
+    /// docs for why).
+    #[default]
+    ThreadLocal,
+    /// No call is refused; the caller keeps capture sound.
+    Relaxed,
+}
+
+impl CaptureMode {
+    fn raw(self) -> sys::CUstreamCaptureMode {
+        use sys::CUstreamCaptureMode as M;
+        match self {
+            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        }
+    }
+}
+
+fn capture_status_word(s: sys::CUstreamCaptureStatus) -> &'static str {
+    use sys::CUstreamCaptureStatus as S;
+    match s {
+        S::CU_STREAM_CAPTURE_STATUS_NONE => "not capturing",
+        S::CU_STREAM_CAPTURE_STATUS_ACTIVE => "active",
+        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => "invalidated",
+        _ => "unknown",
+    }
+}
+
+/// The code the kernels of a graph need, shared by graphs built from one another.
+type KeepAlive = Arc<Mutex<Vec<Arc<KernelTable>>>>;
+
+fn keep(list: &KeepAlive, table: &Arc<KernelTable>) {
+    let mut list = list.lock().unwrap_or_else(PoisonError::into_inner);
+    if !list.iter().any(|t| Arc::ptr_eq(t, table)) {
+        list.push(Arc::clone(table));
+    }
+}
+
+impl CudaStream {
+    /// Start capturing: work queued on this stream (and on streams that join it by
+    /// waiting on an event recorded here) is recorded into a graph instead of run,
+    /// until [`CudaStream::end_capture`].
+    ///
+    /// # Errors
+    /// `cuStreamBeginCapture_v2`'s status (already capturing, the legacy stream).
+    pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
+        let m = mode.raw();
+        // SAFETY: a live stream of the bound context.
+        self.call("begin capture", |d, s| unsafe {
+            cu!(d, cuStreamBeginCapture_v2(s, m))
+        })
+    }
+
+    /// The capture status of the stream: `(capturing, status word)`.
+    fn capture_status(&self) -> Result<sys::CUstreamCaptureStatus> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: writes the status only; every other output is optional (null).
+        self.call("capture status", |d, s| unsafe {
+            cu!(
+                d,
+                cuStreamGetCaptureInfo_v3(
+                    s,
+                    &mut status,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut()
+                )
+            )
+        })?;
+        Ok(status)
+    }
+
+    /// Whether the stream is being captured.
+    ///
+    /// # Errors
+    /// `cuStreamGetCaptureInfo_v3`'s status.
+    pub fn is_capturing(&self) -> Result<bool> {
+        Ok(self.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// End the capture begun on this stream and return the graph. The stream runs
+    /// work normally again afterwards, also when the capture failed.
+    ///
+    /// # Errors
+    /// A capture the driver invalidated (a synchronisation inside it, ...) names the
+    /// capture status: `... (capture status: invalidated): cuStreamEndCapture
+    /// failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901) ...`.
+    pub fn end_capture(&self) -> Result<CudaGraph> {
+        let status = self
+            .capture_status()
+            .unwrap_or(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+        let mut raw: CUgraph = std::ptr::null_mut();
+        let ended = self.context().with(|d| {
+            // SAFETY: writes one graph handle (null when the capture failed).
+            unsafe { cu!(d, cuStreamEndCapture(self.raw(), &mut raw)) }
+        });
+        if let Err(e) = ended {
+            if !raw.is_null() {
+                drop(CudaGraph::adopt(raw, self.context()));
+            }
+            return Err(e.about(self.subject(&format!(
+                "end capture (capture status: {})",
+                capture_status_word(status)
+            ))));
+        }
+        let graph = CudaGraph::adopt(raw, self.context());
+        graph.keep_kernel_code()?;
+        Ok(graph)
+    }
+
+    /// Capture the work `f` queues on this stream into a graph: begin, run `f`,
+    /// end (also when `f` fails, so the stream is usable afterwards).
+    ///
+    /// # Errors
+    /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
+    pub fn capture(
+        &self,
+        mode: CaptureMode,
+        f: impl FnOnce(&CudaStream) -> Result<()>,
+    ) -> Result<CudaGraph> {
+        self.begin_capture(mode)?;
+        let queued = f(self);
+        let ended = self.end_capture();
+        queued?;
+        ended
+    }
+}
+
+/// What a graph node does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GraphNodeKind {
+    /// A kernel launch.
+    Kernel,
+    /// A memory copy.
+    Memcpy,
+    /// A memory fill.
+    Memset,
+    /// A host function.
+    Host,
+    /// A child graph.
+    ChildGraph,
+    /// An empty node (a join point).
+    Empty,
+    /// Waits for an event.
+    WaitEvent,
+    /// Records an event.
+    EventRecord,
+    /// A stream-ordered allocation.
+    MemAlloc,
+    /// A stream-ordered free.
+    MemFree,
+    /// A conditional node (`if` / `while`).
+    Conditional,
+    /// Another kind (the driver's number).
+    Other(u32),
+}
+
+impl GraphNodeKind {
+    fn from_raw(t: sys::CUgraphNodeType) -> GraphNodeKind {
+        use sys::CUgraphNodeType as T;
+        match t {
+            T::CU_GRAPH_NODE_TYPE_KERNEL => GraphNodeKind::Kernel,
+            T::CU_GRAPH_NODE_TYPE_MEMCPY => GraphNodeKind::Memcpy,
+            T::CU_GRAPH_NODE_TYPE_MEMSET => GraphNodeKind::Memset,
+            T::CU_GRAPH_NODE_TYPE_HOST => GraphNodeKind::Host,
+            T::CU_GRAPH_NODE_TYPE_GRAPH => GraphNodeKind::ChildGraph,
+            T::CU_GRAPH_NODE_TYPE_EMPTY => GraphNodeKind::Empty,
+            T::CU_GRAPH_NODE_TYPE_WAIT_EVENT => GraphNodeKind::WaitEvent,
+            T::CU_GRAPH_NODE_TYPE_EVENT_RECORD => GraphNodeKind::EventRecord,
+            T::CU_GRAPH_NODE_TYPE_MEM_ALLOC => GraphNodeKind::MemAlloc,
+            T::CU_GRAPH_NODE_TYPE_MEM_FREE => GraphNodeKind::MemFree,
+            T::CU_GRAPH_NODE_TYPE_CONDITIONAL => GraphNodeKind::Conditional,
+            other => GraphNodeKind::Other(other.0),
+        }
+    }
+}
+
+/// One node of a graph. Valid while the graph it came from is alive.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GraphNode {
+    raw: CUgraphNode,
+    kind: GraphNodeKind,
+}
+
+// SAFETY: an opaque handle, copied and passed to the thread-safe driver.
+unsafe impl Send for GraphNode {}
+// SAFETY: as for Send.
+unsafe impl Sync for GraphNode {}
+
+impl fmt::Debug for GraphNode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?} node {:p}", self.kind, self.raw)
+    }
+}
+
+impl GraphNode {
+    /// What the node does.
+    pub fn kind(&self) -> GraphNodeKind {
+        self.kind
+    }
+
+    /// The raw `CUgraphNode`.
+    pub fn raw(&self) -> CUgraphNode {
+        self.raw
+    }
+}
+
+/// A kernel node of a graph, with the kernel and the shape it launches.
+#[derive(Debug, Clone)]
+pub struct KernelNode {
+    /// The node.
+    pub node: GraphNode,
+    /// `module::kernel` when a metrale registry looked the kernel up, else the
+    /// driver's name for it.
+    pub name: String,
+    /// The launch shape.
+    pub config: LaunchConfig,
+    func: CUfunctionHandle,
+}
+
+/// A `CUfunction` as plain data.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct CUfunctionHandle(CUfunction);
+// SAFETY: an opaque handle, only compared.
+unsafe impl Send for CUfunctionHandle {}
+// SAFETY: as for Send.
+unsafe impl Sync for CUfunctionHandle {}
+impl fmt::Debug for CUfunctionHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:p}", self.0)
+    }
+}
+
+/// A device-side condition of a conditional node: pass it to the kernel that sets
+/// it (`cudaGraphSetConditional(handle, value)`); it is a `cudaGraphConditionalHandle`
+/// (8 bytes) in kernel code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct ConditionalHandle(pub u64);
+
+// SAFETY: a transparent u64: no padding, every bit pattern valid.
+unsafe impl DeviceRepr for ConditionalHandle {}
+// SAFETY: as above.
+unsafe impl DevicePod for ConditionalHandle {}
+
+/// A CUDA graph: work recorded by stream capture, or built node by node.
+///
+/// ```no_run
+/// # use metrale_runtime::*;
+/// # fn main() -> Result<()> {
+/// # let reg = MetraleRegistry::load(0, &[("kernels", b"...")])?;
+/// # let step = reg.function("kernels", "step")?;
+/// # let x = DeviceBuffer::<f32>::alloc(reg.stream(), 1)?;
+/// let s = reg.stream();
+/// let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
+/// let graph = s.capture(CaptureMode::default(), |s| {
+///     for _ in 0..100 {
+///         // SAFETY: step(float*, float, float) updates x[0].
+///         unsafe { s.launch(&step, cfg, (&x, 2.0f32, 1.0f32))? };
+///     }
+///     Ok(())
+/// })?;
+/// graph.write_dot("step.dot")?;
+/// let exec = graph.instantiate(InstantiateOptions::default())?;
+/// // SAFETY: x, the only memory the graph touches, is alive.
+/// unsafe { exec.launch(s)? };
+/// # Ok(()) }
+/// ```
+pub struct CudaGraph {
+    raw: CUgraph,
+    ctx: Arc<CudaContext>,
+    keep: KeepAlive,
+}
+
+// SAFETY: the handle is written once; the driver's graph calls are thread-safe for
+// distinct graphs, and `&mut self` serialises changes to this one.
+unsafe impl Send for CudaGraph {}
+// SAFETY: `&self` methods only read the graph (nodes, edges, DOT, instantiate).
+unsafe impl Sync for CudaGraph {}
+
+impl fmt::Debug for CudaGraph {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaGraph")
+            .field("device", &self.ctx.ordinal())
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
+
+impl CudaGraph {
+    /// An empty graph on `ctx`'s device, to build node by node.
+    ///
+    /// # Errors
+    /// `cuGraphCreate`'s status.
+    pub fn new(ctx: &impl AsContext) -> Result<CudaGraph> {
+        let ctx = ctx.context();
+        let mut raw: CUgraph = std::ptr::null_mut();
+        ctx.call(
+            || format!("device {}: creating a graph", ctx.ordinal()),
+            // SAFETY: writes one graph handle; flags must be 0.
+            |d| unsafe { cu!(d, cuGraphCreate(&mut raw, 0)) },
+        )?;
+        Ok(CudaGraph::adopt(raw, ctx))
+    }
+
+    fn adopt(raw: CUgraph, ctx: &Arc<CudaContext>) -> CudaGraph {
+        CudaGraph {
+            raw,
+            ctx: Arc::clone(ctx),
+            keep: Arc::default(),
+        }
+    }
+
+    fn call<R>(
+        &self,
+        what: &str,
+        f: impl FnOnce(&'static sys::Driver) -> Result<R, CallError>,
+    ) -> Result<R> {
+        self.ctx.call(
+            || format!("device {} graph {:p}: {what}", self.ctx.ordinal(), self.raw),
+            f,
+        )
+    }
+
+    /// Hold the code of every kernel the graph launches (found through the
+    /// registries that looked the kernels up).
+    fn keep_kernel_code(&self) -> Result<()> {
+        for node in self.nodes()? {
+            if node.kind == GraphNodeKind::Kernel {
+                let (func, _) = self.kernel_params(node.raw)?;
+                if let Some(table) = owner_of(func) {
+                    keep(&self.keep, &table);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The raw `CUgraph`, for driver calls of your own.
+    pub fn raw(&self) -> CUgraph {
+        self.raw
+    }
+
+    /// The graph's nodes, in the driver's order.
+    ///
+    /// # Errors
+    /// `cuGraphGetNodes` / `cuGraphNodeGetType`'s status.
+    pub fn nodes(&self) -> Result<Vec<GraphNode>> {
+        let g = self.raw;
+        self.call("nodes", |d| {
+            let mut n = 0usize;
+            // SAFETY: with a null array the driver writes only the count.
+            unsafe { cu!(d, cuGraphGetNodes(g, std::ptr::null_mut(), &mut n)) }?;
+            let mut raw: Vec<CUgraphNode> = vec![std::ptr::null_mut(); n];
+            // SAFETY: the array has room for `n` nodes.
+            unsafe { cu!(d, cuGraphGetNodes(g, raw.as_mut_ptr(), &mut n)) }?;
+            raw.truncate(n);
+            raw.into_iter()
+                .map(|node| {
+                    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+                    // SAFETY: a node of this graph; writes its type.
+                    unsafe { cu!(d, cuGraphNodeGetType(node, &mut t)) }?;
+                    Ok(GraphNode {
+                        raw: node,
+                        kind: GraphNodeKind::from_raw(t),
+                    })
+                })
+                .collect()
+        })
+    }
+
+    /// The graph's edges, as `(from, to)` indices into [`CudaGraph::nodes`].
+    ///
+    /// # Errors
+    /// `cuGraphGetEdges_v2`'s status.
+    pub fn edges(&self) -> Result<Vec<(usize, usize)>> {
+        let nodes = self.nodes()?;
+        let g = self.raw;
+        let (from, to) = self.call("edges", |d| {
+            let mut n = 0usize;
+            let null: CUgraphNode = std::ptr::null_mut();
+            let no_data: *mut sys::CUgraphEdgeData = std::ptr::null_mut();
+            // SAFETY: with null arrays the driver writes only the count.
+            unsafe {
+                cu!(
+                    d,
+                    cuGraphGetEdges_v2(
+                        g,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        no_data,
+                        &mut n
+                    )
+                )
+            }?;
+            let mut from: Vec<CUgraphNode> = vec![null; n];
+            let mut to: Vec<CUgraphNode> = vec![null; n];
+            // SAFETY: both arrays have room for `n` edges; no edge data is asked for.
+            unsafe {
+                cu!(
+                    d,
+                    cuGraphGetEdges_v2(g, from.as_mut_ptr(), to.as_mut_ptr(), no_data, &mut n)
+                )
+            }?;
+            from.truncate(n);
+            to.truncate(n);
+            Ok((from, to))
+        })?;
+        let index = |raw: CUgraphNode| nodes.iter().position(|n| n.raw == raw);
+        Ok(from
+            .into_iter()
+            .zip(to)
+            .filter_map(|(a, b)| Some((index(a)?, index(b)?)))
+            .collect())
+    }
+
+    fn kernel_params(&self, node: CUgraphNode) -> Result<(CUfunction, LaunchConfig)> {
+        let mut p = sys::CUDA_KERNEL_NODE_PARAMS::default();
+        self.call("kernel node", |d| {
+            // SAFETY: a kernel node of this graph; writes its parameters.
+            unsafe { cu!(d, cuGraphKernelNodeGetParams_v2(node, &mut p)) }
+        })?;
+        let config = LaunchConfig {
+            grid_dim: (p.gridDimX, p.gridDimY, p.gridDimZ),
+            block_dim: (p.blockDimX, p.blockDimY, p.blockDimZ),
+            shared_mem_bytes: p.sharedMemBytes,
+        };
+        Ok((p.func, config))
+    }
+
+    /// The kernel nodes, with the kernel each runs and its shape.
+    ///
+    /// # Errors
+    /// The failing node query.
+    pub fn kernel_nodes(&self) -> Result<Vec<KernelNode>> {
+        let mut out = Vec::new();
+        for node in self.nodes()? {
+            if node.kind != GraphNodeKind::Kernel {
+                continue;
+            }
+            let (func, config) = self.kernel_params(node.raw)?;
+            let name = match name_of(func) {
+                Some(n) => n.to_string(),
+                None => driver_function_name(self.ctx.driver(), func),
+            };
+            out.push(KernelNode {
+                node,
+                name,
+                config,
+                func: CUfunctionHandle(func),
+            });
+        }
+        Ok(out)
+    }
+
+    /// Write the graph as Graphviz DOT (`cuGraphDebugDotPrint`), with kernel
+    /// names and launch shapes; `dot -Tpng graph.dot -o graph.png` draws it.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a path with a NUL byte or that is not UTF-8; the
+    /// driver's status (a folder that does not exist: `CUDA_ERROR_OPERATING_SYSTEM`).
+    pub fn write_dot(&self, path: impl AsRef<Path>) -> Result<()> {
+        let path = path.as_ref();
+        let text = path.to_str().ok_or_else(|| {
+            MetraleError::InvalidArgument(format!("DOT path {} is not UTF-8", path.display()))
+        })?;
+        let c = CString::new(text).map_err(|_| {
+            MetraleError::InvalidArgument(format!("DOT path {text:?} has a NUL byte"))
+        })?;
+        let flags = sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS.0
+            | sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_HANDLES.0;
+        let g = self.raw;
+        self.call(&format!("writing DOT to {text}"), |d| {
+            // SAFETY: a live graph and a NUL-terminated path alive for the call.
+            unsafe { cu!(d, cuGraphDebugDotPrint(g, c.as_ptr(), flags)) }
+        })
+    }
+
+    /// Add a kernel node that runs after `deps`: `f` with typed arguments, checked
+    /// like a launch. The argument values are copied into the node.
+    ///
+    /// # Safety
+    /// As [`CudaStream::launch`], for every replay of the graph.
+    ///
+    /// # Errors
+    /// As [`CudaStream::launch`]; `cuGraphAddKernelNode_v2`'s status.
+    pub unsafe fn add_kernel_node<A: KernelArgs>(
+        &mut self,
+        deps: &[GraphNode],
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: A,
+    ) -> Result<GraphNode> {
+        // SAFETY: the caller's contract.
+        let node = unsafe { add_kernel(self.raw, &self.ctx, deps, f, &cfg, &args) }?;
+        keep(&self.keep, f.table());
+        Ok(node)
+    }
+
+    /// Add a conditional `while` node after `deps` (CUDA 12.4+): its body runs
+    /// while the condition is non-zero, starting from `initial`. `body` builds the
+    /// body graph; a kernel in it sets the condition with
+    /// `cudaGraphSetConditional(handle, value)`, given the [`ConditionalHandle`]
+    /// as an argument.
+    ///
+    /// # Errors
+    /// A missing symbol on a driver before 12.4; the driver's status; `body`'s
+    /// error.
+    pub fn add_while(
+        &mut self,
+        deps: &[GraphNode],
+        initial: bool,
+        body: impl FnOnce(&mut GraphBody<'_>, ConditionalHandle) -> Result<()>,
+    ) -> Result<GraphNode> {
+        let (g, ctx) = (self.raw, self.ctx.raw());
+        let mut handle: sys::CUgraphConditionalHandle = 0;
+        let flags = sys::CU_GRAPH_COND_ASSIGN_DEFAULT;
+        self.call("conditional handle", |d| {
+            // SAFETY: writes one handle for a live graph and the retained context.
+            unsafe {
+                cu!(
+                    d,
+                    cuGraphConditionalHandleCreate(&mut handle, g, ctx, u32::from(initial), flags)
+                )
+            }
+        })?;
+        let mut params = sys::CUgraphNodeParams {
+            type_: sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_CONDITIONAL,
+            ..sys::CUgraphNodeParams::default()
+        };
+        params.__bindgen_anon_1.conditional = sys::CUDA_CONDITIONAL_NODE_PARAMS {
+            handle,
+            type_: sys::CUgraphConditionalNodeType::CU_GRAPH_COND_TYPE_WHILE,
+            size: 1,
+            phGraph_out: std::ptr::null_mut(),
+            ctx,
+        };
+        let raw_deps: Vec<CUgraphNode> = deps.iter().map(|n| n.raw).collect();
+        let mut node: CUgraphNode = std::ptr::null_mut();
+        self.call("adding a while node", |d| {
+            // SAFETY: `params` is a complete conditional node description; the
+            // dependency array has `raw_deps.len()` nodes of this graph.
+            unsafe {
+                cu!(
+                    d,
+                    cuGraphAddNode_v2(
+                        &mut node,
+                        g,
+                        raw_deps.as_ptr(),
+                        std::ptr::null(),
+                        raw_deps.len(),
+                        &mut params
+                    )
+                )
+            }
+        })?;
+        // SAFETY: the union member written by the driver for a conditional node; the
+        // driver filled `phGraph_out` with its own array of `size` (1) body graphs.
+        let body_graph = unsafe {
+            let out = params.__bindgen_anon_1.conditional.phGraph_out;
+            if out.is_null() {
+                std::ptr::null_mut()
+            } else {
+                *out
+            }
+        };
+        if body_graph.is_null() {
+            return Err(MetraleError::InvalidArgument(format!(
+                "device {}: the driver returned no body graph for a while node",
+                self.ctx.ordinal()
+            )));
+        }
+        let mut b = GraphBody {
+            raw: body_graph,
+            ctx: &self.ctx,
+            keep: &self.keep,
+            _parent: PhantomData,
+        };
+        body(&mut b, ConditionalHandle(handle))?;
+        Ok(GraphNode {
+            raw: node,
+            kind: GraphNodeKind::Conditional,
+        })
+    }
+
+    /// Instantiate the graph as an executable graph (`cuGraphInstantiateWithFlags`).
+    ///
+    /// # Errors
+    /// The driver's status (`CUDA_ERROR_INVALID_VALUE` for flags the device or
+    /// driver does not support).
+    pub fn instantiate(&self, options: InstantiateOptions) -> Result<CudaGraphExec> {
+        use sys::CUgraphInstantiate_flags as F;
+        let mut flags = 0u64;
+        if options.auto_free_on_launch {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0);
+        }
+        if options.device_launch {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH.0);
+        }
+        if options.use_node_priority {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0);
+        }
+        let (g, mut raw): (CUgraph, CUgraphExec) = (self.raw, std::ptr::null_mut());
+        self.call("instantiate", |d| {
+            // SAFETY: writes one executable graph handle for a live graph.
+            unsafe { cu!(d, cuGraphInstantiateWithFlags(&mut raw, g, flags)) }
+        })?;
+        let keep = self
+            .keep
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Ok(CudaGraphExec {
+            raw,
+            ctx: Arc::clone(&self.ctx),
+            keep,
+        })
+    }
+}
+
+impl Drop for CudaGraph {
+    fn drop(&mut self) {
+        let raw = self.raw;
+        self.ctx.release_with(
+            format_args!("destroying graph {raw:p} on device {}", self.ctx.ordinal()),
+            |d, failures| {
+                // SAFETY: the graph is this value's own, destroyed once.
+                if let Err(e) = unsafe { cu!(d, cuGraphDestroy(raw)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+}
+
+/// Add a kernel node to `graph` (checked like a launch).
+///
+/// # Safety
+/// As [`CudaStream::launch`], for every replay.
+unsafe fn add_kernel<A: KernelArgs>(
+    graph: CUgraph,
+    ctx: &Arc<CudaContext>,
+    deps: &[GraphNode],
+    f: &CudaFunction,
+    cfg: &LaunchConfig,
+    args: &A,
+) -> Result<GraphNode> {
+    ctx.check_same(
+        f.context(),
+        || format!("kernel '{}'", f.name()),
+        "the graph",
+    )?;
+    ctx.bind()?;
+    prepare(ctx, f.info(), cfg, None, Some(A::SIZES))?;
+    let raw_deps: Vec<CUgraphNode> = deps.iter().map(|n| n.raw).collect();
+    let mut node: CUgraphNode = std::ptr::null_mut();
+    args.with_params(|p| {
+        let params = node_params(f.as_raw(), cfg, p.as_mut_ptr());
+        ctx.call(
+            || format!("kernel '{}': adding a graph node", f.name()),
+            // SAFETY: the driver copies the argument values, which `p` points to for
+            // this call; dependencies are nodes of this graph.
+            |d| unsafe {
+                cu!(
+                    d,
+                    cuGraphAddKernelNode_v2(
+                        &mut node,
+                        graph,
+                        raw_deps.as_ptr(),
+                        raw_deps.len(),
+                        &params
+                    )
+                )
+            },
+        )
+    })?;
+    Ok(GraphNode {
+        raw: node,
+        kind: GraphNodeKind::Kernel,
+    })
+}
+
+fn node_params(
+    func: CUfunction,
+    cfg: &LaunchConfig,
+    params: *mut *mut c_void,
+) -> sys::CUDA_KERNEL_NODE_PARAMS {
+    let (g, b) = (cfg.grid_dim, cfg.block_dim);
+    sys::CUDA_KERNEL_NODE_PARAMS {
+        func,
+        gridDimX: g.0,
+        gridDimY: g.1,
+        gridDimZ: g.2,
+        blockDimX: b.0,
+        blockDimY: b.1,
+        blockDimZ: b.2,
+        sharedMemBytes: cfg.shared_mem_bytes,
+        kernelParams: params,
+        ..sys::CUDA_KERNEL_NODE_PARAMS::default()
+    }
+}
+
+/// The driver's name for a kernel handle no registry knows (`cuFuncGetName`).
+fn driver_function_name(d: &'static sys::Driver, func: CUfunction) -> String {
+    let mut name: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: writes a pointer to the driver's own name for a live function.
+    match unsafe { cu!(d, cuFuncGetName(&mut name, func)) } {
+        Ok(()) if !name.is_null() => {
+            // SAFETY: non-null and NUL-terminated, owned by the driver; copied at once.
+            unsafe { std::ffi::CStr::from_ptr(name) }
+                .to_string_lossy()
+                .into_owned()
+        }
+        _ => format!("{func:p}"),
+    }
+}
+
+/// The body of a conditional node, reached only while it is being built.
+pub struct GraphBody<'a> {
+    raw: CUgraph,
+    ctx: &'a Arc<CudaContext>,
+    keep: &'a KeepAlive,
+    _parent: PhantomData<&'a mut CudaGraph>,
+}
+
+impl GraphBody<'_> {
+    /// As [`CudaGraph::add_kernel_node`], in the body.
+    ///
+    /// # Safety
+    /// As [`CudaGraph::add_kernel_node`].
+    ///
+    /// # Errors
+    /// As [`CudaGraph::add_kernel_node`].
+    pub unsafe fn add_kernel_node<A: KernelArgs>(
+        &mut self,
+        deps: &[GraphNode],
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: A,
+    ) -> Result<GraphNode> {
+        // SAFETY: the caller's contract.
+        let node = unsafe { add_kernel(self.raw, self.ctx, deps, f, &cfg, &args) }?;
+        keep(self.keep, f.table());
+        Ok(node)
+    }
+}
+
+impl fmt::Debug for GraphBody<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GraphBody").field("raw", &self.raw).finish()
+    }
+}
+
+/// How [`CudaGraph::instantiate`] prepares the executable graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InstantiateOptions {
+    /// Free stream-ordered allocations the graph made but did not free, before each
+    /// launch (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
+    pub auto_free_on_launch: bool,
+    /// Make the graph launchable from the device
+    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`).
+    pub device_launch: bool,
+    /// Run kernels with the priorities set on their nodes instead of the stream's
+    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
+    pub use_node_priority: bool,
+}
+
+/// An executable graph: replayed with [`CudaGraphExec::launch`] for a fraction of
+/// the cost of launching its kernels one by one, updated in place.
+pub struct CudaGraphExec {
+    raw: CUgraphExec,
+    ctx: Arc<CudaContext>,
+    keep: Vec<Arc<KernelTable>>,
+}
+
+// SAFETY: the handle is written once; launching and updating an executable graph are
+// thread-safe driver calls; updates take `&mut self` or are single node writes the
+// driver serialises.
+unsafe impl Send for CudaGraphExec {}
+// SAFETY: as for Send.
+unsafe impl Sync for CudaGraphExec {}
+
+impl fmt::Debug for CudaGraphExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaGraphExec")
+            .field("device", &self.ctx.ordinal())
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
+
+impl CudaGraphExec {
+    fn call(
+        &self,
+        what: &str,
+        f: impl FnOnce(&'static sys::Driver) -> Result<(), CallError>,
+    ) -> Result<()> {
+        self.ctx.call(
+            || {
+                format!(
+                    "device {} executable graph {:p}: {what}",
+                    self.ctx.ordinal(),
+                    self.raw
+                )
+            },
+            f,
+        )
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        stream
+            .context()
+            .check_same(&self.ctx, || "executable graph".to_owned(), "the stream")
+    }
+
+    /// Queue one replay of the graph on `stream` (`cuGraphLaunch`).
+    ///
+    /// # Safety
+    /// Everything the graph's work touches (the buffers its kernels, copies and
+    /// fills were captured or updated with, host memory of captured copies) must be
+    /// alive and valid until the replay finishes.
+    ///
+    /// # Errors
+    /// [`MetraleError::WrongDevice`]; `cuGraphLaunch`'s status.
+    #[inline]
+    pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
+        self.check_stream(stream)?;
+        let (g, s) = (self.raw, stream.raw());
+        // SAFETY: a live executable graph and a stream of its context; the rest is
+        // the caller's contract.
+        self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })
+    }
+
+    /// Upload the graph's work descriptors to the device ahead of the first launch
+    /// (`cuGraphUpload`), ordered on `stream`.
+    ///
+    /// # Errors
+    /// [`MetraleError::WrongDevice`]; `cuGraphUpload`'s status.
+    pub fn upload(&self, stream: &CudaStream) -> Result<()> {
+        self.check_stream(stream)?;
+        let (g, s) = (self.raw, stream.raw());
+        // SAFETY: a live executable graph and a stream of its context.
+        self.call("upload", |d| unsafe { cu!(d, cuGraphUpload(g, s)) })
+    }
+
+    /// Update the executable graph in place from `graph`, a graph of the same
+    /// topology (typically a new capture of the same step with other arguments):
+    /// `cuGraphExecUpdate_v2`.
+    ///
+    /// # Errors
+    /// [`MetraleError::GraphUpdate`] with the driver's reason in words (topology
+    /// changed, a kernel's function changed, ...) and the node it blamed;
+    /// [`MetraleError::WrongDevice`].
+    pub fn update(&mut self, graph: &CudaGraph) -> Result<()> {
+        graph
+            .ctx
+            .check_same(&self.ctx, || "executable graph".to_owned(), "the graph")?;
+        let mut info = sys::CUgraphExecUpdateResultInfo::default();
+        let (e, g) = (self.raw, graph.raw);
+        let result = self.ctx.with(|d| {
+            // SAFETY: a live executable graph and graph of one context; writes `info`.
+            unsafe { cu!(d, cuGraphExecUpdate_v2(e, g, &mut info)) }
+        });
+        match result {
+            Ok(()) => {
+                for table in graph
+                    .keep
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                {
+                    if !self.keep.iter().any(|t| Arc::ptr_eq(t, table)) {
+                        self.keep.push(Arc::clone(table));
+                    }
+                }
+                Ok(())
+            }
+            Err(CallError::Status { .. })
+                if info.result != sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS =>
+            {
+                Err(MetraleError::GraphUpdate {
+                    device: self.ctx.ordinal(),
+                    result: info.result,
+                    node: describe_node(self.ctx.driver(), info.errorNode),
+                })
+            }
+            Err(e) => Err(e.about(format_args!(
+                "device {} executable graph {:p}: update",
+                self.ctx.ordinal(),
+                self.raw
+            ))),
+        }
+    }
+
+    /// Set a kernel node's shape and typed arguments in this executable graph,
+    /// without a new capture (`cuGraphExecKernelNodeSetParams_v2`). `node` comes
+    /// from [`CudaGraph::kernel_nodes`] of the graph this was instantiated from, and
+    /// `f` must be the kernel it runs; the update is checked like a launch.
+    ///
+    /// # Safety
+    /// As [`CudaStream::launch`], for every later replay.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `f` is not the node's kernel; as
+    /// [`CudaStream::launch`]; the driver's status.
+    pub unsafe fn set_kernel_params<A: KernelArgs>(
+        &self,
+        node: &KernelNode,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: A,
+    ) -> Result<()> {
+        self.ctx.check_same(
+            f.context(),
+            || format!("kernel '{}'", f.name()),
+            "the executable graph",
+        )?;
+        if node.func.0 != f.as_raw() {
+            return Err(MetraleError::InvalidArgument(format!(
+                "graph node {:p} runs kernel '{}', not '{}'",
+                node.node.raw,
+                node.name,
+                f.name()
+            )));
+        }
+        self.ctx.bind()?;
+        prepare(&self.ctx, f.info(), &cfg, None, Some(A::SIZES))?;
+        let (e, n) = (self.raw, node.node.raw);
+        args.with_params(|p| {
+            let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());
+            self.call("kernel node update", |d| {
+                // SAFETY: the driver copies the argument values `p` points to during
+                // the call; the node belongs to the graph this was instantiated from.
+                unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
+            })
+        })
+    }
+
+    /// The raw `CUgraphExec`, for driver calls of your own.
+    pub fn raw(&self) -> CUgraphExec {
+        self.raw
+    }
+}
+
+/// `kernel node 0x.. ('m::k')` for the node the driver blamed.
+fn describe_node(d: &'static sys::Driver, node: CUgraphNode) -> Option<String> {
+    if node.is_null() {
+        return None;
+    }
+    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    // SAFETY: a node the driver just named; writes its type.
+    if unsafe { cu!(d, cuGraphNodeGetType(node, &mut t)) }.is_err() {
+        return Some(format!("node {node:p}"));
+    }
+    let kind = GraphNodeKind::from_raw(t);
+    if kind != GraphNodeKind::Kernel {
+        return Some(format!("{kind:?} node {node:p}"));
+    }
+    let mut p = sys::CUDA_KERNEL_NODE_PARAMS::default();
+    // SAFETY: a kernel node; writes its parameters.
+    if unsafe { cu!(d, cuGraphKernelNodeGetParams_v2(node, &mut p)) }.is_err() {
+        return Some(format!("kernel node {node:p}"));
+    }
+    let name = name_of(p.func).map_or_else(|| driver_function_name(d, p.func), |n| n.to_string());
+    Some(format!("kernel node {node:p} ('{name}')"))
+}
+
+impl Drop for CudaGraphExec {
+    fn drop(&mut self) {
+        let raw = self.raw;
+        self.ctx.release_with(
+            format_args!(
+                "destroying executable graph {raw:p} on device {}",
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                // SAFETY: the executable graph is this value's own, destroyed once.
+                if let Err(e) = unsafe { cu!(d, cuGraphExecDestroy(raw)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+}

@@ -1,0 +1,200 @@
+//! [`ManagedBuffer`]: unified memory (`cuMemAllocManaged`) that kernels and the host
+//! both address, with prefetch on a stream.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use metrale_cuda_sys::{self as sys, CUdeviceptr};
+
+use super::device::check_alignment;
+use super::{byte_len, check_stream, sealed, DeviceMemory, DeviceMemoryMut, DevicePod};
+use crate::context::{AsContext, CudaContext};
+use crate::error::{cu, MetraleError, Result};
+use crate::stream::CudaStream;
+
+/// Where [`CudaStream::prefetch`] moves managed memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefetchTarget {
+    /// The device of the stream.
+    Device,
+    /// Host memory.
+    Host,
+}
+
+/// `len` elements of `T` in managed memory, zeroed at allocation: the same address
+/// works in kernels (pass `&buf`) and on the host ([`ManagedBuffer::host_slice`]).
+///
+/// Host access waits for all work of the context first, so the host never reads
+/// or writes while a kernel may be using the memory.
+///
+/// ```no_run
+/// use metrale_runtime::{host, ManagedBuffer, PrefetchTarget};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let h = host(0)?;
+/// let mut m = ManagedBuffer::<u32>::zeroed(&h, 1024)?;
+/// m.host_slice()?.fill(7);
+/// h.stream().prefetch(&m, PrefetchTarget::Device)?;
+/// // ... kernels read and write `&m` on the stream ...
+/// let values = m.host_slice()?; // waits for them first
+/// # Ok(()) }
+/// ```
+pub struct ManagedBuffer<T: DevicePod> {
+    ptr: CUdeviceptr,
+    len: usize,
+    ctx: Arc<CudaContext>,
+    _elem: PhantomData<T>,
+}
+
+impl<T: DevicePod> ManagedBuffer<T> {
+    /// Allocate `len` zeroed elements of managed memory, accessible from any
+    /// stream (`CU_MEM_ATTACH_GLOBAL`).
+    ///
+    /// # Errors
+    /// `InvalidArgument` on a device without managed memory; the failing
+    /// `cuMemAllocManaged`, naming the size.
+    pub fn zeroed(ctx: &impl AsContext, len: usize) -> Result<ManagedBuffer<T>> {
+        let ctx = ctx.context();
+        if !ctx.limits().managed_memory {
+            return Err(MetraleError::InvalidArgument(format!(
+                "device {} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 0)",
+                ctx.ordinal()
+            )));
+        }
+        let bytes = byte_len::<T>(len, "managed buffer")?;
+        let mut ptr: CUdeviceptr = 0;
+        if bytes > 0 {
+            let flags = sys::CUmemAttach_flags::CU_MEM_ATTACH_GLOBAL.0;
+            ctx.call(
+                || format!("device {}: allocating {bytes} managed bytes", ctx.ordinal()),
+                // SAFETY: writes one address; the context is current.
+                |d| unsafe { cu!(d, cuMemAllocManaged(&mut ptr, bytes, flags)) },
+            )?;
+        }
+        let buf = ManagedBuffer {
+            ptr,
+            len,
+            ctx: Arc::clone(ctx),
+            _elem: PhantomData,
+        };
+        check_alignment::<T>(ptr, "managed buffer")?;
+        if bytes > 0 {
+            // SAFETY: `bytes` of fresh managed memory, addressable from the host; no
+            // work can use it yet.
+            unsafe { std::ptr::write_bytes(ptr as usize as *mut u8, 0, bytes) };
+        }
+        Ok(buf)
+    }
+
+    /// The elements, for the host to read and write: waits for all work of the
+    /// context first (`cuCtxSynchronize`).
+    ///
+    /// # Errors
+    /// The synchronisation's failure (an earlier kernel's fault).
+    pub fn host_slice(&mut self) -> Result<&mut [T]> {
+        self.ctx.synchronize()?;
+        if self.len == 0 {
+            return Ok(&mut []);
+        }
+        // SAFETY: `len` initialised (zeroed, then written as T) elements, aligned
+        // (checked), addressable from the host; no device work is in flight (just
+        // synchronised) and none can be queued through `&mut self` meanwhile.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as usize as *mut T, self.len) })
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address (the same on the device and the host).
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+
+    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
+
+impl CudaStream {
+    /// Queue a migration of `buf` to this stream's device or to the host
+    /// (`cuMemPrefetchAsync_v2`, CUDA 12.2+), so the next access does not fault.
+    ///
+    /// # Errors
+    /// [`MetraleError::WrongDevice`]; the driver's status.
+    pub fn prefetch<T: DevicePod>(&self, buf: &ManagedBuffer<T>, to: PrefetchTarget) -> Result<()> {
+        check_stream(buf, self)?;
+        if buf.len == 0 {
+            return Ok(());
+        }
+        let location = match to {
+            PrefetchTarget::Device => sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: i32::try_from(self.ordinal()).unwrap_or(i32::MAX),
+            },
+            PrefetchTarget::Host => sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_HOST,
+                id: 0,
+            },
+        };
+        let (ptr, bytes) = (buf.ptr, buf.len * std::mem::size_of::<T>());
+        // SAFETY: the managed range belongs to `buf`, in this stream's context.
+        self.call("prefetch", |d, s| unsafe {
+            cu!(d, cuMemPrefetchAsync_v2(ptr, bytes, location, 0, s))
+        })
+    }
+}
+
+impl<T: DevicePod> fmt::Debug for ManagedBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ManagedBuffer")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<T: DevicePod> Drop for ManagedBuffer<T> {
+    fn drop(&mut self) {
+        if self.ptr == 0 {
+            return;
+        }
+        let ptr = self.ptr;
+        self.ctx.release_with(
+            format_args!(
+                "freeing managed buffer {ptr:#x} on device {}",
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                // SAFETY: this buffer's own allocation, freed once; `cuMemFree` waits
+                // for work that uses it.
+                if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+}
+
+impl<T: DevicePod> sealed::Sealed for ManagedBuffer<T> {}
+impl<T: DevicePod> DeviceMemory<T> for ManagedBuffer<T> {
+    fn device_ptr(&self) -> CUdeviceptr {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn memory_context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    fn describe(&self) -> String {
+        format!("managed buffer {:#x} ({} elements)", self.ptr, self.len)
+    }
+}
+impl<T: DevicePod> DeviceMemoryMut<T> for ManagedBuffer<T> {}

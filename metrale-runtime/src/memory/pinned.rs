@@ -1,0 +1,207 @@
+//! [`PinnedBuffer`] (page-locked host memory) and [`PendingCopy`] (an async copy
+//! that owns its pinned buffer until the copy is done).
+
+use std::ffi::c_void;
+use std::fmt;
+use std::sync::Arc;
+
+use super::{byte_len, DevicePod};
+use crate::context::{AsContext, CudaContext};
+use crate::error::{cu, report_line, MetraleError, Result};
+use crate::stream::CudaStream;
+
+/// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
+/// allocation, freed on drop. Dereferences to a slice. Copies from and to pinned
+/// memory run at full bus speed and truly asynchronously
+/// ([`CudaStream::copy_h2d_async`]).
+///
+/// ```no_run
+/// use metrale_runtime::{host, DeviceBuffer, PinnedBuffer};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let h = host(0)?;
+/// let mut staging = PinnedBuffer::<f32>::zeroed(&h, 1 << 20)?;
+/// staging.fill(1.5);
+/// let mut dev = DeviceBuffer::<f32>::alloc(&h, 1 << 20)?;
+/// let pending = h.stream().copy_h2d_async(staging, &mut dev)?; // returns at once
+/// // ... queue more work ...
+/// let staging = pending.wait()?; // the buffer comes back once the copy is done
+/// # Ok(()) }
+/// ```
+pub struct PinnedBuffer<T: DevicePod> {
+    ptr: *mut T,
+    len: usize,
+    ctx: Arc<CudaContext>,
+}
+
+// SAFETY: the buffer owns its allocation like a Box<[T]>; T is Send + Sync.
+unsafe impl<T: DevicePod> Send for PinnedBuffer<T> {}
+// SAFETY: shared access only reads through `&[T]`.
+unsafe impl<T: DevicePod> Sync for PinnedBuffer<T> {}
+
+impl<T: DevicePod> PinnedBuffer<T> {
+    /// Allocate `len` zeroed elements. A zero-length buffer allocates nothing.
+    ///
+    /// # Errors
+    /// The failing `cuMemAllocHost_v2`, naming the size; `InvalidArgument` when
+    /// the driver's address is not aligned enough for `T` (an over-aligned type).
+    pub fn zeroed(ctx: &impl AsContext, len: usize) -> Result<PinnedBuffer<T>> {
+        let ctx = ctx.context();
+        let bytes = byte_len::<T>(len, "pinned buffer")?;
+        let mut raw: *mut c_void = std::ptr::NonNull::<T>::dangling().as_ptr().cast();
+        if bytes > 0 {
+            ctx.call(
+                || format!("device {}: pinning {bytes} host bytes", ctx.ordinal()),
+                // SAFETY: writes one pointer; the context is current.
+                |d| unsafe { cu!(d, cuMemAllocHost_v2(&mut raw, bytes)) },
+            )?;
+        }
+        let buf = PinnedBuffer {
+            ptr: raw.cast::<T>(),
+            len,
+            ctx: Arc::clone(ctx),
+        };
+        if bytes > 0 && !(raw as usize).is_multiple_of(std::mem::align_of::<T>()) {
+            // Dropping `buf` frees the allocation.
+            return Err(MetraleError::InvalidArgument(format!(
+                "pinned buffer of {}: the driver's address {raw:p} is not aligned to {} bytes",
+                std::any::type_name::<T>(),
+                std::mem::align_of::<T>()
+            )));
+        }
+        if bytes > 0 {
+            // SAFETY: the driver returned `bytes` writable bytes at `raw`.
+            unsafe { std::ptr::write_bytes(raw.cast::<u8>(), 0, bytes) };
+        }
+        Ok(buf)
+    }
+
+    /// Raw pointer to the first element.
+    pub fn as_ptr(&self) -> *const T {
+        self.ptr
+    }
+
+    /// Raw mutable pointer to the first element.
+    pub fn as_mut_ptr(&mut self) -> *mut T {
+        self.ptr
+    }
+
+    /// Size in bytes.
+    pub fn byte_len(&self) -> usize {
+        std::mem::size_of_val(&**self)
+    }
+
+    /// The context the memory was pinned in.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+}
+
+impl<T: DevicePod> std::ops::Deref for PinnedBuffer<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialised (zeroed, then written as T) elements,
+        // aligned for T (checked at allocation), or is dangling and aligned with len 0.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl<T: DevicePod> std::ops::DerefMut for PinnedBuffer<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        // SAFETY: as for Deref, and `&mut self` makes the access exclusive.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl<T: DevicePod> fmt::Debug for PinnedBuffer<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PinnedBuffer")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl<T: DevicePod> Drop for PinnedBuffer<T> {
+    fn drop(&mut self) {
+        if self.len == 0 || std::mem::size_of::<T>() == 0 {
+            return;
+        }
+        let ptr = self.ptr.cast::<c_void>();
+        self.ctx.release_with(
+            format_args!(
+                "freeing pinned buffer {ptr:p} on device {}",
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                // SAFETY: the allocation is this buffer's own, freed once, here.
+                if let Err(e) = unsafe { cu!(d, cuMemFreeHost(ptr)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+}
+
+/// An async copy in flight between device memory and a [`PinnedBuffer`], which it
+/// owns until the copy is done: [`PendingCopy::wait`] hands the buffer back.
+///
+/// Dropping it waits for the copy (then frees the buffer); forgetting it
+/// (`mem::forget`) leaks the buffer, so the copy engine never writes freed memory.
+#[must_use = "dropping a pending copy waits for it; call wait() to get the buffer back"]
+pub struct PendingCopy<T: DevicePod> {
+    buffer: Option<PinnedBuffer<T>>,
+    stream: CudaStream,
+}
+
+impl<T: DevicePod> PendingCopy<T> {
+    pub(crate) fn new(buffer: PinnedBuffer<T>, stream: &CudaStream) -> PendingCopy<T> {
+        PendingCopy {
+            buffer: Some(buffer),
+            stream: stream.clone(),
+        }
+    }
+
+    /// Wait for the copy (and everything queued before it on the stream) and take
+    /// the buffer back.
+    ///
+    /// # Errors
+    /// The stream's failure; the buffer is freed (once the stream is idle).
+    pub fn wait(mut self) -> Result<PinnedBuffer<T>> {
+        let waited = self.stream.synchronize_or_quiesce();
+        let buffer = self.buffer.take();
+        waited?;
+        buffer.ok_or_else(|| MetraleError::InvalidArgument("pending copy already taken".into()))
+    }
+
+    /// Whether the stream has finished the copy (and everything before it).
+    ///
+    /// # Errors
+    /// `cuStreamQuery`'s failure.
+    pub fn is_done(&self) -> Result<bool> {
+        self.stream.query()
+    }
+
+    /// The stream the copy was queued on.
+    pub fn stream(&self) -> &CudaStream {
+        &self.stream
+    }
+}
+
+impl<T: DevicePod> Drop for PendingCopy<T> {
+    fn drop(&mut self) {
+        if self.buffer.is_some() {
+            if let Err(e) = self.stream.synchronize_or_quiesce() {
+                report_line(format_args!("dropping a pending copy: {e}"));
+            }
+        }
+    }
+}
+
+impl<T: DevicePod> fmt::Debug for PendingCopy<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PendingCopy")
+            .field("buffer", &self.buffer)
+            .field("stream", &self.stream)
+            .finish()
+    }
+}

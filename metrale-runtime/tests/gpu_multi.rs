@@ -1,0 +1,202 @@
+//! Tier 3 on two GPUs: one model on both devices, peer copies, a kernel reading
+//! the other device's memory, and one thread per device.
+//!
+//! With fewer than two devices every test is reported ignored, with the reason;
+//! `METRALE_REQUIRE_GPUS=2` turns that into failures.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/harness.rs"]
+mod harness;
+
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Instant;
+
+use harness::Test;
+use metrale_runtime::*;
+
+static PTX: &[u8] = include_bytes!("fixtures/kernels.ptx");
+
+fn both() -> Vec<Arc<MetraleRegistry>> {
+    MetraleRegistry::load_on_devices(&[0, 1], [("kernels", PTX)]).unwrap()
+}
+
+fn one_model_loaded_once_runs_on_both_devices() {
+    let regs = both();
+    assert!(
+        regs.iter().all(|r| r.shares_code()),
+        "the library API is used"
+    );
+    for (d, reg) in regs.iter().enumerate() {
+        let s = reg.stream();
+        let f = reg.function("kernels", "vec_add").unwrap();
+        let n = 1 << 20;
+        let a: Vec<f32> = (0..n).map(|i| (i % 1000) as f32 + d as f32).collect();
+        let b: Vec<f32> = (0..n).map(|i| (i % 7) as f32).collect();
+        let (da, db) = (
+            DeviceBuffer::from_host(s, &a).unwrap(),
+            DeviceBuffer::from_host(s, &b).unwrap(),
+        );
+        let mut dc = DeviceBuffer::<f32>::alloc(s, n).unwrap();
+        // SAFETY: vec_add over n elements.
+        unsafe {
+            s.launch(
+                &f,
+                LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+                (&da, &db, &mut dc, n as u32),
+            )
+        }
+        .unwrap();
+        let c = s.to_vec(&dc).unwrap();
+        assert!((0..n).all(|i| c[i] == a[i] + b[i]), "device {d}");
+        // Symbols per device.
+        let sym = reg
+            .symbol_array::<u32>("kernels", "_ZN12metrale_test8countersE", 16)
+            .unwrap();
+        sym.write(s, &[d as u32; 16]).unwrap();
+    }
+    for (d, reg) in regs.iter().enumerate() {
+        let sym = reg
+            .symbol_array::<u32>("kernels", "_ZN12metrale_test8countersE", 16)
+            .unwrap();
+        assert_eq!(sym.read(reg.stream()).unwrap(), vec![d as u32; 16]);
+    }
+    // A kernel of device 0 on device 1's stream is refused.
+    let f0 = regs[0].function("kernels", "count_launch").unwrap();
+    let mut c1 = DeviceBuffer::<u64>::zeroed(regs[1].stream(), 1).unwrap();
+    let cfg = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0).unwrap();
+    // SAFETY: refused before the driver.
+    let e = unsafe { regs[1].stream().launch(&f0, cfg, (&mut c1,)) }.unwrap_err();
+    assert!(matches!(e, MetraleError::WrongDevice { .. }), "{e}");
+}
+
+fn peer_copy_round_trip_of_1_gib() {
+    let (h0, h1) = (host(0).unwrap(), host(1).unwrap());
+    let (d0, d1) = (Device::get(0).unwrap(), Device::get(1).unwrap());
+    println!("    link 0 -> 1: {:?}", d0.peer_link(&d1).unwrap());
+    if d0.can_access_peer(&d1).unwrap() {
+        enable_peer_access(&h0, &h1).unwrap();
+        enable_peer_access(&h1, &h0).unwrap();
+        enable_peer_access(&h0, &h1).unwrap();
+    }
+    let n = (1usize << 30) / 4;
+    let mut src = DeviceBuffer::<u32>::alloc(&h0, n).unwrap();
+    // A pattern that differs per word: fill_index on device 0.
+    let reg0 = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
+    let f = reg0.function("kernels", "fill_index").unwrap();
+    // SAFETY: fill_index(unsigned*, unsigned, unsigned) over n elements.
+    unsafe {
+        h0.stream().launch(
+            &f,
+            LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+            (&mut src, n as u32, 12345u32),
+        )
+    }
+    .unwrap();
+    let mut mid = DeviceBuffer::<u32>::zeroed(&h1, n).unwrap();
+    let mut back = DeviceBuffer::<u32>::zeroed(&h0, n).unwrap();
+    h0.stream().synchronize().unwrap();
+    let t = Instant::now();
+    h1.stream().copy_peer(&src, &mut mid).unwrap();
+    h1.stream().synchronize().unwrap();
+    let there = t.elapsed();
+    let t = Instant::now();
+    h0.stream().copy_peer(&mid, &mut back).unwrap();
+    h0.stream().synchronize().unwrap();
+    let home = t.elapsed();
+    println!(
+        "    1 GiB 0 -> 1 in {:.2} ms, 1 -> 0 in {:.2} ms",
+        there.as_secs_f64() * 1e3,
+        home.as_secs_f64() * 1e3
+    );
+    let got = h0.stream().to_vec(&back).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        assert_eq!(v, (i as u32).wrapping_add(12345), "word {i}");
+    }
+}
+
+fn a_kernel_on_device_1_reads_device_0_memory() {
+    let regs = both();
+    let (h0, h1) = (regs[0].host(), regs[1].host());
+    enable_peer_access(h1, h0).unwrap();
+    let n = 1 << 20;
+    let values: Vec<f32> = (0..n).map(|i| i as f32 * 0.25).collect();
+    let on0 = DeviceBuffer::from_host(h0, &values).unwrap();
+    let mut on1 = DeviceBuffer::<f32>::zeroed(h1, n).unwrap();
+    let f = regs[1].function("kernels", "scale2").unwrap();
+    let s = h1.stream();
+    // SAFETY: scale2(const float*, float*, unsigned): reads device 0's buffer
+    // through peer access, writes device 1's.
+    unsafe {
+        s.launch(
+            &f,
+            LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+            (on0.device_ptr(), &mut on1, n as u32),
+        )
+    }
+    .unwrap();
+    let got = s.to_vec(&on1).unwrap();
+    assert!((0..n).all(|i| got[i] == values[i] * 2.0));
+}
+
+fn two_threads_each_launch_100000_kernels_on_their_device() {
+    let regs = both();
+    let threads: Vec<_> = regs
+        .iter()
+        .map(|r| {
+            let r = Arc::clone(r);
+            std::thread::spawn(move || {
+                let s = CudaStream::new(r.ctx()).unwrap();
+                let f = r.function("kernels", "count_launch").unwrap();
+                let mut counter = DeviceBuffer::<u64>::zeroed(&s, 1).unwrap();
+                let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
+                let t = Instant::now();
+                for _ in 0..100_000 {
+                    // SAFETY: count_launch(unsigned long long*).
+                    unsafe { s.launch(&f, cfg, (&mut counter,)) }.unwrap();
+                }
+                let got = s.to_vec(&counter).unwrap()[0];
+                (got, t.elapsed())
+            })
+        })
+        .collect();
+    for (d, t) in threads.into_iter().enumerate() {
+        let (count, took) = t.join().unwrap();
+        println!(
+            "    device {d}: 100000 launches in {:.1} ms",
+            took.as_secs_f64() * 1e3
+        );
+        assert_eq!(count, 100_000, "device {d}");
+    }
+}
+
+fn main() -> ExitCode {
+    let tests = [
+        Test {
+            name: "multi::one_model_loaded_once_runs_on_both_devices",
+            run: one_model_loaded_once_runs_on_both_devices,
+        },
+        Test {
+            name: "multi::peer_copy_round_trip_of_1_gib",
+            run: peer_copy_round_trip_of_1_gib,
+        },
+        Test {
+            name: "multi::a_kernel_on_device_1_reads_device_0_memory",
+            run: a_kernel_on_device_1_reads_device_0_memory,
+        },
+        Test {
+            name: "multi::two_threads_each_launch_100000_kernels_on_their_device",
+            run: two_threads_each_launch_100000_kernels_on_their_device,
+        },
+    ];
+    let gate = || match device_count() {
+        Ok(n) if n >= 2 => Ok(()),
+        Ok(n) => Err(format!(
+            "these tests need two CUDA devices; the driver reports {n}"
+        )),
+        Err(e) => Err(format!("these tests need two CUDA devices: {e}")),
+    };
+    let require = std::env::var("METRALE_REQUIRE_GPUS").is_ok_and(|v| v == "2");
+    harness::main(&tests, &[], gate, require)
+}
