@@ -1695,15 +1695,34 @@ struct pool {
 };
 static struct pool default_pools[MAX_DEV] = {{0, 0}, {1, 0}};
 
+/* Like the real driver, stream-ordered allocation works in the stream's context
+ * whatever context is current (or none); the legacy stream needs a current one. */
+static CUresult stream_context(void *stream, struct ctx **c) {
+    if (stream) {
+        if (!find(stream, K_STREAM)) return INVALID_HANDLE;
+        *c = ((struct stream *)stream)->ctx;
+    } else {
+        *c = current;
+    }
+    if (!*c) return INVALID_CONTEXT;
+    if (!(*c)->alive) return CONTEXT_IS_DESTROYED;
+    return SUCCESS;
+}
+
 static CUresult do_alloc_async(CUdeviceptr *p, size_t bytes, void *pool, void *stream) {
-    NEED_CTX();
-    CUresult r = stream_ok(stream);
+    struct ctx *saved = current, *c;
+    CUresult r = stream_context(stream, &c);
     if (r) return r;
     NO_CAPTURE(stream);
-    if (!attribute(current->dev, 115)) return NOT_SUPPORTED;
-    if (pool && !find(pool, K_POOL) && pool != &default_pools[0] && pool != &default_pools[1])
-        return INVALID_HANDLE;
-    return alloc_device(p, bytes);
+    current = c;
+    if (!attribute(current->dev, 115))
+        r = NOT_SUPPORTED;
+    else if (pool && !find(pool, K_POOL) && pool != &default_pools[0] && pool != &default_pools[1])
+        r = INVALID_HANDLE;
+    else
+        r = alloc_device(p, bytes);
+    current = saved;
+    return r;
 }
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr *p, size_t bytes, void *stream) {
     LOCKED(do_alloc_async(p, bytes, NULL, stream));
@@ -1713,8 +1732,8 @@ EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *p, size_t bytes, void *pool
 }
 
 static CUresult do_free_async(CUdeviceptr p, void *stream) {
-    NEED_CTX();
-    CUresult r = stream_ok(stream);
+    struct ctx *c;
+    CUresult r = stream_context(stream, &c);
     if (r) return r;
     NO_CAPTURE(stream);
     if (stream) run_pending(stream);

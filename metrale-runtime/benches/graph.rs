@@ -203,17 +203,28 @@ fn run() -> Result<(), MetraleError> {
                 drop(g.instantiate(InstantiateOptions::default()).unwrap());
             }) * 1e3,
         );
-        // Whole-graph update, raw then ours (same executable graph, same new graph).
-        let mut info = sys::CUgraphExecUpdateResultInfo::default();
-        rows[10].push(
+        // Whole-graph update: raw to g2, ours back to the first graph (each call
+        // switches graphs), taking turns at going first.
+        let raw_exec = exec_upd.raw();
+        let raw_upd = || {
+            let mut info = sys::CUgraphExecUpdateResultInfo::default();
             time(|| {
                 // SAFETY: a live executable graph and a graph of the same topology.
                 ok("cuGraphExecUpdate_v2", unsafe {
-                    raw_update(exec_upd.raw(), g2.raw(), &mut info)
+                    raw_update(raw_exec, g2.raw(), &mut info)
                 });
-            }) * 1e6,
-        );
-        rows[11].push(time(|| exec_upd.update(&g2).unwrap()) * 1e6);
+            }) * 1e6
+        };
+        if round % 2 == 0 {
+            let raw = raw_upd();
+            rows[10].push(raw);
+            rows[11].push(time(|| exec_upd.update(&graph).unwrap()) * 1e6);
+        } else {
+            let ours = time(|| exec_upd.update(&graph).unwrap()) * 1e6;
+            rows[11].push(ours);
+            let raw = raw_upd();
+            rows[10].push(raw);
+        }
     }
     // Per-node update: 1,000 updates, raw then ours, alternating per round.
     let (mut node_raw, mut node_ours) = (Row::default(), Row::default());

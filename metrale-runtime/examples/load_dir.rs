@@ -30,47 +30,68 @@ fn run() -> Result<(), MetraleError> {
     let h = host(0)?;
     // Warm the driver's caches once.
     drop(MetraleRegistry::load_into(h.clone(), &blobs)?);
-
-    let t = Instant::now();
-    let reg = MetraleRegistry::load_into(h.clone(), &blobs)?;
-    let one = t.elapsed();
-    let mut kernels = 0usize;
-    for (name, _) in &blobs {
-        kernels += reg.function_names(name).map(|k| k.len()).unwrap_or(0);
+    println!(
+        "{} modules ({:.1} MiB) from {dir} on {}:",
+        blobs.len(),
+        bytes as f64 / (1 << 20) as f64,
+        h.device_name()
+    );
+    // Alternate the two ways, so neither always follows the other's unload.
+    for round in 0..4 {
+        let one = |report: bool| -> Result<(), MetraleError> {
+            let t = Instant::now();
+            let reg = MetraleRegistry::load_into(h.clone(), &blobs)?;
+            let took = t.elapsed();
+            let t = Instant::now();
+            for (name, _) in &blobs {
+                reg.function_names(name)?;
+            }
+            let listed = t.elapsed();
+            drop(reg);
+            if report {
+                println!(
+                    "  round {round}: one registry of all modules: {:8.1} ms (listing their kernels: {:.1} ms)",
+                    took.as_secs_f64() * 1e3,
+                    listed.as_secs_f64() * 1e3
+                );
+            }
+            Ok(())
+        };
+        let many = || -> Result<(), MetraleError> {
+            let t = Instant::now();
+            let separate: Vec<MetraleRegistry> = blobs
+                .iter()
+                .map(|b| MetraleRegistry::load_into(h.clone(), [b]))
+                .collect::<Result<_, _>>()?;
+            let took = t.elapsed();
+            drop(separate);
+            println!(
+                "  round {round}: one registry per module:       {:8.1} ms",
+                took.as_secs_f64() * 1e3
+            );
+            Ok(())
+        };
+        if round % 2 == 0 {
+            one(true)?;
+            many()?;
+        } else {
+            many()?;
+            one(true)?;
+        }
     }
+    let reg = MetraleRegistry::load_into(h.clone(), &blobs)?;
+    let kernels: usize = blobs
+        .iter()
+        .map(|(name, _)| reg.function_names(name).map(|k| k.len()).unwrap_or(0))
+        .sum();
     let t = Instant::now();
     for (name, _) in &blobs {
         let _ = reg.has_module(name);
     }
-    let lookups = t.elapsed();
-    drop(reg);
-
-    let t = Instant::now();
-    let separate: Vec<MetraleRegistry> = blobs
-        .iter()
-        .map(|b| MetraleRegistry::load_into(h.clone(), [b]))
-        .collect::<Result<_, _>>()?;
-    let many = t.elapsed();
-    drop(separate);
     println!(
-        "{} modules ({} kernels, {:.1} MiB) from {dir} on {}:",
+        "  {kernels} kernels; {} module-name lookups in {:.3} ms",
         blobs.len(),
-        kernels,
-        bytes as f64 / (1 << 20) as f64,
-        h.device_name()
-    );
-    println!(
-        "  one registry of all modules:   {:8.1} ms",
-        one.as_secs_f64() * 1e3
-    );
-    println!(
-        "  one registry per module:       {:8.1} ms",
-        many.as_secs_f64() * 1e3
-    );
-    println!(
-        "  {} module-name lookups:       {:8.3} ms",
-        blobs.len(),
-        lookups.as_secs_f64() * 1e3
+        t.elapsed().as_secs_f64() * 1e3
     );
     Ok(())
 }

@@ -310,14 +310,24 @@ impl CudaContext {
         self.bind_fast().and_then(|()| f(self.driver))
     }
 
-    /// Bind the context before releasing one of its resources, and say whether
-    /// there is still anything to release. The context counts as gone when the
-    /// driver reports a teardown status, when the primary context is no longer
-    /// active (it was reset), or when its id differs from the one the resources
-    /// were created in (it was re-created).
-    fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
+    /// Whether the context the resources were created in still exists, without
+    /// binding it (binding a reset primary context would create it anew). With
+    /// `cuCtxGetId` (CUDA 12.0+) one call answers: an error for a destroyed context,
+    /// another id for one created anew. Without it, whether the primary context is
+    /// active.
+    fn state(&self) -> Result<ReleaseState, CallError> {
         let d = self.driver;
         let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
+        if let Some(created) = self.id {
+            let mut id: c_ulonglong = 0;
+            // SAFETY: writes one integer; the handle is this (retained) context.
+            return match unsafe { cu!(d, cuCtxGetId(self.raw, &mut id)) } {
+                Ok(()) if id == created => Ok(ReleaseState::Live),
+                Ok(()) => Ok(ReleaseState::Gone),
+                Err(e) if gone(e) => Ok(ReleaseState::Gone),
+                Err(e) => Err(e),
+            };
+        }
         let (mut flags, mut active): (c_uint, c_int) = (0, 0);
         // SAFETY: writes two integers for a valid device.
         match unsafe {
@@ -326,25 +336,68 @@ impl CudaContext {
                 cuDevicePrimaryCtxGetState(self.device, &mut flags, &mut active)
             )
         } {
-            Ok(()) if active == 0 => return Ok(ReleaseState::Gone),
-            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
-            _ => {}
+            Ok(()) if active == 0 => Ok(ReleaseState::Gone),
+            Ok(()) => Ok(ReleaseState::Live),
+            Err(e) if gone(e) => Ok(ReleaseState::Gone),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Bind the context before releasing one of its resources, and say whether
+    /// there is still anything to release (see `state`).
+    fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
+        if self.state()? == ReleaseState::Gone {
+            return Ok(ReleaseState::Gone);
         }
         match self.bind_fast() {
-            Ok(()) => {}
-            Err(e) if gone(e) => return Ok(ReleaseState::Gone),
-            Err(e) => return Err(e),
+            Ok(()) => Ok(ReleaseState::Live),
+            Err(e) if e.status().is_some_and(is_teardown_noop) => Ok(ReleaseState::Gone),
+            Err(e) => Err(e),
         }
-        if let Some(created) = self.id {
-            let mut id: c_ulonglong = 0;
-            // SAFETY: writes one integer; the handle is this context.
-            match unsafe { cu!(d, cuCtxGetId(self.raw, &mut id)) } {
-                Ok(()) if id != created => return Ok(ReleaseState::Gone),
-                Err(e) if gone(e) => return Ok(ReleaseState::Gone),
-                _ => {}
+    }
+
+    /// Call `f`, a stream-ordered call whose stream names this context, without
+    /// binding first: the driver accepts these calls whatever context is current
+    /// (measured on CUDA 13.0; 16 ns saved per call). A driver that answers
+    /// INVALID_CONTEXT gets the context bound and the call repeated.
+    #[inline]
+    pub(crate) fn call_on_stream<R>(
+        &self,
+        f: impl Fn(&'static sys::Driver) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
+        match f(self.driver) {
+            Err(CallError::Status { status, .. })
+                if status == crate::error::CUDA_ERROR_INVALID_CONTEXT =>
+            {
+                self.bind_fast()?;
+                f(self.driver)
             }
+            other => other,
         }
-        Ok(ReleaseState::Live)
+    }
+
+    /// [`CudaContext::release_with`] for one stream-ordered free, the Drop path of
+    /// stream-ordered buffers, kept within a few percent of the raw free: the free
+    /// is tried first, without binding (see `call_on_stream`), and only a failure
+    /// asks whether the context is gone (then it is silent). Passing the handles
+    /// before that check is sound while nobody has reset the context under live
+    /// metrale objects, which only an unsafe driver call can do; after such a reset
+    /// the driver refuses the stale handles and the check classifies the refusal.
+    pub(crate) fn release_on_stream(
+        &self,
+        what: fmt::Arguments<'_>,
+        free: impl Fn(&'static sys::Driver) -> Result<(), CallError>,
+    ) {
+        let failed = match self.call_on_stream(free) {
+            Ok(()) => return,
+            Err(e) if e.status().is_some_and(is_teardown_noop) => return,
+            Err(e) => e,
+        };
+        match self.state() {
+            Ok(ReleaseState::Gone) => {}
+            Ok(ReleaseState::Live) => report_drop_failures(what, &[failed]),
+            Err(e) => report_drop_failures(what, &[failed, e]),
+        }
     }
 
     /// Release resources of this context: bind it, run `free` (which pushes what

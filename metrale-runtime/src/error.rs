@@ -155,6 +155,26 @@ pub enum LaunchFailure {
 ///
 /// Each variant carries the data of the failure; `Display` (and `Debug`, which
 /// prints the same message) puts it into words.
+///
+/// ```no_run
+/// use metrale_runtime::{MetraleError, MetraleRegistry, NameKind};
+/// # fn main() {
+/// match MetraleRegistry::load(0, &[("kernels", b".version 8.0\nnot ptx")]) {
+///     Ok(_) => {}
+///     Err(MetraleError::DriverUnavailable(e)) => eprintln!("no GPU here: {e}"),
+///     Err(e @ MetraleError::ModuleLoad { .. }) => {
+///         // "kernels: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): ...
+///         //  JIT error log: ..."
+///         eprintln!("{e}");
+///         assert!(e.status().is_some());
+///     }
+///     Err(MetraleError::NotFound { kind: NameKind::Kernel, name, .. }) => {
+///         eprintln!("no kernel {name:?}")
+///     }
+///     Err(other) => eprintln!("{other}"),
+/// }
+/// # }
+/// ```
 #[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum MetraleError {

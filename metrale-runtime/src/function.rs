@@ -238,6 +238,12 @@ impl KernelTable {
         })
     }
 
+    /// Whether `f` was made by this table (one compare).
+    #[inline(always)]
+    pub(crate) fn owns(&self, f: RawCudaFunc) -> bool {
+        f.table == self.id
+    }
+
     /// The info behind `f`, when `f` comes from this table; else
     /// [`MetraleError::ForeignHandle`] naming the kernel where it can.
     #[inline]

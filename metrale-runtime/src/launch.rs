@@ -35,6 +35,19 @@ use crate::stream::CudaStream;
 pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
 
 /// The shape of a launch: grid and block dimensions and dynamic shared memory bytes.
+///
+/// ```
+/// use metrale_runtime::LaunchConfig;
+/// // 1,000,000 elements, 256 threads a block: 3907 blocks.
+/// let cfg = LaunchConfig::for_num_elems(1_000_000, 256)?;
+/// assert_eq!(cfg.grid_dim, (3907, 1, 1));
+/// // 2D tiles with 64 KiB of dynamic shared memory (opted in at launch).
+/// let tiles = LaunchConfig::new((32, 32, 1), (16, 16, 1), 64 << 10)?;
+/// assert_eq!(tiles.threads_per_block(), 256);
+/// // Impossible shapes are refused before any driver call.
+/// assert!(LaunchConfig::new((1, 1, 1), (2048, 1, 1), 0).is_err());
+/// # Ok::<(), metrale_runtime::MetraleError>(())
+/// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LaunchConfig {
     /// Blocks in the grid (x, y, z).

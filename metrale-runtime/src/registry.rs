@@ -241,9 +241,9 @@ impl MetraleRegistry {
         module_name: &str,
         func_name: &str,
     ) -> Result<RawCudaFunc> {
-        if let Some(f) = cache.get() {
-            if self.table.resolve(*f).is_ok() {
-                return Ok(*f);
+        if let Some(&f) = cache.get() {
+            if self.table.owns(f) {
+                return Ok(f);
             }
         }
         self.raw_function_miss(cache, module_name, func_name)

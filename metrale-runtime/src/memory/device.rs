@@ -9,7 +9,7 @@ use metrale_cuda_sys::{CUdeviceptr, CUstream};
 
 use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, StreamOrdered};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, CallError, MetraleError, Result};
+use crate::error::{cu, MetraleError, Result};
 use crate::stream::CudaStream;
 
 /// `len` elements of `T` in device memory, freed on drop.
@@ -32,9 +32,15 @@ use crate::stream::CudaStream;
 pub struct DeviceBuffer<T: DeviceRepr> {
     ptr: CUdeviceptr,
     len: usize,
-    ctx: Arc<CudaContext>,
-    ordered: Option<StreamOrdered>,
+    home: Home,
     _elem: PhantomData<T>,
+}
+
+/// What a buffer's allocation belongs to: a context (`cuMemAlloc`), or the stream
+/// it was allocated on in stream order (which holds the context).
+enum Home {
+    Context(Arc<CudaContext>),
+    Stream(StreamOrdered),
 }
 
 /// Check that the driver's address suits `T`'s alignment (it gives 256 bytes).
@@ -82,9 +88,27 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         DeviceBuffer {
             ptr,
             len,
-            ctx: Arc::clone(ctx),
-            ordered,
+            home: match ordered {
+                Some(o) => Home::Stream(o),
+                None => Home::Context(Arc::clone(ctx)),
+            },
             _elem: PhantomData,
+        }
+    }
+
+    #[inline]
+    fn ctx(&self) -> &Arc<CudaContext> {
+        match &self.home {
+            Home::Context(c) => c,
+            Home::Stream(o) => o.stream().context(),
+        }
+    }
+
+    #[inline]
+    fn ordered(&self) -> Option<&StreamOrdered> {
+        match &self.home {
+            Home::Context(_) => None,
+            Home::Stream(o) => Some(o),
         }
     }
 
@@ -117,7 +141,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         let null: CUstream = std::ptr::null_mut();
         // SAFETY: null is the legacy default stream, valid in every context and never
         // destroyed.
-        unsafe { CudaStream::from_raw(&self.ctx, null) }
+        unsafe { CudaStream::from_raw(self.ctx(), null) }
     }
 
     /// Number of elements.
@@ -142,12 +166,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// The context the memory lives in.
     pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        self.ctx()
     }
 
     /// The stream a stream-ordered buffer is freed on (`None`: `cuMemAlloc`).
     pub fn stream(&self) -> Option<&CudaStream> {
-        self.ordered.as_ref().map(StreamOrdered::stream)
+        self.ordered().map(StreamOrdered::stream)
     }
 
     /// A shared view of `range` (`buf.slice(2..10)`, `buf.slice(..)`).
@@ -159,8 +183,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         Ok(DeviceSlice {
             ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
             len,
-            ctx: &self.ctx,
-            ordered: self.ordered.as_ref(),
+            ctx: self.ctx(),
+            ordered: self.ordered(),
             _elem: PhantomData,
         })
     }
@@ -174,8 +198,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         Ok(DeviceSliceMut {
             ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
             len,
-            ctx: &self.ctx,
-            ordered: self.ordered.as_ref(),
+            ctx: self.ctx(),
+            ordered: self.ordered(),
             _elem: PhantomData,
         })
     }
@@ -222,10 +246,10 @@ impl<R: RangeBounds<usize>> fmt::Display for RangeText<'_, R> {
 impl<T: DeviceRepr> fmt::Debug for DeviceBuffer<T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeviceBuffer")
-            .field("device", &self.ctx.ordinal())
+            .field("device", &self.ctx().ordinal())
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
-            .field("stream_ordered", &self.ordered.is_some())
+            .field("stream_ordered", &self.ordered().is_some())
             .finish()
     }
 }
@@ -235,33 +259,43 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        let (ptr, ordinal) = (self.ptr, self.ctx.ordinal());
-        let ordered = self.ordered.as_ref();
-        self.ctx.release_with(
-            format_args!("freeing device buffer {ptr:#x} on device {ordinal}"),
-            |d, failures| {
-                let freed: Result<(), CallError> = match ordered {
+        let ptr = self.ptr;
+        match &self.home {
+            Home::Context(ctx) => ctx.release_with(
+                format_args!("freeing device buffer {ptr:#x} on device {}", ctx.ordinal()),
+                |d, failures| {
                     // SAFETY: this buffer's own allocation, freed once; `cuMemFree`
                     // waits for work that uses it.
-                    None => unsafe { cu!(d, cuMemFree_v2(ptr)) },
-                    Some(o) => {
-                        if o.used_elsewhere() {
-                            // Used on other streams too: let all of it finish first.
-                            // SAFETY: no arguments; the context is current.
-                            if let Err(e) = unsafe { cu!(d, cuCtxSynchronize()) } {
-                                failures.push(e);
-                            }
-                        }
-                        // SAFETY: freed once, in order on the stream it was allocated
-                        // on (kept alive by this buffer).
-                        unsafe { cu!(d, cuMemFreeAsync(ptr, o.stream().raw())) }
+                    if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
+                        failures.push(e);
                     }
-                };
-                if let Err(e) = freed {
-                    failures.push(e);
+                },
+            ),
+            Home::Stream(o) => {
+                let (stream, ctx) = (o.stream().raw(), o.stream().context());
+                let what = format_args!(
+                    "freeing stream-ordered buffer {ptr:#x} on device {}",
+                    ctx.ordinal()
+                );
+                if o.used_elsewhere() {
+                    // Used on other streams too: let all of it finish first.
+                    ctx.release_with(what, |d, failures| {
+                        // SAFETY: no arguments; the context is current.
+                        if let Err(e) = unsafe { cu!(d, cuCtxSynchronize()) } {
+                            failures.push(e);
+                        }
+                        // SAFETY: freed once, in order on the stream it was
+                        // allocated on (kept alive by this buffer).
+                        if let Err(e) = unsafe { cu!(d, cuMemFreeAsync(ptr, stream)) } {
+                            failures.push(e);
+                        }
+                    });
+                } else {
+                    // SAFETY: as above; the stream names the context.
+                    ctx.release_on_stream(what, |d| unsafe { cu!(d, cuMemFreeAsync(ptr, stream)) });
                 }
-            },
-        );
+            }
+        }
     }
 }
 
@@ -274,10 +308,10 @@ impl<T: DeviceRepr> DeviceMemory<T> for DeviceBuffer<T> {
         self.len
     }
     fn memory_context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+        self.ctx()
     }
     fn stream_ordered(&self) -> Option<&StreamOrdered> {
-        self.ordered.as_ref()
+        self.ordered()
     }
     fn describe(&self) -> String {
         format!(

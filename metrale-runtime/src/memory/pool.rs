@@ -263,20 +263,28 @@ impl CudaStream {
         let bytes = byte_len::<T>(len, "stream-ordered buffer")?;
         let mut ptr: CUdeviceptr = 0;
         if bytes > 0 {
-            let ordinal = self.ordinal();
-            self.context().call(
-                || format!("device {ordinal}: allocating {bytes} bytes in stream order"),
-                |d| {
-                    let s = self.raw();
+            let s = self.raw();
+            let ptr_out = std::cell::Cell::new(0);
+            self.context()
+                .call_on_stream(|d| {
+                    let mut p: CUdeviceptr = 0;
                     // SAFETY: writes one address; the stream and pool are live.
-                    unsafe {
+                    let r = unsafe {
                         match pool {
-                            None => cu!(d, cuMemAllocAsync(&mut ptr, bytes, s)),
-                            Some(p) => cu!(d, cuMemAllocFromPoolAsync(&mut ptr, bytes, p, s)),
+                            None => cu!(d, cuMemAllocAsync(&mut p, bytes, s)),
+                            Some(pl) => cu!(d, cuMemAllocFromPoolAsync(&mut p, bytes, pl, s)),
                         }
-                    }
-                },
-            )?;
+                    };
+                    ptr_out.set(p);
+                    r
+                })
+                .map_err(|e| {
+                    e.about(format_args!(
+                        "device {}: allocating {bytes} bytes in stream order",
+                        self.ordinal()
+                    ))
+                })?;
+            ptr = ptr_out.get();
         }
         let ordered = (bytes > 0).then(|| StreamOrdered::new(self));
         let buf = DeviceBuffer::from_parts(ptr, len, self.context(), ordered);

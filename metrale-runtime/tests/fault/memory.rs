@@ -162,6 +162,22 @@ fn stream_ordered_allocation_and_pools() {
     drop(buf);
     assert_eq!(fake().calls("cuMemFreeAsync"), 1);
     assert_eq!(fake().last_free_stream(), raw(s), "freed on its own stream");
+    // Allocation and free in stream order bind nothing: the stream names the
+    // context, whatever context the thread has current (or none).
+    let owned = s.clone();
+    let sets = fake().calls("cuCtxSetCurrent");
+    std::thread::spawn(move || {
+        let b = owned.alloc::<u64>(10).unwrap();
+        drop(b);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(
+        fake().calls("cuCtxSetCurrent"),
+        sets,
+        "no context was bound"
+    );
+    assert_eq!(fake().last_free_stream(), raw(s));
     let z = s.alloc_zeroed::<u32>(64).unwrap();
     assert_eq!(s.to_vec(&z).unwrap(), vec![0; 64]);
     // Used by a safe operation on another stream: the free waits for the context.
