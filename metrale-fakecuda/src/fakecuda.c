@@ -165,13 +165,33 @@ static void track(void *p, enum kind k, size_t bytes, int dev) {
             return;
         }
 }
+/* Handles a context reset destroyed: a real driver may crash when given one (it
+ * did on CUDA 13.0 for a stream), so every use is counted. */
+#define GRAVEYARD 4096
+static const void *graveyard[GRAVEYARD];
+static int buried;
+static long stale_uses;
+static int resetting; /* the reset's own bookkeeping is not a use */
+
+static void bury(const void *p) {
+    if (buried < GRAVEYARD) graveyard[buried++] = p;
+}
+static void note_stale(const void *p) {
+    for (int i = 0; i < buried; i++)
+        if (graveyard[i] == p) {
+            if (!resetting) stale_uses++;
+            return;
+        }
+}
+
 static struct handle *find(const void *p, enum kind k) {
     if (!p) return NULL;
     size_t i = hash(p);
     for (size_t n = 0; n < TABLE; n++, i = (i + 1) & (TABLE - 1)) {
-        if (handles[i].kind == K_FREE) return NULL;
+        if (handles[i].kind == K_FREE) break;
         if (handles[i].p == p && handles[i].kind == k) return &handles[i];
     }
+    note_stale(p);
     return NULL;
 }
 static void untrack(struct handle *h) { h->kind = K_TOMB; }
@@ -480,6 +500,7 @@ static void free_all_handles(int dev) {
         if (h->kind == K_FREE || h->kind == K_TOMB) continue;
         if (dev >= 0 && h->dev != dev) continue;
         void *p = h->p;
+        if (dev >= 0) bury(p);
         switch (h->kind) {
         case K_MODULE: untrack(h); free_module(p); break;
         case K_STREAM: case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
@@ -595,6 +616,7 @@ EXPORT int fakecuda_pending(void *s) {
 EXPORT void *fakecuda_last_free_stream(void) { return last_free_stream; }
 EXPORT int fakecuda_last_prefetch_device(void) { return last_prefetch_dev; }
 EXPORT void *fakecuda_current_context(void) { return current; }
+EXPORT long fakecuda_stale_uses(void) { return stale_uses; }
 
 /* ---- errors ---------------------------------------------------------------- */
 
@@ -805,6 +827,7 @@ EXPORT CUresult cuDevicePrimaryCtxRelease_v2(int dev) { LOCKED(do_release(dev));
  * context is created anew (with a new id) when it is next made current. */
 static CUresult do_reset(int dev) {
     NEED_DEV(dev);
+    resetting = 1;
     free_all_handles(dev);
     for (int i = 0; i < TABLE; i++)
         if (handles[i].kind == K_LIBRARY) {
@@ -814,6 +837,7 @@ static CUresult do_reset(int dev) {
                 l->per_dev[dev] = NULL;
             }
         }
+    resetting = 0;
     primaries[dev].alive = 0;
     memset(primaries[dev].peer, 0, sizeof primaries[dev].peer);
     return SUCCESS;

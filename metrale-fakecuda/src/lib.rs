@@ -260,6 +260,17 @@ impl Fake {
         )
     }
 
+    /// How many calls were given a handle that a context reset destroyed (a real
+    /// driver may crash on those).
+    pub fn stale_uses(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_stale_uses",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
     /// The stream of the last accepted launch.
     pub fn last_launch_stream(&self) -> *mut c_void {
         call!(

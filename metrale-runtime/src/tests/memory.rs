@@ -37,3 +37,22 @@ fn byte_sizes_that_overflow_are_errors() {
     );
     assert_eq!(super::byte_len::<u32>(10, "x").unwrap(), 40);
 }
+
+#[test]
+fn bool_is_sent_but_not_read_back() {
+    fn sendable<T: super::DeviceRepr>() {}
+    sendable::<bool>();
+    assert_eq!(<(bool, [u8; 3]) as crate::KernelArgs>::SIZES, &[1, 3]);
+}
+
+#[cfg(feature = "half")]
+#[test]
+fn half_floats_are_device_types() {
+    fn pod<T: super::DevicePod>() {}
+    pod::<half::f16>();
+    pod::<half::bf16>();
+    assert_eq!(
+        <(half::f16, half::bf16, [half::f16; 4]) as crate::KernelArgs>::SIZES,
+        &[2, 2, 8]
+    );
+}

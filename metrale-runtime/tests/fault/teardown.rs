@@ -97,6 +97,11 @@ fn child_drop_after_context_reset() {
         0,
         "the retain is given back after a reset too"
     );
+    assert_eq!(
+        fake().stale_uses(),
+        0,
+        "no destroyed handle may reach the driver after a reset"
+    );
 }
 
 fn child_unload_fails() {
