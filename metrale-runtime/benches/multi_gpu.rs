@@ -26,22 +26,54 @@ fn ok(call: &str, s: CUresult) {
     assert!(s.is_success(), "{call} failed: {s}");
 }
 
-/// Launches per second of `empty` from one thread on `reg`'s device.
-fn launch_rate(reg: &MetraleRegistry, n: usize, start: &Barrier) -> f64 {
+/// Launches per second of `empty` from one thread on `reg`'s device, through
+/// metrale or (`raw`) through the sys table.
+fn launch_rate(reg: &MetraleRegistry, n: usize, start: &Barrier, raw: bool) -> f64 {
     let s = CudaStream::new(reg.ctx()).unwrap();
     let f = reg.function("kernels", "empty").unwrap();
     let buf = DeviceBuffer::<f32>::alloc(&s, 1).unwrap();
     let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
+    let (ptr, k, x) = (buf.device_ptr(), 1u32, 1.0f32);
+    let params: [*mut std::ffi::c_void; 3] = [
+        (&ptr as *const u64).cast_mut().cast(),
+        (&k as *const u32).cast_mut().cast(),
+        (&x as *const f32).cast_mut().cast(),
+    ];
+    let d = reg.ctx().driver();
+    let raw_launch = d.cuLaunchKernel().unwrap();
+    reg.ctx().bind().unwrap();
+    let one = || {
+        if raw {
+            // SAFETY: `empty` with three valid parameters on a stream of the
+            // context bound above.
+            ok("cuLaunchKernel", unsafe {
+                raw_launch(
+                    f.as_raw(),
+                    1,
+                    1,
+                    1,
+                    32,
+                    1,
+                    1,
+                    0,
+                    s.raw(),
+                    params.as_ptr().cast_mut(),
+                    std::ptr::null_mut(),
+                )
+            });
+        } else {
+            // SAFETY: empty(float*, unsigned, float).
+            unsafe { s.launch(&f, cfg, (&buf, k, x)) }.unwrap();
+        }
+    };
     for _ in 0..1000 {
-        // SAFETY: empty(float*, unsigned, float).
-        unsafe { s.launch(&f, cfg, (&buf, 1u32, 1.0f32)) }.unwrap();
+        one();
     }
     s.synchronize().unwrap();
     start.wait();
     let t = time(|| {
         for i in 0..n {
-            // SAFETY: as above.
-            unsafe { s.launch(&f, cfg, (&buf, 1u32, 1.0f32)) }.unwrap();
+            one();
             if i % 250 == 249 {
                 s.synchronize().unwrap();
             }
@@ -139,22 +171,26 @@ fn run() -> Result<(), MetraleError> {
             );
         }
     }
-    // Launch rate: one device alone, then both at once from two threads.
+    // Launch rate: one device alone, then both at once from two threads, through
+    // metrale and through the sys table.
     let regs = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", CUBIN)])?;
     let n = if common::is_quick() { 20_000 } else { 200_000 };
-    let (mut alone, mut together) = (Row::default(), Row::default());
-    for _ in 0..rounds.min(5) {
-        alone.push(launch_rate(&regs[0], n, &Barrier::new(1)));
-        let start = Arc::new(Barrier::new(2));
-        let threads: Vec<_> = regs
-            .iter()
-            .map(|r| {
-                let (r, start) = (Arc::clone(r), Arc::clone(&start));
-                std::thread::spawn(move || launch_rate(&r, n, &start))
-            })
-            .collect();
-        let rates: Vec<f64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-        together.push(rates.iter().copied().fold(f64::INFINITY, f64::min));
+    let mut rates: Vec<Row> = vec![Row::default(); 4];
+    for round in 0..rounds.min(5) {
+        for raw in [round % 2 == 0, round % 2 != 0] {
+            let k = usize::from(raw) * 2;
+            rates[k].push(launch_rate(&regs[0], n, &Barrier::new(1), raw) / 1e6);
+            let start = Arc::new(Barrier::new(2));
+            let threads: Vec<_> = regs
+                .iter()
+                .map(|r| {
+                    let (r, start) = (Arc::clone(r), Arc::clone(&start));
+                    std::thread::spawn(move || launch_rate(&r, n, &start, raw))
+                })
+                .collect();
+            let both: Vec<f64> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+            rates[k + 1].push(both.iter().copied().fold(f64::INFINITY, f64::min) / 1e6);
+        }
     }
     header(&format!(
         "metrale multi-GPU benchmark: 2 x {}, driver {}, {rounds} rounds",
@@ -215,21 +251,30 @@ fn run() -> Result<(), MetraleError> {
         None,
     );
     line(
-        "launches/s, device 0 alone (M/s)",
-        &Row {
-            samples: alone.samples.iter().map(|x| x / 1e6).collect(),
-        },
+        "launch rate, device 0 alone, raw (M/s)",
+        &rates[2],
         "  ",
         None,
     );
     line(
-        "launches/s per device, both at once (M/s)",
-        &Row {
-            samples: together.samples.iter().map(|x| x / 1e6).collect(),
-        },
+        "launch rate per device, both at once, raw (M/s)",
+        &rates[3],
         "  ",
-        Some(&ratios(&together, &alone)),
+        Some(&ratios(&rates[3], &rates[2])),
     );
+    line(
+        "launch rate, device 0 alone, stream.launch (M/s)",
+        &rates[0],
+        "  ",
+        None,
+    );
+    line(
+        "launch rate per device, both at once, stream.launch (M/s)",
+        &rates[1],
+        "  ",
+        Some(&ratios(&rates[1], &rates[0])),
+    );
+    println!("(a launch-rate ratio compares both at once with one device alone, same path)");
     Ok(())
 }
 

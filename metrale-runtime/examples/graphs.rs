@@ -27,18 +27,22 @@ fn run() -> Result<(), MetraleError> {
     let one = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
     let (fork, join) = (CudaEvent::new(reg.ctx())?, CudaEvent::new(reg.ctx())?);
 
-    // x = 2x + 1 twice on stream a, while y = y + 5 runs on stream b.
+    // A diamond: x = 2x + 1 on stream a; then y = y + 5 on stream b beside
+    // x = 2x + 1 on a; then, once both are done, x = 3x + 0 on a.
     let graph = a.capture(CaptureMode::default(), |a| {
+        // SAFETY: axpb(unsigned*, unsigned, unsigned) updates element 0 of its buffer.
+        unsafe { a.launch(&axpb, one, (&mut x, 2u32, 1u32))? };
         fork.record(a)?;
         b.wait(&fork)?;
-        // SAFETY: axpb(unsigned*, unsigned, unsigned) updates element 0 of its buffer.
+        // SAFETY: as above.
         unsafe {
-            a.launch(&axpb, one, (&mut x, 2u32, 1u32))?;
             b.launch(&axpb, one, (&mut y, 1u32, 5u32))?;
             a.launch(&axpb, one, (&mut x, 2u32, 1u32))?;
         }
         join.record(&b)?;
-        a.wait(&join)
+        a.wait(&join)?;
+        // SAFETY: as above.
+        unsafe { a.launch(&axpb, one, (&mut x, 3u32, 0u32)) }
     })?;
     graph.write_dot(&dot)?;
     println!(

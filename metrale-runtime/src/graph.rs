@@ -509,8 +509,7 @@ impl CudaGraph {
         let c = CString::new(text).map_err(|_| {
             MetraleError::InvalidArgument(format!("DOT path {text:?} has a NUL byte"))
         })?;
-        let flags = sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS.0
-            | sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_HANDLES.0;
+        let flags = sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS.0;
         let g = self.raw;
         self.call(&format!("writing DOT to {text}"), |d| {
             // SAFETY: a live graph and a NUL-terminated path alive for the call.
