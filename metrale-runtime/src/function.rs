@@ -209,10 +209,14 @@ impl KernelTable {
             smem: AtomicU32::new(u32::try_from(smem).unwrap_or(0)),
             smem_lock: Mutex::new(()),
         });
-        let mut memo = self.memo[index]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner);
-        let info = Arc::clone(memo.entry(name.into()).or_insert(info));
+        // Another thread may have looked the kernel up meanwhile: keep the first.
+        let info = Arc::clone(
+            self.memo[index]
+                .write()
+                .unwrap_or_else(PoisonError::into_inner)
+                .entry(name.into())
+                .or_insert(info),
+        );
         owners()
             .write()
             .unwrap_or_else(PoisonError::into_inner)
