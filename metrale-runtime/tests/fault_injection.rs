@@ -64,5 +64,10 @@ fn main() -> ExitCode {
         Err(e) => Err(e.to_string()),
     };
     // The stand-in is built with this crate's dev-dependencies: it is always required.
-    harness::main(&tests, &teardown::children(), gate, true)
+    harness::main(
+        &tests,
+        &teardown::children(),
+        gate,
+        Some("the stand-in driver (always required here)"),
+    )
 }

@@ -48,5 +48,10 @@ fn main() -> ExitCode {
     .flatten()
     .collect();
     let require = std::env::var("METRALE_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    harness::main(&tests, &basic::children(), gate, require)
+    harness::main(
+        &tests,
+        &basic::children(),
+        gate,
+        require.then_some("METRALE_REQUIRE_GPU=1"),
+    )
 }

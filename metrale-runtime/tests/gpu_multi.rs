@@ -198,5 +198,10 @@ fn main() -> ExitCode {
         Err(e) => Err(format!("these tests need two CUDA devices: {e}")),
     };
     let require = std::env::var("METRALE_REQUIRE_GPUS").is_ok_and(|v| v == "2");
-    harness::main(&tests, &[], gate, require)
+    harness::main(
+        &tests,
+        &[],
+        gate,
+        require.then_some("METRALE_REQUIRE_GPUS=2"),
+    )
 }

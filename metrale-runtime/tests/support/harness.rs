@@ -46,12 +46,13 @@ pub fn run_child(scenario: &str, env: &[(&str, &str)]) -> Output {
 }
 
 /// Run the suite. `gate` says whether the suite can run here: `Err(reason)` marks
-/// every test ignored with that reason, or fails them all when `require` is set.
+/// every test ignored with that reason, or fails them all when `require` names the
+/// setting that demands the suite run (`METRALE_REQUIRE_GPU=1`).
 pub fn main(
     tests: &[Test],
     children: &[Child],
     gate: impl FnOnce() -> Result<(), String>,
-    require: bool,
+    require: Option<&str>,
 ) -> ExitCode {
     if let Ok(scenario) = std::env::var(CHILD_VAR) {
         return match children.iter().find(|c| c.name == scenario) {
@@ -105,11 +106,11 @@ pub fn main(
     println!("\nrunning {} tests", selected.len());
 
     if let Err(reason) = gate() {
-        if require {
+        if let Some(setting) = require {
             for t in &selected {
                 println!("test {} ... FAILED", t.name);
             }
-            println!("\nMETRALE_REQUIRE_GPU=1 is set but the suite cannot run: {reason}");
+            println!("\n{setting} is set but the suite cannot run: {reason}");
             println!(
                 "\ntest result: FAILED. 0 passed; {} failed; 0 ignored; 0 measured; {filtered_out} filtered out; finished in {:.2}s\n",
                 selected.len(),
