@@ -256,3 +256,136 @@ fn the_real_fixtures_pass_every_check() {
     assert_eq!(prepare("p", ptx).unwrap().kind, BlobKind::Ptx);
     assert_eq!(elf_info(cubin).unwrap().sm(), 90);
 }
+
+/// Reads everything an accepted binary's headers point at, trusting them the way
+/// a loader would: slicing panics on any range outside the blob.
+fn read_as_the_driver_would(b: &[u8]) {
+    let u16_ = |at: usize| u16::from_le_bytes(b[at..at + 2].try_into().unwrap()) as usize;
+    let u32_ = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap()) as usize;
+    let u64_ = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
+    match BlobKind::of(b) {
+        BlobKind::Cubin => {
+            let (phoff, shoff) = (u64_(0x20), u64_(0x28));
+            let (phnum, shnum, shstrndx) = (u16_(0x38), u16_(0x3c), u16_(0x3e));
+            let section = |i: usize| {
+                let at = shoff + i * 64;
+                (u32_(at), u32_(at + 4), u64_(at + 0x18), u64_(at + 0x20))
+            };
+            for i in 0..shnum {
+                let (_, kind, off, size) = section(i);
+                if kind != 8 {
+                    let _ = &b[off..off + size];
+                }
+            }
+            for i in 0..phnum {
+                let at = phoff + i * 56;
+                let (off, size) = (u64_(at + 8), u64_(at + 0x20));
+                let _ = &b[off..off + size];
+            }
+            if shnum > 0 {
+                let (_, _, names, len) = section(shstrndx);
+                let table = &b[names..names + len];
+                for i in 0..shnum {
+                    let name = section(i).0;
+                    assert!(table[name..].contains(&0));
+                }
+            }
+        }
+        BlobKind::Fatbin => {
+            let (header, size) = (u16_(6), u64_(8));
+            let end = header + size;
+            let _ = &b[..end];
+            let mut at = header;
+            while at < end {
+                let (entry_header, payload) = (u32_(at + 4), u64_(at + 8));
+                let body = &b[at + entry_header..at + entry_header + payload];
+                let compressed = u64_(at + 0x28) & 0x2000 != 0;
+                if u16_(at) == 2 && !compressed && body.starts_with(ELF_MAGIC) {
+                    read_as_the_driver_would(body);
+                }
+                at += entry_header + payload;
+            }
+        }
+        _ => {}
+    }
+}
+
+/// A bounded fuzz of the real fixtures: 30,000 mutations (fields set to extreme or
+/// random values, bytes flipped, truncations). Nothing panics; every refusal names
+/// the module; everything accepted stays inside its bytes when read as the driver
+/// reads it.
+#[test]
+fn mutated_fixtures_are_refused_by_name_or_safe_to_read() {
+    let fixtures: [&[u8]; 3] = [
+        include_bytes!("../../tests/fixtures/kernels.sm_90.cubin"),
+        include_bytes!("../../tests/fixtures/kernels.fatbin"),
+        include_bytes!("../../tests/fixtures/kernels.ptx"),
+    ];
+    let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+    let mut next = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        state
+    };
+    let (mut refused, mut accepted) = (0, 0);
+    for round in 0..30_000 {
+        let original = fixtures[round % 3];
+        let mut b = original.to_vec();
+        let len = b.len();
+        for _ in 0..1 + next() % 3 {
+            let r = next();
+            // Header fields are where the interesting lies are: aim there often.
+            let at = if r % 2 == 0 {
+                (r >> 8) as usize % 128
+            } else {
+                (r >> 8) as usize % len
+            };
+            let extreme = [
+                0u64,
+                1,
+                0xff,
+                0xffff,
+                0xffff_ffff,
+                u64::MAX,
+                len as u64,
+                (len - 1) as u64,
+            ];
+            let value = if r % 3 == 0 {
+                extreme[(r >> 40) as usize % extreme.len()]
+            } else {
+                next()
+            };
+            let width = [1usize, 2, 4, 8][(r >> 20) as usize % 4];
+            let end = (at + width).min(len);
+            b[at..end].copy_from_slice(&value.to_le_bytes()[..end - at]);
+        }
+        if next() % 10 == 0 {
+            b.truncate(next() as usize % len);
+        }
+        let outcome = std::panic::catch_unwind(|| prepare("fuzz", &b).map(|i| i.kind));
+        match outcome {
+            Err(_) => panic!("round {round}: prepare panicked"),
+            Ok(Err(e)) => {
+                refused += 1;
+                assert!(
+                    matches!(&e, MetraleError::InvalidBlob { module, .. } if module == "fuzz"),
+                    "round {round}: {e}"
+                );
+                assert!(e.to_string().starts_with("fuzz: "), "round {round}: {e}");
+            }
+            Ok(Ok(_)) => {
+                accepted += 1;
+                let read = std::panic::catch_unwind(|| read_as_the_driver_would(&b));
+                assert!(
+                    read.is_ok(),
+                    "round {round}: an accepted blob reads out of bounds"
+                );
+            }
+        }
+    }
+    assert!(
+        refused > 1000 && accepted > 1000,
+        "{refused} refused, {accepted} accepted"
+    );
+}
