@@ -3,6 +3,9 @@
 //! launch cost, update it in place (whole graph, or one kernel node's shape and
 //! typed arguments), and look at it (nodes, edges, Graphviz DOT).
 //!
+//! `capture.rs` owns stream capture, `mod.rs` [`CudaGraph`] (building, inspecting,
+//! instantiating), `exec.rs` [`CudaGraphExec`] (replay and updates).
+//!
 //! Invariants:
 //! - A graph and an executable graph hold their context and the code of every
 //!   kernel they run (found when capture ends, or added with a node), so the
@@ -24,47 +27,17 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUfunction, CUgraph, CUgraphExec, CUgraphNode};
 
+mod capture;
+mod exec;
+
+pub use capture::CaptureMode;
+pub use exec::{CudaGraphExec, InstantiateOptions};
+
 use crate::context::{AsContext, CudaContext};
 use crate::error::{cu, CallError, MetraleError, Result};
 use crate::function::{name_of, owner_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
 use crate::memory::{DevicePod, DeviceRepr};
-use crate::stream::CudaStream;
-
-/// How a capture treats calls that are unsafe while a stream is captured
-/// (`cuStreamBeginCapture_v2`'s mode).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum CaptureMode {
-    /// Unsafe calls fail on every thread while any global capture is under way.
-    Global,
-    /// Unsafe calls fail on the capturing thread only (the default; see the module
-    /// docs for why).
-    #[default]
-    ThreadLocal,
-    /// No call is refused; the caller keeps capture sound.
-    Relaxed,
-}
-
-impl CaptureMode {
-    fn raw(self) -> sys::CUstreamCaptureMode {
-        use sys::CUstreamCaptureMode as M;
-        match self {
-            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
-            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
-        }
-    }
-}
-
-fn capture_status_word(s: sys::CUstreamCaptureStatus) -> &'static str {
-    use sys::CUstreamCaptureStatus as S;
-    match s {
-        S::CU_STREAM_CAPTURE_STATUS_NONE => "not capturing",
-        S::CU_STREAM_CAPTURE_STATUS_ACTIVE => "active",
-        S::CU_STREAM_CAPTURE_STATUS_INVALIDATED => "invalidated",
-        _ => "unknown",
-    }
-}
 
 /// The code the kernels of a graph need, shared by graphs built from one another.
 type KeepAlive = Arc<Mutex<Vec<Arc<KernelTable>>>>;
@@ -73,98 +46,6 @@ fn keep(list: &KeepAlive, table: &Arc<KernelTable>) {
     let mut list = list.lock().unwrap_or_else(PoisonError::into_inner);
     if !list.iter().any(|t| Arc::ptr_eq(t, table)) {
         list.push(Arc::clone(table));
-    }
-}
-
-impl CudaStream {
-    /// Start capturing: work queued on this stream (and on streams that join it by
-    /// waiting on an event recorded here) is recorded into a graph instead of run,
-    /// until [`CudaStream::end_capture`].
-    ///
-    /// # Errors
-    /// `cuStreamBeginCapture_v2`'s status (already capturing, the legacy stream).
-    pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
-        let m = mode.raw();
-        // SAFETY: a live stream of the bound context.
-        self.call("begin capture", |d, s| unsafe {
-            cu!(d, cuStreamBeginCapture_v2(s, m))
-        })
-    }
-
-    /// The capture status of the stream: `(capturing, status word)`.
-    fn capture_status(&self) -> Result<sys::CUstreamCaptureStatus> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: writes the status only; every other output is optional (null).
-        self.call("capture status", |d, s| unsafe {
-            cu!(
-                d,
-                cuStreamGetCaptureInfo_v3(
-                    s,
-                    &mut status,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut()
-                )
-            )
-        })?;
-        Ok(status)
-    }
-
-    /// Whether the stream is being captured.
-    ///
-    /// # Errors
-    /// `cuStreamGetCaptureInfo_v3`'s status.
-    pub fn is_capturing(&self) -> Result<bool> {
-        Ok(self.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
-    }
-
-    /// End the capture begun on this stream and return the graph. The stream runs
-    /// work normally again afterwards, also when the capture failed.
-    ///
-    /// # Errors
-    /// A capture the driver invalidated (a synchronisation inside it, ...) names the
-    /// capture status: `... (capture status: invalidated): cuStreamEndCapture
-    /// failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901) ...`.
-    pub fn end_capture(&self) -> Result<CudaGraph> {
-        let status = self
-            .capture_status()
-            .unwrap_or(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED);
-        let mut raw: CUgraph = std::ptr::null_mut();
-        let ended = self.context().with(|d| {
-            // SAFETY: writes one graph handle (null when the capture failed).
-            unsafe { cu!(d, cuStreamEndCapture(self.raw(), &mut raw)) }
-        });
-        if let Err(e) = ended {
-            if !raw.is_null() {
-                drop(CudaGraph::adopt(raw, self.context()));
-            }
-            return Err(e.about(self.subject(&format!(
-                "end capture (capture status: {})",
-                capture_status_word(status)
-            ))));
-        }
-        let graph = CudaGraph::adopt(raw, self.context());
-        graph.keep_kernel_code()?;
-        Ok(graph)
-    }
-
-    /// Capture the work `f` queues on this stream into a graph: begin, run `f`,
-    /// end (also when `f` fails, so the stream is usable afterwards).
-    ///
-    /// # Errors
-    /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
-    pub fn capture(
-        &self,
-        mode: CaptureMode,
-        f: impl FnOnce(&CudaStream) -> Result<()>,
-    ) -> Result<CudaGraph> {
-        self.begin_capture(mode)?;
-        let queued = f(self);
-        let ended = self.end_capture();
-        queued?;
-        ended
     }
 }
 
@@ -257,12 +138,12 @@ pub struct KernelNode {
     pub name: String,
     /// The launch shape.
     pub config: LaunchConfig,
-    func: CUfunctionHandle,
+    pub(super) func: CUfunctionHandle,
 }
 
 /// A `CUfunction` as plain data.
 #[derive(Clone, Copy, PartialEq, Eq)]
-struct CUfunctionHandle(CUfunction);
+pub(super) struct CUfunctionHandle(pub(super) CUfunction);
 // SAFETY: an opaque handle, only compared.
 unsafe impl Send for CUfunctionHandle {}
 // SAFETY: as for Send.
@@ -310,8 +191,8 @@ unsafe impl DevicePod for ConditionalHandle {}
 /// ```
 pub struct CudaGraph {
     raw: CUgraph,
-    ctx: Arc<CudaContext>,
-    keep: KeepAlive,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) keep: KeepAlive,
 }
 
 // SAFETY: the handle is written once; the driver's graph calls are thread-safe for
@@ -345,7 +226,7 @@ impl CudaGraph {
         Ok(CudaGraph::adopt(raw, ctx))
     }
 
-    fn adopt(raw: CUgraph, ctx: &Arc<CudaContext>) -> CudaGraph {
+    pub(super) fn adopt(raw: CUgraph, ctx: &Arc<CudaContext>) -> CudaGraph {
         CudaGraph {
             raw,
             ctx: Arc::clone(ctx),
@@ -366,7 +247,7 @@ impl CudaGraph {
 
     /// Hold the code of every kernel the graph launches (found through the
     /// registries that looked the kernels up).
-    fn keep_kernel_code(&self) -> Result<()> {
+    pub(super) fn keep_kernel_code(&self) -> Result<()> {
         for node in self.nodes()? {
             if node.kind == GraphNodeKind::Kernel {
                 let (func, _) = self.kernel_params(node.raw)?;
@@ -521,10 +402,10 @@ impl CudaGraph {
     /// like a launch. The argument values are copied into the node.
     ///
     /// # Safety
-    /// As [`CudaStream::launch`], for every replay of the graph.
+    /// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay of the graph.
     ///
     /// # Errors
-    /// As [`CudaStream::launch`]; `cuGraphAddKernelNode_v2`'s status.
+    /// As [`CudaStream::launch`](crate::CudaStream::launch); `cuGraphAddKernelNode_v2`'s status.
     pub unsafe fn add_kernel_node<A: KernelArgs>(
         &mut self,
         deps: &[GraphNode],
@@ -677,7 +558,7 @@ impl Drop for CudaGraph {
 /// Add a kernel node to `graph` (checked like a launch).
 ///
 /// # Safety
-/// As [`CudaStream::launch`], for every replay.
+/// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay.
 unsafe fn add_kernel<A: KernelArgs>(
     graph: CUgraph,
     ctx: &Arc<CudaContext>,
@@ -721,7 +602,7 @@ unsafe fn add_kernel<A: KernelArgs>(
     })
 }
 
-fn node_params(
+pub(super) fn node_params(
     func: CUfunction,
     cfg: &LaunchConfig,
     params: *mut *mut c_void,
@@ -742,7 +623,7 @@ fn node_params(
 }
 
 /// The driver's name for a kernel handle no registry knows (`cuFuncGetName`).
-fn driver_function_name(d: &'static sys::Driver, func: CUfunction) -> String {
+pub(super) fn driver_function_name(d: &'static sys::Driver, func: CUfunction) -> String {
     let mut name: *const std::ffi::c_char = std::ptr::null();
     // SAFETY: writes a pointer to the driver's own name for a live function.
     match unsafe { cu!(d, cuFuncGetName(&mut name, func)) } {
@@ -789,237 +670,5 @@ impl GraphBody<'_> {
 impl fmt::Debug for GraphBody<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GraphBody").field("raw", &self.raw).finish()
-    }
-}
-
-/// How [`CudaGraph::instantiate`] prepares the executable graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct InstantiateOptions {
-    /// Free stream-ordered allocations the graph made but did not free, before each
-    /// launch (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
-    pub auto_free_on_launch: bool,
-    /// Make the graph launchable from the device
-    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`).
-    pub device_launch: bool,
-    /// Run kernels with the priorities set on their nodes instead of the stream's
-    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
-    pub use_node_priority: bool,
-}
-
-/// An executable graph: replayed with [`CudaGraphExec::launch`] for a fraction of
-/// the cost of launching its kernels one by one, updated in place.
-pub struct CudaGraphExec {
-    raw: CUgraphExec,
-    ctx: Arc<CudaContext>,
-    keep: Vec<Arc<KernelTable>>,
-}
-
-// SAFETY: the handle is written once; launching and updating an executable graph are
-// thread-safe driver calls; updates take `&mut self` or are single node writes the
-// driver serialises.
-unsafe impl Send for CudaGraphExec {}
-// SAFETY: as for Send.
-unsafe impl Sync for CudaGraphExec {}
-
-impl fmt::Debug for CudaGraphExec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaGraphExec")
-            .field("device", &self.ctx.ordinal())
-            .field("raw", &self.raw)
-            .finish()
-    }
-}
-
-impl CudaGraphExec {
-    fn call(
-        &self,
-        what: &str,
-        f: impl FnOnce(&'static sys::Driver) -> Result<(), CallError>,
-    ) -> Result<()> {
-        self.ctx.call(
-            || {
-                format!(
-                    "device {} executable graph {:p}: {what}",
-                    self.ctx.ordinal(),
-                    self.raw
-                )
-            },
-            f,
-        )
-    }
-
-    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
-        stream
-            .context()
-            .check_same(&self.ctx, || "executable graph".to_owned(), "the stream")
-    }
-
-    /// Queue one replay of the graph on `stream` (`cuGraphLaunch`).
-    ///
-    /// # Safety
-    /// Everything the graph's work touches (the buffers its kernels, copies and
-    /// fills were captured or updated with, host memory of captured copies) must be
-    /// alive and valid until the replay finishes.
-    ///
-    /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuGraphLaunch`'s status.
-    #[inline]
-    pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
-        self.check_stream(stream)?;
-        let (g, s) = (self.raw, stream.raw());
-        // SAFETY: a live executable graph and a stream of its context; the rest is
-        // the caller's contract.
-        self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })
-    }
-
-    /// Upload the graph's work descriptors to the device ahead of the first launch
-    /// (`cuGraphUpload`), ordered on `stream`.
-    ///
-    /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuGraphUpload`'s status.
-    pub fn upload(&self, stream: &CudaStream) -> Result<()> {
-        self.check_stream(stream)?;
-        let (g, s) = (self.raw, stream.raw());
-        // SAFETY: a live executable graph and a stream of its context.
-        self.call("upload", |d| unsafe { cu!(d, cuGraphUpload(g, s)) })
-    }
-
-    /// Update the executable graph in place from `graph`, a graph of the same
-    /// topology (typically a new capture of the same step with other arguments):
-    /// `cuGraphExecUpdate_v2`.
-    ///
-    /// # Errors
-    /// [`MetraleError::GraphUpdate`] with the driver's reason in words (topology
-    /// changed, a kernel's function changed, ...) and the node it blamed;
-    /// [`MetraleError::WrongDevice`].
-    pub fn update(&mut self, graph: &CudaGraph) -> Result<()> {
-        graph
-            .ctx
-            .check_same(&self.ctx, || "executable graph".to_owned(), "the graph")?;
-        let mut info = sys::CUgraphExecUpdateResultInfo::default();
-        let (e, g) = (self.raw, graph.raw);
-        let result = self.ctx.with(|d| {
-            // SAFETY: a live executable graph and graph of one context; writes `info`.
-            unsafe { cu!(d, cuGraphExecUpdate_v2(e, g, &mut info)) }
-        });
-        match result {
-            Ok(()) => {
-                for table in graph
-                    .keep
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .iter()
-                {
-                    if !self.keep.iter().any(|t| Arc::ptr_eq(t, table)) {
-                        self.keep.push(Arc::clone(table));
-                    }
-                }
-                Ok(())
-            }
-            Err(CallError::Status { .. })
-                if info.result != sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS =>
-            {
-                Err(MetraleError::GraphUpdate {
-                    device: self.ctx.ordinal(),
-                    result: info.result,
-                    node: describe_node(self.ctx.driver(), info.errorNode),
-                })
-            }
-            Err(e) => Err(e.about(format_args!(
-                "device {} executable graph {:p}: update",
-                self.ctx.ordinal(),
-                self.raw
-            ))),
-        }
-    }
-
-    /// Set a kernel node's shape and typed arguments in this executable graph,
-    /// without a new capture (`cuGraphExecKernelNodeSetParams_v2`). `node` comes
-    /// from [`CudaGraph::kernel_nodes`] of the graph this was instantiated from, and
-    /// `f` must be the kernel it runs; the update is checked like a launch.
-    ///
-    /// # Safety
-    /// As [`CudaStream::launch`], for every later replay.
-    ///
-    /// # Errors
-    /// `InvalidArgument` when `f` is not the node's kernel; as
-    /// [`CudaStream::launch`]; the driver's status.
-    pub unsafe fn set_kernel_params<A: KernelArgs>(
-        &self,
-        node: &KernelNode,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        args: A,
-    ) -> Result<()> {
-        self.ctx.check_same(
-            f.context(),
-            || format!("kernel '{}'", f.name()),
-            "the executable graph",
-        )?;
-        if node.func.0 != f.as_raw() {
-            return Err(MetraleError::InvalidArgument(format!(
-                "graph node {:p} runs kernel '{}', not '{}'",
-                node.node.raw,
-                node.name,
-                f.name()
-            )));
-        }
-        self.ctx.bind()?;
-        prepare(&self.ctx, f.info(), &cfg, None, Some(A::SIZES))?;
-        let (e, n) = (self.raw, node.node.raw);
-        args.with_params(|p| {
-            let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());
-            self.call("kernel node update", |d| {
-                // SAFETY: the driver copies the argument values `p` points to during
-                // the call; the node belongs to the graph this was instantiated from.
-                unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
-            })
-        })
-    }
-
-    /// The raw `CUgraphExec`, for driver calls of your own.
-    pub fn raw(&self) -> CUgraphExec {
-        self.raw
-    }
-}
-
-/// `kernel node 0x.. ('m::k')` for the node the driver blamed.
-fn describe_node(d: &'static sys::Driver, node: CUgraphNode) -> Option<String> {
-    if node.is_null() {
-        return None;
-    }
-    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
-    // SAFETY: a node the driver just named; writes its type.
-    if unsafe { cu!(d, cuGraphNodeGetType(node, &mut t)) }.is_err() {
-        return Some(format!("node {node:p}"));
-    }
-    let kind = GraphNodeKind::from_raw(t);
-    if kind != GraphNodeKind::Kernel {
-        return Some(format!("{kind:?} node {node:p}"));
-    }
-    let mut p = sys::CUDA_KERNEL_NODE_PARAMS::default();
-    // SAFETY: a kernel node; writes its parameters.
-    if unsafe { cu!(d, cuGraphKernelNodeGetParams_v2(node, &mut p)) }.is_err() {
-        return Some(format!("kernel node {node:p}"));
-    }
-    let name = name_of(p.func).map_or_else(|| driver_function_name(d, p.func), |n| n.to_string());
-    Some(format!("kernel node {node:p} ('{name}')"))
-}
-
-impl Drop for CudaGraphExec {
-    fn drop(&mut self) {
-        let raw = self.raw;
-        self.ctx.release_with(
-            format_args!(
-                "destroying executable graph {raw:p} on device {}",
-                self.ctx.ordinal()
-            ),
-            |d, failures| {
-                // SAFETY: the executable graph is this value's own, destroyed once.
-                if let Err(e) = unsafe { cu!(d, cuGraphExecDestroy(raw)) } {
-                    failures.push(e);
-                }
-            },
-        );
     }
 }

@@ -1,0 +1,246 @@
+//! [`CudaGraphExec`]: an instantiated graph, replayed on streams and updated in
+//! place (whole graph, or one kernel node's shape and typed arguments).
+
+use std::fmt;
+use std::sync::{Arc, PoisonError};
+
+use metrale_cuda_sys::{self as sys, CUgraphExec, CUgraphNode};
+
+use super::{driver_function_name, node_params, CudaGraph, GraphNodeKind, KernelNode};
+use crate::context::CudaContext;
+use crate::error::{cu, CallError, MetraleError, Result};
+use crate::function::{name_of, CudaFunction, KernelTable};
+use crate::launch::{prepare, KernelArgs, LaunchConfig};
+use crate::stream::CudaStream;
+
+/// How [`CudaGraph::instantiate`] prepares the executable graph.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct InstantiateOptions {
+    /// Free stream-ordered allocations the graph made but did not free, before each
+    /// launch (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
+    pub auto_free_on_launch: bool,
+    /// Make the graph launchable from the device
+    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH`).
+    pub device_launch: bool,
+    /// Run kernels with the priorities set on their nodes instead of the stream's
+    /// (`CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
+    pub use_node_priority: bool,
+}
+
+/// An executable graph: replayed with [`CudaGraphExec::launch`] for a fraction of
+/// the cost of launching its kernels one by one, updated in place.
+pub struct CudaGraphExec {
+    pub(super) raw: CUgraphExec,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) keep: Vec<Arc<KernelTable>>,
+}
+
+// SAFETY: the handle is written once; launching and updating an executable graph are
+// thread-safe driver calls; updates take `&mut self` or are single node writes the
+// driver serialises.
+unsafe impl Send for CudaGraphExec {}
+// SAFETY: as for Send.
+unsafe impl Sync for CudaGraphExec {}
+
+impl fmt::Debug for CudaGraphExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CudaGraphExec")
+            .field("device", &self.ctx.ordinal())
+            .field("raw", &self.raw)
+            .finish()
+    }
+}
+
+impl CudaGraphExec {
+    fn call(
+        &self,
+        what: &str,
+        f: impl FnOnce(&'static sys::Driver) -> Result<(), CallError>,
+    ) -> Result<()> {
+        self.ctx.call(
+            || {
+                format!(
+                    "device {} executable graph {:p}: {what}",
+                    self.ctx.ordinal(),
+                    self.raw
+                )
+            },
+            f,
+        )
+    }
+
+    fn check_stream(&self, stream: &CudaStream) -> Result<()> {
+        stream
+            .context()
+            .check_same(&self.ctx, || "executable graph".to_owned(), "the stream")
+    }
+
+    /// Queue one replay of the graph on `stream` (`cuGraphLaunch`).
+    ///
+    /// # Safety
+    /// Everything the graph's work touches (the buffers its kernels, copies and
+    /// fills were captured or updated with, host memory of captured copies) must be
+    /// alive and valid until the replay finishes.
+    ///
+    /// # Errors
+    /// [`MetraleError::WrongDevice`]; `cuGraphLaunch`'s status.
+    #[inline]
+    pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
+        self.check_stream(stream)?;
+        let (g, s) = (self.raw, stream.raw());
+        // SAFETY: a live executable graph and a stream of its context; the rest is
+        // the caller's contract.
+        self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })
+    }
+
+    /// Upload the graph's work descriptors to the device ahead of the first launch
+    /// (`cuGraphUpload`), ordered on `stream`.
+    ///
+    /// # Errors
+    /// [`MetraleError::WrongDevice`]; `cuGraphUpload`'s status.
+    pub fn upload(&self, stream: &CudaStream) -> Result<()> {
+        self.check_stream(stream)?;
+        let (g, s) = (self.raw, stream.raw());
+        // SAFETY: a live executable graph and a stream of its context.
+        self.call("upload", |d| unsafe { cu!(d, cuGraphUpload(g, s)) })
+    }
+
+    /// Update the executable graph in place from `graph`, a graph of the same
+    /// topology (typically a new capture of the same step with other arguments):
+    /// `cuGraphExecUpdate_v2`.
+    ///
+    /// # Errors
+    /// [`MetraleError::GraphUpdate`] with the driver's reason in words (topology
+    /// changed, a kernel's function changed, ...) and the node it blamed;
+    /// [`MetraleError::WrongDevice`].
+    pub fn update(&mut self, graph: &CudaGraph) -> Result<()> {
+        graph
+            .ctx
+            .check_same(&self.ctx, || "executable graph".to_owned(), "the graph")?;
+        let mut info = sys::CUgraphExecUpdateResultInfo::default();
+        let (e, g) = (self.raw, graph.raw);
+        let result = self.ctx.with(|d| {
+            // SAFETY: a live executable graph and graph of one context; writes `info`.
+            unsafe { cu!(d, cuGraphExecUpdate_v2(e, g, &mut info)) }
+        });
+        match result {
+            Ok(()) => {
+                for table in graph
+                    .keep
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .iter()
+                {
+                    if !self.keep.iter().any(|t| Arc::ptr_eq(t, table)) {
+                        self.keep.push(Arc::clone(table));
+                    }
+                }
+                Ok(())
+            }
+            Err(CallError::Status { .. })
+                if info.result != sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS =>
+            {
+                Err(MetraleError::GraphUpdate {
+                    device: self.ctx.ordinal(),
+                    result: info.result,
+                    node: describe_node(self.ctx.driver(), info.errorNode),
+                })
+            }
+            Err(e) => Err(e.about(format_args!(
+                "device {} executable graph {:p}: update",
+                self.ctx.ordinal(),
+                self.raw
+            ))),
+        }
+    }
+
+    /// Set a kernel node's shape and typed arguments in this executable graph,
+    /// without a new capture (`cuGraphExecKernelNodeSetParams_v2`). `node` comes
+    /// from [`CudaGraph::kernel_nodes`] of the graph this was instantiated from, and
+    /// `f` must be the kernel it runs; the update is checked like a launch.
+    ///
+    /// # Safety
+    /// As [`CudaStream::launch`], for every later replay.
+    ///
+    /// # Errors
+    /// `InvalidArgument` when `f` is not the node's kernel; as
+    /// [`CudaStream::launch`]; the driver's status.
+    pub unsafe fn set_kernel_params<A: KernelArgs>(
+        &self,
+        node: &KernelNode,
+        f: &CudaFunction,
+        cfg: LaunchConfig,
+        args: A,
+    ) -> Result<()> {
+        self.ctx.check_same(
+            f.context(),
+            || format!("kernel '{}'", f.name()),
+            "the executable graph",
+        )?;
+        if node.func.0 != f.as_raw() {
+            return Err(MetraleError::InvalidArgument(format!(
+                "graph node {:p} runs kernel '{}', not '{}'",
+                node.node.raw,
+                node.name,
+                f.name()
+            )));
+        }
+        self.ctx.bind()?;
+        prepare(&self.ctx, f.info(), &cfg, None, Some(A::SIZES))?;
+        let (e, n) = (self.raw, node.node.raw);
+        args.with_params(|p| {
+            let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());
+            self.call("kernel node update", |d| {
+                // SAFETY: the driver copies the argument values `p` points to during
+                // the call; the node belongs to the graph this was instantiated from.
+                unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
+            })
+        })
+    }
+
+    /// The raw `CUgraphExec`, for driver calls of your own.
+    pub fn raw(&self) -> CUgraphExec {
+        self.raw
+    }
+}
+
+/// `kernel node 0x.. ('m::k')` for the node the driver blamed.
+fn describe_node(d: &'static sys::Driver, node: CUgraphNode) -> Option<String> {
+    if node.is_null() {
+        return None;
+    }
+    let mut t = sys::CUgraphNodeType::CU_GRAPH_NODE_TYPE_EMPTY;
+    // SAFETY: a node the driver just named; writes its type.
+    if unsafe { cu!(d, cuGraphNodeGetType(node, &mut t)) }.is_err() {
+        return Some(format!("node {node:p}"));
+    }
+    let kind = GraphNodeKind::from_raw(t);
+    if kind != GraphNodeKind::Kernel {
+        return Some(format!("{kind:?} node {node:p}"));
+    }
+    let mut p = sys::CUDA_KERNEL_NODE_PARAMS::default();
+    // SAFETY: a kernel node; writes its parameters.
+    if unsafe { cu!(d, cuGraphKernelNodeGetParams_v2(node, &mut p)) }.is_err() {
+        return Some(format!("kernel node {node:p}"));
+    }
+    let name = name_of(p.func).map_or_else(|| driver_function_name(d, p.func), |n| n.to_string());
+    Some(format!("kernel node {node:p} ('{name}')"))
+}
+
+impl Drop for CudaGraphExec {
+    fn drop(&mut self) {
+        let raw = self.raw;
+        self.ctx.release_with(
+            format_args!(
+                "destroying executable graph {raw:p} on device {}",
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                // SAFETY: the executable graph is this value's own, destroyed once.
+                if let Err(e) = unsafe { cu!(d, cuGraphExecDestroy(raw)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+}
