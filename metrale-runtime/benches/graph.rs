@@ -28,7 +28,7 @@ fn ok(call: &str, s: CUresult) {
 
 fn run() -> Result<(), MetraleError> {
     let rounds = rounds(21, 3);
-    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let s = reg.stream();
     let raw_s = s.raw();
@@ -389,7 +389,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("graph bench: {e}");
             ExitCode::from(2)
         }

@@ -44,7 +44,7 @@ fn run() -> Result<(), MetraleError> {
     };
 
     let t = std::time::Instant::now();
-    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let first_driver_load_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = std::time::Instant::now();
     let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
@@ -435,7 +435,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("launch bench: {e}");
             ExitCode::from(2)
         }

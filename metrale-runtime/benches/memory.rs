@@ -30,7 +30,7 @@ fn run() -> Result<(), MetraleError> {
     } else {
         1 << 30
     };
-    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let s = reg.stream();
     let raw_s = s.raw();
@@ -240,7 +240,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("memory bench: {e}");
             ExitCode::from(2)
         }

@@ -85,9 +85,10 @@ fn launch_rate(reg: &MetraleRegistry, n: usize, start: &Barrier, raw: bool) -> f
 
 fn run() -> Result<(), MetraleError> {
     if device_count()? < 2 {
-        return Err(MetraleError::InvalidArgument(
+        return Err(metrale_runtime::ErrorKind::InvalidArgument(
             "the multi-GPU benchmark needs two CUDA devices".into(),
-        ));
+        )
+        .into());
     }
     let rounds = rounds(9, 2);
     let big: usize = if common::is_quick() {
@@ -95,7 +96,7 @@ fn run() -> Result<(), MetraleError> {
     } else {
         1 << 30
     };
-    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let (h0, h1) = (host(0)?, host(1)?);
     enable_peer_access(&h0, &h1)?;
     enable_peer_access(&h1, &h0)?;
@@ -281,7 +282,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("multi_gpu bench: {e}");
             ExitCode::from(2)
         }

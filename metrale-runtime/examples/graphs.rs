@@ -69,7 +69,11 @@ fn run() -> Result<(), MetraleError> {
         .iter()
         .rev()
         .find(|n| n.name == "kernels::axpb")
-        .ok_or_else(|| MetraleError::InvalidArgument("no axpb node".into()))?;
+        .ok_or_else(|| {
+            MetraleError::from(metrale_runtime::ErrorKind::InvalidArgument(
+                "no axpb node".into(),
+            ))
+        })?;
     // SAFETY: as a launch of axpb on x.
     unsafe {
         exec.set_kernel_params(last, &axpb, one, (&mut x, 10u32, 0u32))?;
@@ -103,7 +107,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("graphs: {e}");
             ExitCode::from(2)
         }

@@ -7,13 +7,14 @@
 use std::process::ExitCode;
 use std::time::Instant;
 
-use metrale_runtime::{host, MetraleError, MetraleRegistry};
+use metrale_runtime::{host, ErrorKind, MetraleError, MetraleRegistry};
 
 fn run() -> Result<(), MetraleError> {
-    let dir = std::env::args()
-        .nth(1)
-        .ok_or_else(|| MetraleError::InvalidArgument("usage: load_dir DIR".into()))?;
-    let read = |e: std::io::Error| MetraleError::InvalidArgument(format!("{dir}: {e}"));
+    let dir = std::env::args().nth(1).ok_or_else(|| {
+        MetraleError::from(ErrorKind::InvalidArgument("usage: load_dir DIR".into()))
+    })?;
+    let read =
+        |e: std::io::Error| MetraleError::from(ErrorKind::InvalidArgument(format!("{dir}: {e}")));
     let mut blobs: Vec<(String, Vec<u8>)> = Vec::new();
     for entry in std::fs::read_dir(&dir).map_err(read)? {
         let path = entry.map_err(read)?.path();
@@ -99,7 +100,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("load_dir: {e}");
             ExitCode::from(2)
         }

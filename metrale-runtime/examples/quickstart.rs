@@ -49,9 +49,10 @@ fn run() -> Result<(), MetraleError> {
 
     let wrong = (0..N).filter(|&i| c[i] != a[i] + b[i]).count();
     if wrong > 0 {
-        return Err(MetraleError::InvalidArgument(format!(
+        return Err(metrale_runtime::ErrorKind::InvalidArgument(format!(
             "vec_add result wrong in {wrong} of {N} elements"
-        )));
+        ))
+        .into());
     }
     println!(
         "vec_add of {N} floats: all {N} elements verified; module load {:.2} ms, launch + sync {:.3} ms",
@@ -64,7 +65,7 @@ fn run() -> Result<(), MetraleError> {
 fn main() -> ExitCode {
     match run() {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e @ MetraleError::DriverUnavailable(_)) => {
+        Err(e) if e.is_unavailable() => {
             eprintln!("quickstart: {e}");
             ExitCode::from(2)
         }

@@ -19,7 +19,7 @@
 
 use std::borrow::Cow;
 
-use crate::error::{MetraleError, Result};
+use crate::error::{ErrorKind, MetraleError, Result};
 
 /// ELF magic, which starts a cubin.
 const ELF_MAGIC: &[u8; 4] = b"\x7fELF";
@@ -76,10 +76,11 @@ pub(crate) struct Image<'a> {
 }
 
 fn refuse(module: &str, what: impl std::fmt::Display) -> MetraleError {
-    MetraleError::InvalidBlob {
+    ErrorKind::InvalidBlob {
         module: module.to_owned(),
         reason: what.to_string(),
     }
+    .into()
 }
 
 /// Check `blob` and give the bytes to hand to the driver.
@@ -368,11 +369,11 @@ fn check_fatbin(module: &str, blob: &[u8]) -> Result<()> {
         let start = (at + entry_header) as usize;
         let body = &blob[start..start + size as usize];
         if kind == FATBIN_ELF && flags & FATBIN_COMPRESSED == 0 && body.starts_with(ELF_MAGIC) {
-            check_elf(module, body).map_err(|e| match e {
-                MetraleError::InvalidBlob { reason, .. } => {
+            check_elf(module, body).map_err(|e| match e.into_kind() {
+                ErrorKind::InvalidBlob { reason, .. } => {
                     bad(format_args!("entry {index}: {reason}"))
                 }
-                other => other,
+                other => other.into(),
             })?;
         }
         at = entry_end.unwrap_or(end);

@@ -28,7 +28,10 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use metrale_cuda_sys::{self as sys, CUcontext, CUdevice, CUdevice_attribute};
 
-use crate::error::{cu, is_teardown_noop, report_drop_failures, CallError, MetraleError, Result};
+use crate::error::{
+    cu, invalid_arg, is_teardown_noop, report_drop_failures, CallError, ErrorKind, MetraleError,
+    Result,
+};
 
 /// The limits and capabilities of a device that launches and allocations check,
 /// read once per context.
@@ -62,7 +65,7 @@ pub struct DeviceLimits {
 /// Success is remembered; a failure is returned and tried again next time.
 pub(crate) fn init_driver() -> Result<(&'static sys::Driver, i32)> {
     static VERSION: OnceLock<i32> = OnceLock::new();
-    let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     if let Some(&v) = VERSION.get() {
         return Ok((d, v));
     }
@@ -79,7 +82,7 @@ pub(crate) fn init_driver() -> Result<(&'static sys::Driver, i32)> {
 /// How many CUDA devices the driver reports (initialising it first).
 ///
 /// # Errors
-/// [`MetraleError::DriverUnavailable`] without a driver, or the failing call.
+/// [`ErrorKind::DriverUnavailable`] without a driver, or the failing call.
 pub fn device_count() -> Result<usize> {
     let (d, _) = init_driver()?;
     let mut count: c_int = 0;
@@ -95,7 +98,7 @@ pub(crate) fn device_handle(d: &sys::Driver, ordinal: usize) -> Result<CUdevice>
     // SAFETY: writes one int.
     unsafe { cu!(d, cuDeviceGetCount(&mut count)) }.map_err(|e| e.about(subject()))?;
     let Some(index) = c_int::try_from(ordinal).ok().filter(|&i| i < count) else {
-        return Err(MetraleError::InvalidArgument(format!(
+        return Err(invalid_arg(format!(
             "device ordinal {ordinal} is out of range: the driver reports {count} CUDA device(s)"
         )));
     };
@@ -224,7 +227,7 @@ fn contexts() -> std::sync::MutexGuard<'static, HashMap<usize, Weak<CudaContext>
 /// it, else a new one (initialising the driver and retaining the primary context).
 ///
 /// # Errors
-/// [`MetraleError::DriverUnavailable`] without a driver, `InvalidArgument` for an
+/// [`ErrorKind::DriverUnavailable`] without a driver, `InvalidArgument` for an
 /// ordinal the driver does not have (naming the device count), or the failing call.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
     let mut map = contexts();
@@ -493,7 +496,7 @@ impl CudaContext {
         Arc::ptr_eq(self, other)
     }
 
-    /// `Ok` when `other` is this context, else [`MetraleError::WrongDevice`] saying
+    /// `Ok` when `other` is this context, else [`ErrorKind::WrongDevice`] saying
     /// which handle (`what`) was used with what.
     #[inline]
     pub(crate) fn check_same(
@@ -505,12 +508,13 @@ impl CudaContext {
         if Arc::ptr_eq(self, other) {
             Ok(())
         } else {
-            Err(MetraleError::WrongDevice {
+            Err(ErrorKind::WrongDevice {
                 what: what(),
                 belongs_to: other.ordinal,
                 used_with: used_with.to_owned(),
                 used_device: self.ordinal,
-            })
+            }
+            .into())
         }
     }
 }
@@ -583,7 +587,7 @@ impl ContextGuard {
     /// # Errors
     /// Without a driver, or `cuCtxGetCurrent`'s status.
     pub fn save() -> Result<ContextGuard> {
-        let d = sys::driver().map_err(|e| MetraleError::DriverUnavailable(e.clone()))?;
+        let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
         let mut saved: CUcontext = std::ptr::null_mut();
         // SAFETY: writes one CUcontext.
         unsafe { cu!(d, cuCtxGetCurrent(&mut saved)) }

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdevice, CUdevice_attribute, CUresult};
 
 use crate::context::{self, device_attribute, init_driver, AsContext, CudaContext};
-use crate::error::{cu, CallError, MetraleError, Result};
+use crate::error::{cu, invalid_arg, CallError, Result};
 
 /// One CUDA device, by ordinal.
 ///
@@ -62,7 +62,7 @@ impl Device {
     /// Device `ordinal` (initialising the driver once).
     ///
     /// # Errors
-    /// Without a driver, [`MetraleError::DriverUnavailable`]; `InvalidArgument` for
+    /// Without a driver, [`ErrorKind::DriverUnavailable`](crate::ErrorKind::DriverUnavailable); `InvalidArgument` for
     /// an ordinal the driver does not have.
     pub fn get(ordinal: usize) -> Result<Device> {
         let (d, _) = init_driver()?;
@@ -249,7 +249,7 @@ pub fn memory_info(ctx: &impl AsContext) -> Result<(usize, usize)> {
 pub fn enable_peer_access(from: &impl AsContext, to: &impl AsContext) -> Result<()> {
     let (from, to): (&Arc<CudaContext>, &Arc<CudaContext>) = (from.context(), to.context());
     if Arc::ptr_eq(from, to) {
-        return Err(MetraleError::InvalidArgument(format!(
+        return Err(invalid_arg(format!(
             "peer access from device {} to itself",
             from.ordinal()
         )));

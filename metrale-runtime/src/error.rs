@@ -151,36 +151,90 @@ pub enum LaunchFailure {
     Refused(String),
 }
 
-/// Everything that can go wrong in metrale.
+/// Everything that can go wrong in metrale: one pointer wide, so a `Result<()>` is
+/// 8 bytes on the hot path, with the failure's data in [`ErrorKind`] behind it.
 ///
-/// Each variant carries the data of the failure; `Display` (and `Debug`, which
-/// prints the same message) puts it into words.
+/// `Display` (and `Debug`, which prints the same message) puts the failure into
+/// words: the call, the status name and number with the library's description,
+/// and what was being worked on. [`MetraleError::kind`] gives the data to match on.
 ///
 /// ```no_run
-/// use metrale_runtime::{MetraleError, MetraleRegistry, NameKind};
+/// use metrale_runtime::{ErrorKind, MetraleRegistry, NameKind};
 /// # fn main() {
 /// match MetraleRegistry::load(0, &[("kernels", b".version 8.0\nnot ptx")]) {
 ///     Ok(_) => {}
-///     Err(MetraleError::DriverUnavailable(e)) => eprintln!("no GPU here: {e}"),
-///     Err(e @ MetraleError::ModuleLoad { .. }) => {
-///         // "kernels: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): ...
-///         //  JIT error log: ..."
-///         eprintln!("{e}");
-///         assert!(e.status().is_some());
-///     }
-///     Err(MetraleError::NotFound { kind: NameKind::Kernel, name, .. }) => {
-///         eprintln!("no kernel {name:?}")
-///     }
-///     Err(other) => eprintln!("{other}"),
+///     Err(e) => match e.kind() {
+///         ErrorKind::DriverUnavailable(why) => eprintln!("no GPU here: {why}"),
+///         ErrorKind::ModuleLoad { .. } => {
+///             // "kernels: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): ...
+///             //  JIT error log: ..."
+///             eprintln!("{e}");
+///             assert!(e.status().is_some());
+///         }
+///         ErrorKind::NotFound { kind: NameKind::Kernel, name, .. } => {
+///             eprintln!("no kernel {name:?}")
+///         }
+///         _ => eprintln!("{e}"),
+///     },
 /// }
 /// # }
 /// ```
+#[derive(Clone)]
+pub struct MetraleError(Box<ErrorKind>);
+
+impl MetraleError {
+    /// What failed, with its data.
+    #[inline]
+    pub fn kind(&self) -> &ErrorKind {
+        &self.0
+    }
+
+    /// The failure's data, by value.
+    pub fn into_kind(self) -> ErrorKind {
+        *self.0
+    }
+
+    /// Whether the driver (or another library metrale loads) could not be loaded:
+    /// the machine has no GPU stack, as opposed to a failure on a working one.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(*self.0, ErrorKind::DriverUnavailable(_))
+    }
+}
+
+impl From<ErrorKind> for MetraleError {
+    #[cold]
+    fn from(kind: ErrorKind) -> Self {
+        MetraleError(Box::new(kind))
+    }
+}
+
+impl From<sys::LoadError> for MetraleError {
+    #[cold]
+    fn from(e: sys::LoadError) -> Self {
+        ErrorKind::DriverUnavailable(e).into()
+    }
+}
+
+impl fmt::Display for MetraleError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl std::error::Error for MetraleError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        std::error::Error::source(&*self.0)
+    }
+}
+
+/// The data of a [`MetraleError`]: which check or call failed, with its status and
+/// subject. Grows with the crate (`#[non_exhaustive]`): match with a `_` arm.
 #[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
-pub enum MetraleError {
+pub enum ErrorKind {
     /// The driver library could not be loaded (the loader's list of what was tried).
     #[error(transparent)]
-    DriverUnavailable(#[from] sys::LoadError),
+    DriverUnavailable(sys::LoadError),
 
     /// The loaded driver lacks a function the operation needs.
     #[error(
@@ -334,14 +388,19 @@ pub enum MetraleError {
         type_bytes: usize,
     },
 
-    /// `cuGraphExecUpdate` refused a new graph for an executable graph.
+    /// `cuGraphExecUpdate_v2` refused a new graph for an executable graph.
     #[error(
-        "graph update on device {device} refused: {} ({}){}",
+        "device {device} executable graph update: {call} failed: {}; refused because {} ({}){}",
+        cuda_error_text(*status),
         update_reason(*result),
         result_name(*result),
         node.as_deref().map(|n| format!(", at {n}")).unwrap_or_default()
     )]
     GraphUpdate {
+        /// The driver function (`cuGraphExecUpdate_v2`).
+        call: &'static str,
+        /// Its status (`CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE`, 910).
+        status: CUresult,
         /// The device.
         device: usize,
         /// The driver's verdict (`CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED`).
@@ -357,6 +416,13 @@ pub enum MetraleError {
 
 impl fmt::Debug for MetraleError {
     /// The message itself, so `main` returning an error prints words, not a struct.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl fmt::Debug for ErrorKind {
+    /// The message itself, as for [`MetraleError`].
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
     }
@@ -485,12 +551,13 @@ fn update_reason(r: sys::CUgraphExecUpdateResult) -> &'static str {
 impl MetraleError {
     /// The driver status behind this error, when a driver call returned one.
     pub fn status(&self) -> Option<CUresult> {
-        match self {
-            MetraleError::Driver { status, .. } | MetraleError::ModuleLoad { status, .. } => {
+        match &*self.0 {
+            ErrorKind::Driver { status, .. } | ErrorKind::ModuleLoad { status, .. } => {
                 Some(*status)
             }
-            MetraleError::NotFound { status, .. } => *status,
-            MetraleError::KernelLaunch {
+            ErrorKind::NotFound { status, .. } => *status,
+            ErrorKind::GraphUpdate { status, .. } => Some(*status),
+            ErrorKind::KernelLaunch {
                 failure: LaunchFailure::Driver { status, .. },
                 ..
             } => Some(*status),
@@ -545,49 +612,53 @@ impl CallError {
     #[cold]
     pub fn about(self, subject: impl fmt::Display) -> MetraleError {
         match self {
-            CallError::Status { call, status } => MetraleError::Driver {
+            CallError::Status { call, status } => ErrorKind::Driver {
                 call,
                 status,
                 subject: subject.to_string(),
-            },
-            CallError::Missing(m) => MetraleError::MissingSymbol {
+            }
+            .into(),
+            CallError::Missing(m) => ErrorKind::MissingSymbol {
                 symbol: m.name,
                 driver_version: loaded_driver_version(),
                 subject: subject.to_string(),
-            },
+            }
+            .into(),
         }
     }
 
     /// A lookup of `name` (a kernel or symbol) in `module` failed: NOT_FOUND is a
-    /// [`MetraleError::NotFound`], other statuses a [`MetraleError::Driver`] about
+    /// [`ErrorKind::NotFound`], other statuses a [`ErrorKind::Driver`] about
     /// `module::name`.
     #[cold]
     pub(crate) fn lookup(self, kind: NameKind, module: &str, name: &str) -> MetraleError {
         match self {
             CallError::Status { call, status } if status == CUresult::CUDA_ERROR_NOT_FOUND => {
-                MetraleError::NotFound {
+                ErrorKind::NotFound {
                     kind,
                     module: module.to_owned(),
                     name: Some(name.to_owned()),
                     call: Some(call),
                     status: Some(status),
                 }
+                .into()
             }
             _ => self.about(format_args!("{module}::{name}")),
         }
     }
 
-    /// A launch failed in the driver: a [`MetraleError::KernelLaunch`] with the
+    /// A launch failed in the driver: a [`ErrorKind::KernelLaunch`] with the
     /// shape, or a missing-symbol error about the kernel.
     #[cold]
     pub(crate) fn launch(self, kernel: &str, shape: LaunchShape) -> MetraleError {
         match self {
             CallError::Missing(_) => self.about(format_args!("kernel '{kernel}'")),
-            CallError::Status { call, status } => MetraleError::KernelLaunch {
+            CallError::Status { call, status } => ErrorKind::KernelLaunch {
                 kernel: kernel.to_owned(),
                 shape,
                 failure: LaunchFailure::Driver { call, status },
-            },
+            }
+            .into(),
         }
     }
 }
@@ -637,4 +708,11 @@ pub(crate) fn report_drop_failures(what: fmt::Arguments<'_>, failures: &[CallErr
 pub(crate) fn report_line(text: fmt::Arguments<'_>) {
     use std::io::Write as _;
     let _ = writeln!(std::io::stderr(), "metrale: {text}");
+}
+
+/// An [`ErrorKind::InvalidArgument`]: input refused before any call, `text` saying
+/// which rule it broke.
+#[cold]
+pub(crate) fn invalid_arg(text: impl Into<String>) -> MetraleError {
+    ErrorKind::InvalidArgument(text.into()).into()
 }

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUfunction, CUfunction_attribute, CUresult};
 
 use crate::context::CudaContext;
-use crate::error::{cu, CallError, MetraleError, NameKind, Result};
+use crate::error::{cu, invalid_arg, CallError, ErrorKind, MetraleError, NameKind, Result};
 use crate::module::{c_name, ModuleSet};
 
 /// One kernel parameter, as the driver lays it out (`cuFuncGetParamInfo`).
@@ -249,7 +249,7 @@ impl KernelTable {
     }
 
     /// The info behind `f`, when `f` comes from this table; else
-    /// [`MetraleError::ForeignHandle`] naming the kernel where it can.
+    /// [`ErrorKind::ForeignHandle`] naming the kernel where it can.
     #[inline]
     pub(crate) fn resolve(&self, f: RawCudaFunc) -> Result<&KernelInfo> {
         if f.table == self.id {
@@ -310,7 +310,7 @@ fn foreign(f: RawCudaFunc) -> MetraleError {
         Some(name) => name.to_string(),
         None => format!("{:p} (its registry was dropped)", f.raw),
     };
-    MetraleError::ForeignHandle { kernel }
+    ErrorKind::ForeignHandle { kernel }.into()
 }
 
 /// A raw `CUfunction` from [`MetraleRegistry::raw_function_cached`], cheap to copy,
@@ -491,7 +491,7 @@ impl CudaFunction {
     /// The failing `cuFuncSetAttribute` (a size above the device's opt-in limit).
     pub fn set_max_dynamic_shared_bytes(&self, bytes: u32) -> Result<()> {
         if i32::try_from(bytes).is_err() {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "kernel '{}': {bytes} bytes of shared memory",
                 self.info.name
             )));
@@ -528,7 +528,7 @@ impl CudaFunction {
         dynamic_shared_bytes: usize,
     ) -> Result<u32> {
         let block = c_int::try_from(block_size).map_err(|_| {
-            MetraleError::InvalidArgument(format!(
+            invalid_arg(format!(
                 "kernel '{}': block size {block_size}",
                 self.info.name
             ))

@@ -135,7 +135,7 @@ fn hosts() -> std::sync::MutexGuard<'static, HashMap<usize, Slot>> {
 /// device's primary context and creates the host's stream.
 ///
 /// # Errors
-/// [`MetraleError::DriverUnavailable`](crate::MetraleError::DriverUnavailable)
+/// [`ErrorKind::DriverUnavailable`](crate::ErrorKind::DriverUnavailable)
 /// without a driver, `InvalidArgument` for an ordinal the driver does not have
 /// (naming the device count), or the failing call.
 pub fn host(ordinal: usize) -> Result<Arc<CudaHost>> {

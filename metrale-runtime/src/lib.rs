@@ -81,8 +81,8 @@ pub use blob::BlobKind;
 pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
 pub use device::{enable_peer_access, memory_info, Device, PeerLink};
 pub use error::{
-    cuda_error_text, is_teardown_noop, CallError, LaunchFailure, LaunchShape, MetraleError,
-    NameKind, Result, CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED,
+    cuda_error_text, is_teardown_noop, CallError, ErrorKind, LaunchFailure, LaunchShape,
+    MetraleError, NameKind, Result, CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED,
     CUDA_ERROR_INVALID_CONTEXT,
 };
 pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};

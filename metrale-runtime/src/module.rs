@@ -23,7 +23,7 @@ use metrale_cuda_sys::{
 
 use crate::blob::{self, BlobKind};
 use crate::context::CudaContext;
-use crate::error::{cu, report_drop_failures, CallError, MetraleError, NameKind, Result};
+use crate::error::{cu, invalid_arg, report_drop_failures, CallError, ErrorKind, NameKind, Result};
 
 /// Bytes of each JIT log buffer (info and error) passed to the driver.
 const JIT_LOG_BYTES: usize = 16 * 1024;
@@ -137,9 +137,7 @@ impl ModuleSet {
 
     fn check_new_name(&self, name: &str) -> Result<()> {
         if self.index.contains_key(name) {
-            return Err(MetraleError::InvalidArgument(format!(
-                "module '{name}' is listed twice"
-            )));
+            return Err(invalid_arg(format!("module '{name}' is listed twice")));
         }
         Ok(())
     }
@@ -168,14 +166,17 @@ impl ModuleSet {
         matches!(self.owner, Owner::Driver(_))
     }
 
-    /// Index of `module`, or [`MetraleError::NotFound`] naming what was looked for.
+    /// Index of `module`, or [`ErrorKind::NotFound`] naming what was looked for.
     pub(crate) fn require(&self, module: &str, looking_for: Option<&str>) -> Result<usize> {
-        self.position(module).ok_or_else(|| MetraleError::NotFound {
-            kind: NameKind::Module,
-            module: module.to_owned(),
-            name: looking_for.map(str::to_owned),
-            call: None,
-            status: None,
+        self.position(module).ok_or_else(|| {
+            ErrorKind::NotFound {
+                kind: NameKind::Module,
+                module: module.to_owned(),
+                name: looking_for.map(str::to_owned),
+                call: None,
+                status: None,
+            }
+            .into()
         })
     }
 
@@ -406,14 +407,15 @@ fn load(
             status,
         }) if failed == call => {
             let log = log_text(&error_log);
-            Err(MetraleError::ModuleLoad {
+            Err(ErrorKind::ModuleLoad {
                 module: name.to_owned(),
                 call,
                 status,
                 image: format!("{} of {} bytes", image.kind.label(), blob.len()),
                 hint: arch_hint(&target, &image, status),
                 jit_log: (!log.is_empty()).then_some(log),
-            })
+            }
+            .into())
         }
         Err(e) => Err(e.about(format_args!("module '{name}'"))),
     }
@@ -457,12 +459,15 @@ pub(crate) fn log_text(buf: &[u8]) -> String {
     )
 }
 
-/// `name` as a C string for a lookup in `module`, or [`MetraleError::InvalidName`].
+/// `name` as a C string for a lookup in `module`, or [`ErrorKind::InvalidName`].
 pub(crate) fn c_name(module: &str, name: &str) -> Result<CString> {
-    CString::new(name).map_err(|e| MetraleError::InvalidName {
-        module: module.to_owned(),
-        name: name.to_owned(),
-        nul_at: e.nul_position(),
+    CString::new(name).map_err(|e| {
+        ErrorKind::InvalidName {
+            module: module.to_owned(),
+            name: name.to_owned(),
+            nul_at: e.nul_position(),
+        }
+        .into()
     })
 }
 

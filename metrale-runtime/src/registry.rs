@@ -20,7 +20,7 @@ use metrale_cuda_sys::{CUdeviceptr, CUstream};
 
 use crate::blob::BlobKind;
 use crate::context::{self, AsContext, CudaContext};
-use crate::error::{cu, MetraleError, Result};
+use crate::error::{cu, invalid_arg, Result};
 use crate::function::{CudaFunction, KernelTable, RawCudaFunc};
 use crate::host::{host, CudaHost};
 use crate::launch::{launch_kernel, KernelArgs, LaunchAttributes, LaunchConfig};
@@ -70,9 +70,9 @@ impl MetraleRegistry {
     /// (context and stream) is shared with other registries of the device.
     ///
     /// # Errors
-    /// Without a driver, [`MetraleError::DriverUnavailable`]. A blob refused before
-    /// the driver gives [`MetraleError::InvalidBlob`], one the driver refuses
-    /// [`MetraleError::ModuleLoad`] (with the JIT log for PTX, and the
+    /// Without a driver, [`ErrorKind::DriverUnavailable`](crate::ErrorKind::DriverUnavailable). A blob refused before
+    /// the driver gives [`ErrorKind::InvalidBlob`](crate::ErrorKind::InvalidBlob), one the driver refuses
+    /// [`ErrorKind::ModuleLoad`](crate::ErrorKind::ModuleLoad) (with the JIT log for PTX, and the
     /// architectures for a cubin built for another GPU), both naming the module;
     /// the modules loaded before it are unloaded again.
     pub fn load(
@@ -118,9 +118,7 @@ impl MetraleRegistry {
     ) -> Result<Vec<Arc<Self>>> {
         for (i, o) in ordinals.iter().enumerate() {
             if ordinals[..i].contains(o) {
-                return Err(MetraleError::InvalidArgument(format!(
-                    "device {o} is listed twice"
-                )));
+                return Err(invalid_arg(format!("device {o} is listed twice")));
             }
         }
         let owned: Vec<_> = kernel_blobs.into_iter().collect();
@@ -200,8 +198,8 @@ impl MetraleRegistry {
     /// [`MetraleRegistry::function_cached`].
     ///
     /// # Errors
-    /// [`MetraleError::NotFound`] for an unknown module or kernel (naming both),
-    /// [`MetraleError::InvalidName`] for an interior NUL, or the failing call.
+    /// [`ErrorKind::NotFound`](crate::ErrorKind::NotFound) for an unknown module or kernel (naming both),
+    /// [`ErrorKind::InvalidName`](crate::ErrorKind::InvalidName) for an interior NUL, or the failing call.
     pub fn function(&self, module_name: &str, func_name: &str) -> Result<CudaFunction> {
         self.table.function(module_name, func_name)
     }
@@ -263,7 +261,7 @@ impl MetraleRegistry {
     }
 
     /// The kernels a module defines, by name (`cuModuleEnumerateFunctions`, CUDA
-    /// 12.4+; an older driver gives [`MetraleError::MissingSymbol`]).
+    /// 12.4+; an older driver gives [`ErrorKind::MissingSymbol`](crate::ErrorKind::MissingSymbol)).
     ///
     /// # Errors
     /// Unknown module, a missing symbol, or the failing call.
@@ -277,8 +275,8 @@ impl MetraleRegistry {
     /// a typed view.
     ///
     /// # Errors
-    /// [`MetraleError::NotFound`] for an unknown module or symbol,
-    /// [`MetraleError::InvalidName`], or the failing `cuModuleGetGlobal_v2`.
+    /// [`ErrorKind::NotFound`](crate::ErrorKind::NotFound) for an unknown module or symbol,
+    /// [`ErrorKind::InvalidName`](crate::ErrorKind::InvalidName), or the failing `cuModuleGetGlobal_v2`.
     pub fn device_symbol(&self, module_name: &str, symbol: &str) -> Result<(CUdeviceptr, usize)> {
         self.table.symbol(module_name, symbol)
     }
@@ -286,7 +284,7 @@ impl MetraleRegistry {
     /// A scalar `__device__` symbol as a typed view, its size checked against `T`.
     ///
     /// # Errors
-    /// As [`MetraleRegistry::device_symbol`]; [`MetraleError::SymbolSize`] naming
+    /// As [`MetraleRegistry::device_symbol`]; [`ErrorKind::SymbolSize`](crate::ErrorKind::SymbolSize) naming
     /// the symbol and both sizes.
     pub fn symbol<T: DeviceRepr>(
         &self,
@@ -331,7 +329,7 @@ impl MetraleRegistry {
     /// [`CudaStream::copy_h2d`], which is safe.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuMemcpyHtoDAsync_v2`'s status, naming the copy.
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); `cuMemcpyHtoDAsync_v2`'s status, naming the copy.
     pub unsafe fn copy_h2d_async(
         &self,
         dst: CUdeviceptr,
@@ -361,7 +359,7 @@ impl MetraleRegistry {
     /// been synchronised. Prefer [`CudaStream::copy_d2h`], which is safe.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuMemcpyDtoHAsync_v2`'s status, naming the copy.
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); `cuMemcpyDtoHAsync_v2`'s status, naming the copy.
     pub unsafe fn copy_d2h_async(
         &self,
         dst: *mut c_void,
@@ -387,7 +385,7 @@ impl MetraleRegistry {
     /// work, such as a kernel's illegal address, is reported here).
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuStreamSynchronize`'s status.
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); `cuStreamSynchronize`'s status.
     pub fn stream_synchronize(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
         stream.synchronize()
@@ -408,8 +406,8 @@ impl MetraleRegistry {
     /// - What the kernel reads and writes is valid device memory until it finishes.
     ///
     /// # Errors
-    /// [`MetraleError::ForeignHandle`], [`MetraleError::WrongDevice`],
-    /// [`MetraleError::KernelLaunch`] naming the kernel, with grid, block and
+    /// [`ErrorKind::ForeignHandle`](crate::ErrorKind::ForeignHandle), [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice),
+    /// [`ErrorKind::KernelLaunch`](crate::ErrorKind::KernelLaunch) naming the kernel, with grid, block and
     /// shared memory: an impossible shape (before the driver), a failed opt-in, or
     /// `cuLaunchKernel`'s status.
     #[inline]
@@ -444,7 +442,7 @@ impl MetraleRegistry {
     ///
     /// # Errors
     /// As [`MetraleRegistry::launch_on_stream`], and
-    /// [`MetraleError::ArgumentMismatch`].
+    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch).
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(
         &self,

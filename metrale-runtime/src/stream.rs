@@ -20,7 +20,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, CallError, MetraleError, Result};
+use crate::error::{cu, invalid_arg, CallError, Result};
 
 /// How a stream is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -128,7 +128,7 @@ impl CudaStream {
             Some(p) => {
                 let (least, greatest) = ctx.stream_priority_range()?;
                 if p > least || p < greatest {
-                    return Err(MetraleError::InvalidArgument(format!(
+                    return Err(invalid_arg(format!(
                         "stream priority {p} is outside device {}'s range {greatest} (greatest) ..= {least} (least)",
                         ctx.ordinal()
                     )));
@@ -425,7 +425,7 @@ impl CudaEvent {
     /// Record the event at the current end of `stream`'s queue.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`] for a stream of another context;
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice) for a stream of another context;
     /// `cuEventRecord`'s status.
     pub fn record(&self, stream: &CudaStream) -> Result<()> {
         stream.context().check_same(
@@ -482,7 +482,7 @@ impl CudaEvent {
     /// is still pending).
     pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f32> {
         if !self.timing || !end.timing {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "elapsed time between events of device {}: the {} event was created without timing (use CudaEvent::timed)",
                 self.ctx.ordinal(),
                 if self.timing { "end" } else { "start" }

@@ -8,7 +8,7 @@ use metrale_cuda_sys::{self as sys, CUgraphExec, CUgraphNode};
 
 use super::{driver_function_name, node_params, CudaGraph, GraphNodeKind, KernelNode};
 use crate::context::CudaContext;
-use crate::error::{cu, CallError, MetraleError, Result};
+use crate::error::{cu, invalid_arg, CallError, ErrorKind, Result};
 use crate::function::{name_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
 use crate::stream::CudaStream;
@@ -83,7 +83,7 @@ impl CudaGraphExec {
     /// alive and valid until the replay finishes.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuGraphLaunch`'s status.
+    /// [`ErrorKind::WrongDevice`]; `cuGraphLaunch`'s status.
     #[inline]
     pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
@@ -97,7 +97,7 @@ impl CudaGraphExec {
     /// (`cuGraphUpload`), ordered on `stream`.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; `cuGraphUpload`'s status.
+    /// [`ErrorKind::WrongDevice`]; `cuGraphUpload`'s status.
     pub fn upload(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
         let (g, s) = (self.raw, stream.raw());
@@ -110,9 +110,9 @@ impl CudaGraphExec {
     /// `cuGraphExecUpdate_v2`.
     ///
     /// # Errors
-    /// [`MetraleError::GraphUpdate`] with the driver's reason in words (topology
+    /// [`ErrorKind::GraphUpdate`] with the driver's reason in words (topology
     /// changed, a kernel's function changed, ...) and the node it blamed;
-    /// [`MetraleError::WrongDevice`].
+    /// [`ErrorKind::WrongDevice`].
     pub fn update(&mut self, graph: &CudaGraph) -> Result<()> {
         graph
             .ctx
@@ -137,14 +137,17 @@ impl CudaGraphExec {
                 }
                 Ok(())
             }
-            Err(CallError::Status { .. })
+            Err(CallError::Status { call, status })
                 if info.result != sys::CUgraphExecUpdateResult::CU_GRAPH_EXEC_UPDATE_SUCCESS =>
             {
-                Err(MetraleError::GraphUpdate {
+                Err(ErrorKind::GraphUpdate {
+                    call,
+                    status,
                     device: self.ctx.ordinal(),
                     result: info.result,
                     node: describe_node(self.ctx.driver(), info.errorNode),
-                })
+                }
+                .into())
             }
             Err(e) => Err(e.about(format_args!(
                 "device {} executable graph {:p}: update",
@@ -178,7 +181,7 @@ impl CudaGraphExec {
             "the executable graph",
         )?;
         if node.func.0 != f.as_raw() {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "graph node {:p} runs kernel '{}', not '{}'",
                 node.node.raw,
                 node.name,

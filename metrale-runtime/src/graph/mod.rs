@@ -34,7 +34,7 @@ pub use capture::CaptureMode;
 pub use exec::{CudaGraphExec, InstantiateOptions};
 
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, CallError, MetraleError, Result};
+use crate::error::{cu, invalid_arg, CallError, Result};
 use crate::function::{name_of, owner_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
 use crate::memory::{DevicePod, DeviceRepr};
@@ -384,12 +384,11 @@ impl CudaGraph {
     /// driver's status (a folder that does not exist: `CUDA_ERROR_OPERATING_SYSTEM`).
     pub fn write_dot(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        let text = path.to_str().ok_or_else(|| {
-            MetraleError::InvalidArgument(format!("DOT path {} is not UTF-8", path.display()))
-        })?;
-        let c = CString::new(text).map_err(|_| {
-            MetraleError::InvalidArgument(format!("DOT path {text:?} has a NUL byte"))
-        })?;
+        let text = path
+            .to_str()
+            .ok_or_else(|| invalid_arg(format!("DOT path {} is not UTF-8", path.display())))?;
+        let c = CString::new(text)
+            .map_err(|_| invalid_arg(format!("DOT path {text:?} has a NUL byte")))?;
         let flags = sys::CUgraphDebugDot_flags::CU_GRAPH_DEBUG_DOT_FLAGS_KERNEL_NODE_PARAMS.0;
         let g = self.raw;
         self.call(&format!("writing DOT to {text}"), |d| {
@@ -487,7 +486,7 @@ impl CudaGraph {
             }
         };
         if body_graph.is_null() {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "device {}: the driver returned no body graph for a while node",
                 self.ctx.ordinal()
             )));

@@ -23,7 +23,7 @@ use metrale_cuda_sys::{
 };
 
 use crate::context::{CudaContext, DeviceLimits};
-use crate::error::{cu, LaunchFailure, LaunchShape, MetraleError, Result};
+use crate::error::{cu, invalid_arg, ErrorKind, LaunchFailure, LaunchShape, MetraleError, Result};
 use crate::function::{CudaFunction, KernelInfo};
 use crate::stream::CudaStream;
 
@@ -64,7 +64,7 @@ impl LaunchConfig {
     /// threads and a z extent of at most 64 (the rules of every CUDA device).
     ///
     /// # Errors
-    /// [`MetraleError::InvalidArgument`] saying which rule failed.
+    /// [`ErrorKind::InvalidArgument`] saying which rule failed.
     pub fn new(
         grid_dim: (u32, u32, u32),
         block_dim: (u32, u32, u32),
@@ -76,7 +76,7 @@ impl LaunchConfig {
             shared_mem_bytes,
         };
         cfg.check_shape()
-            .map_err(|why| MetraleError::InvalidArgument(format!("{why} {cfg}")))?;
+            .map_err(|why| invalid_arg(format!("{why} {cfg}")))?;
         Ok(cfg)
     }
 
@@ -84,12 +84,10 @@ impl LaunchConfig {
     /// 1..=1024). For element-wise kernels.
     ///
     /// # Errors
-    /// [`MetraleError::InvalidArgument`] for `n == 0` or a bad block size.
+    /// [`ErrorKind::InvalidArgument`] for `n == 0` or a bad block size.
     pub fn for_num_elems(n: u32, block: u32) -> Result<LaunchConfig> {
         if n == 0 {
-            return Err(MetraleError::InvalidArgument(
-                "launch for 0 elements".to_owned(),
-            ));
+            return Err(invalid_arg("launch for 0 elements".to_owned()));
         }
         let block_count = n.div_ceil(block.max(1));
         LaunchConfig::new((block_count, 1, 1), (block, 1, 1), 0)
@@ -120,10 +118,10 @@ impl LaunchConfig {
     /// and dynamic shared memory against the opt-in maximum.
     ///
     /// # Errors
-    /// [`MetraleError::InvalidArgument`] naming the limit that was exceeded.
+    /// [`ErrorKind::InvalidArgument`] naming the limit that was exceeded.
     pub fn validate_for(&self, limits: &DeviceLimits) -> Result<()> {
         self.check_limits(limits)
-            .map_err(|why| MetraleError::InvalidArgument(format!("{why} {self}")))
+            .map_err(|why| invalid_arg(format!("{why} {self}")))
     }
 
     #[inline]
@@ -292,11 +290,12 @@ fn refused(
     attrs: Option<&LaunchAttributes>,
     why: String,
 ) -> MetraleError {
-    MetraleError::KernelLaunch {
+    ErrorKind::KernelLaunch {
         kernel: info.name.to_string(),
         shape: shape(cfg, attrs),
         failure: LaunchFailure::Refused(why),
     }
+    .into()
 }
 
 /// Compare typed argument sizes with the kernel's layout (when the driver gave one).
@@ -323,22 +322,24 @@ fn mismatch(
     expected: usize,
     given: usize,
 ) -> MetraleError {
-    MetraleError::ArgumentMismatch {
+    ErrorKind::ArgumentMismatch {
         kernel: info.name.to_string(),
         index,
         expected,
         given,
     }
+    .into()
 }
 
 #[cold]
 fn wrong_device(info: &KernelInfo, kernel_ctx: &CudaContext, stream: &CudaStream) -> MetraleError {
-    MetraleError::WrongDevice {
+    ErrorKind::WrongDevice {
         what: format!("kernel '{}'", info.name),
         belongs_to: kernel_ctx.ordinal(),
         used_with: "the stream".to_owned(),
         used_device: stream.ordinal(),
     }
+    .into()
 }
 
 /// Check a launch against the device (shape, attributes, typed argument sizes when
@@ -472,8 +473,8 @@ impl CudaStream {
     /// is not. Memory the kernel reads or writes must stay valid until it finishes.
     ///
     /// # Errors
-    /// [`MetraleError::ArgumentMismatch`] (count or a size, naming the parameter),
-    /// [`MetraleError::WrongDevice`], [`MetraleError::KernelLaunch`] for an
+    /// [`ErrorKind::ArgumentMismatch`] (count or a size, naming the parameter),
+    /// [`ErrorKind::WrongDevice`], [`ErrorKind::KernelLaunch`] for an
     /// impossible shape or the driver's refusal.
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(

@@ -12,7 +12,7 @@ use super::{
     check_stream, note_use, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, PendingCopy,
     PinnedBuffer,
 };
-use crate::error::{cu, MetraleError, Result};
+use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
 fn check_len<T: DeviceRepr>(
@@ -23,7 +23,7 @@ fn check_len<T: DeviceRepr>(
     if mem.len() == other {
         Ok(())
     } else {
-        Err(MetraleError::InvalidArgument(format!(
+        Err(invalid_arg(format!(
             "{what} of {other} elements with {}: lengths differ",
             mem.describe()
         )))
@@ -40,7 +40,7 @@ impl CudaStream {
     /// stream, and wait for it.
     ///
     /// # Errors
-    /// `InvalidArgument` on a length mismatch, [`MetraleError::WrongDevice`] for
+    /// `InvalidArgument` on a length mismatch, [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice) for
     /// memory of another context; the failing copy or wait.
     pub fn copy_h2d<T: DeviceRepr>(
         &self,
@@ -127,7 +127,7 @@ impl CudaStream {
     /// length); returns at once.
     ///
     /// # Errors
-    /// `InvalidArgument` on a length mismatch, [`MetraleError::WrongDevice`] for
+    /// `InvalidArgument` on a length mismatch, [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice) for
     /// memory of another context (use [`CudaStream::copy_peer`]); the driver's status.
     pub fn copy_d2d<T: DeviceRepr>(
         &self,
@@ -166,7 +166,7 @@ impl CudaStream {
         check_len("peer copy", dst, src.len())?;
         let (sc, dc) = (src.memory_context(), dst.memory_context());
         if !self.context().same(sc) && !self.context().same(dc) {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "peer copy from device {} to device {} on a stream of device {}: the stream must belong to one of them",
                 sc.ordinal(),
                 dc.ordinal(),
@@ -257,7 +257,7 @@ impl CudaStream {
         note_use(dst, self);
         let (ptr, bytes) = (dst.device_ptr(), bytes_of::<T>(dst.len()));
         if bytes % width != 0 || ptr % width as u64 != 0 {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "{what}: {} is not made of whole, aligned {width}-byte words ({bytes} bytes at {ptr:#x})",
                 dst.describe()
             )));
@@ -271,7 +271,7 @@ impl CudaStream {
     /// Queue a fill of every byte of `dst` with `value`; returns at once.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; the driver's status.
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); the driver's status.
     pub fn memset_u8<T: DeviceRepr>(
         &self,
         dst: &mut (impl DeviceMemoryMut<T> + ?Sized),
@@ -288,7 +288,7 @@ impl CudaStream {
     ///
     /// # Errors
     /// `InvalidArgument` for memory that is not whole aligned words (checked
-    /// before the driver); [`MetraleError::WrongDevice`]; the driver's status.
+    /// before the driver); [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); the driver's status.
     pub fn memset_u16<T: DeviceRepr>(
         &self,
         dst: &mut (impl DeviceMemoryMut<T> + ?Sized),

@@ -9,7 +9,7 @@ use metrale_cuda_sys::{CUdeviceptr, CUstream};
 
 use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, StreamOrdered};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, MetraleError, Result};
+use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
 /// `len` elements of `T` in device memory, freed on drop.
@@ -49,7 +49,7 @@ pub(crate) fn check_alignment<T>(ptr: u64, what: &str) -> Result<()> {
     if ptr.is_multiple_of(align) {
         Ok(())
     } else {
-        Err(MetraleError::InvalidArgument(format!(
+        Err(invalid_arg(format!(
             "{what}: the driver's address {ptr:#x} is not aligned to {align} bytes, the alignment of {}",
             std::any::type_name::<T>()
         )))
@@ -219,7 +219,7 @@ pub(crate) fn bounds(range: &impl RangeBounds<usize>, len: usize) -> Result<(usi
     };
     match (start, end) {
         (Some(s), Some(e)) if s <= e && e <= len => Ok((s, e - s)),
-        _ => Err(MetraleError::InvalidArgument(format!(
+        _ => Err(invalid_arg(format!(
             "slice {} of {len} elements is out of bounds",
             RangeText(range)
         ))),

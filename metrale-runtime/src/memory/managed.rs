@@ -10,7 +10,7 @@ use metrale_cuda_sys::{self as sys, CUdeviceptr};
 use super::device::check_alignment;
 use super::{byte_len, check_stream, sealed, DeviceMemory, DeviceMemoryMut, DevicePod};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, MetraleError, Result};
+use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
 /// Where [`CudaStream::prefetch`] moves managed memory.
@@ -56,7 +56,7 @@ impl<T: DevicePod> ManagedBuffer<T> {
     pub fn zeroed(ctx: &impl AsContext, len: usize) -> Result<ManagedBuffer<T>> {
         let ctx = ctx.context();
         if !ctx.limits().managed_memory {
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "device {} does not support managed memory (CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY = 0)",
                 ctx.ordinal()
             )));
@@ -127,7 +127,7 @@ impl CudaStream {
     /// (`cuMemPrefetchAsync_v2`, CUDA 12.2+), so the next access does not fault.
     ///
     /// # Errors
-    /// [`MetraleError::WrongDevice`]; the driver's status.
+    /// [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice); the driver's status.
     pub fn prefetch<T: DevicePod>(&self, buf: &ManagedBuffer<T>, to: PrefetchTarget) -> Result<()> {
         check_stream(buf, self)?;
         if buf.len == 0 {

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::CUdeviceptr;
 
 use crate::context::CudaContext;
-use crate::error::{MetraleError, Result};
+use crate::error::{invalid_arg, Result};
 use crate::stream::CudaStream;
 
 mod copy;
@@ -93,7 +93,7 @@ unsafe impl<T: DevicePod, const N: usize> DevicePod for [T; N] {}
 /// Bytes of `len` elements of `T`, or an error when that overflows.
 pub(crate) fn byte_len<T>(len: usize, what: &str) -> Result<usize> {
     len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
-        MetraleError::InvalidArgument(format!(
+        invalid_arg(format!(
             "{what} of {len} elements of {} bytes overflows usize",
             std::mem::size_of::<T>()
         ))

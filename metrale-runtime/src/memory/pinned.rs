@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::{byte_len, DevicePod};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, report_line, MetraleError, Result};
+use crate::error::{cu, invalid_arg, report_line, Result};
 use crate::stream::CudaStream;
 
 /// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
@@ -62,7 +62,7 @@ impl<T: DevicePod> PinnedBuffer<T> {
         };
         if bytes > 0 && !(raw as usize).is_multiple_of(std::mem::align_of::<T>()) {
             // Dropping `buf` frees the allocation.
-            return Err(MetraleError::InvalidArgument(format!(
+            return Err(invalid_arg(format!(
                 "pinned buffer of {}: the driver's address {raw:p} is not aligned to {} bytes",
                 std::any::type_name::<T>(),
                 std::mem::align_of::<T>()
@@ -170,7 +170,7 @@ impl<T: DevicePod> PendingCopy<T> {
         let waited = self.stream.synchronize_or_quiesce();
         let buffer = self.buffer.take();
         waited?;
-        buffer.ok_or_else(|| MetraleError::InvalidArgument("pending copy already taken".into()))
+        buffer.ok_or_else(|| invalid_arg("pending copy already taken"))
     }
 
     /// Whether the stream has finished the copy (and everything before it).

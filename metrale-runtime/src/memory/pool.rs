@@ -10,14 +10,14 @@ use metrale_cuda_sys::{self as sys, CUdeviceptr, CUmemoryPool};
 use super::device::check_alignment;
 use super::{byte_len, DeviceBuffer, DeviceRepr, StreamOrdered};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{cu, MetraleError, Result};
+use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
 fn check_pools(ctx: &CudaContext) -> Result<()> {
     if ctx.limits().memory_pools {
         Ok(())
     } else {
-        Err(MetraleError::InvalidArgument(format!(
+        Err(invalid_arg(format!(
             "device {} does not support stream-ordered allocation \
              (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED = 0)",
             ctx.ordinal()
@@ -246,7 +246,7 @@ impl CudaStream {
     /// As [`CudaStream::alloc`], from `pool` (`cuMemAllocFromPoolAsync`).
     ///
     /// # Errors
-    /// As [`CudaStream::alloc`]; [`MetraleError::WrongDevice`] for a pool of
+    /// As [`CudaStream::alloc`]; [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice) for a pool of
     /// another device.
     pub fn alloc_from<T: DeviceRepr>(&self, pool: &MemPool, len: usize) -> Result<DeviceBuffer<T>> {
         self.context()

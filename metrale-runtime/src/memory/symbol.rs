@@ -9,7 +9,7 @@ use metrale_cuda_sys::CUdeviceptr;
 
 use super::{sealed, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr};
 use crate::context::CudaContext;
-use crate::error::{MetraleError, Result};
+use crate::error::{invalid_arg, ErrorKind, Result};
 use crate::stream::CudaStream;
 
 /// A `__device__` global of a loaded module, seen as `len` elements of `T` (one
@@ -51,14 +51,15 @@ impl<T: DeviceRepr> DeviceSymbol<T> {
     ) -> Result<DeviceSymbol<T>> {
         let type_bytes = len.checked_mul(std::mem::size_of::<T>());
         if type_bytes != Some(bytes) {
-            return Err(MetraleError::SymbolSize {
+            return Err(ErrorKind::SymbolSize {
                 module: module.to_owned(),
                 symbol: symbol.to_owned(),
                 symbol_bytes: bytes,
                 type_name: std::any::type_name::<T>(),
                 elements: len,
                 type_bytes: type_bytes.unwrap_or(usize::MAX),
-            });
+            }
+            .into());
         }
         super::device::check_alignment::<T>(ptr, symbol)?;
         Ok(DeviceSymbol {
@@ -134,7 +135,7 @@ impl<T: DevicePod> DeviceSymbol<T> {
         let mut v = self.read(stream)?;
         match (v.pop(), v.is_empty()) {
             (Some(x), true) => Ok(x),
-            _ => Err(MetraleError::InvalidArgument(format!(
+            _ => Err(invalid_arg(format!(
                 "{}: get() of a symbol of {} elements; use read()",
                 self.name, self.len
             ))),

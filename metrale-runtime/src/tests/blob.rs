@@ -369,7 +369,9 @@ fn mutated_fixtures_are_refused_by_name_or_safe_to_read() {
             Ok(Err(e)) => {
                 refused += 1;
                 assert!(
-                    matches!(&e, MetraleError::InvalidBlob { module, .. } if module == "fuzz"),
+                    matches!(
+        e.kind(),
+        ErrorKind::InvalidBlob { module, .. } if module == "fuzz"),
                     "round {round}: {e}"
                 );
                 assert!(e.to_string().starts_with("fuzz: "), "round {round}: {e}");

@@ -136,3 +136,10 @@ fn typed_args_know_their_sizes() {
     assert_eq!(<([u8; 3], bool) as KernelArgs>::SIZES, &[3, 1]);
     assert_eq!(<() as KernelArgs>::SIZES, &[] as &[usize]);
 }
+
+#[test]
+fn results_stay_one_pointer_wide() {
+    // The hot path returns `Result<()>`: the error's data lives behind one box.
+    assert_eq!(std::mem::size_of::<crate::Result<()>>(), 8);
+    assert_eq!(std::mem::size_of::<crate::MetraleError>(), 8);
+}

@@ -30,8 +30,8 @@ fn error_text_for_each_variant() {
     assert_eq!(format!("{e:?}"), text, "Debug prints the message");
     assert_eq!(e.status(), Some(CUresult(700)));
     assert!(matches!(
-        e,
-        MetraleError::Driver {
+        e.kind(),
+        ErrorKind::Driver {
             call: "cuStreamSynchronize",
             ..
         }
@@ -46,8 +46,8 @@ fn error_text_for_each_variant() {
          [PTX of 45 bytes]\nJIT error log:\nptxas application ptx input, line 3; error   : syntax error\n\
          ptxas fatal   : Ptx assembly aborted due to errors"
     );
-    match &e {
-        MetraleError::ModuleLoad {
+    match e.kind() {
+        ErrorKind::ModuleLoad {
             module,
             call,
             status,
@@ -63,7 +63,9 @@ fn error_text_for_each_variant() {
 
     // InvalidBlob.
     let e = MetraleRegistry::load(0, &[("empty", b"")]).unwrap_err();
-    assert!(matches!(&e, MetraleError::InvalidBlob { module, .. } if module == "empty"));
+    assert!(matches!(
+        e.kind(),
+        ErrorKind::InvalidBlob { module, .. } if module == "empty"));
     assert_eq!(e.to_string(), "empty: empty kernel blob");
 
     // NotFound: module (naming what was looked for), kernel, symbol.
@@ -73,8 +75,8 @@ fn error_text_for_each_variant() {
         "Module 'nope' not loaded (looking up 'nope::vec_add')"
     );
     assert!(matches!(
-        &e,
-        MetraleError::NotFound { kind: NameKind::Module, name: Some(n), .. } if n == "vec_add"
+        e.kind(),
+        ErrorKind::NotFound { kind: NameKind::Module, name: Some(n), .. } if n == "vec_add"
     ));
     let e = reg.function("kernels", "missing_kernel").unwrap_err();
     assert_eq!(
@@ -82,8 +84,8 @@ fn error_text_for_each_variant() {
         "kernels::missing_kernel: cuModuleGetFunction failed: CUDA_ERROR_NOT_FOUND (500): named symbol not found"
     );
     assert!(matches!(
-        &e,
-        MetraleError::NotFound {
+        e.kind(),
+        ErrorKind::NotFound {
             kind: NameKind::Kernel,
             ..
         }
@@ -94,8 +96,8 @@ fn error_text_for_each_variant() {
         "kernels::no_such_symbol: cuModuleGetGlobal_v2 failed: CUDA_ERROR_NOT_FOUND (500): named symbol not found"
     );
     assert!(matches!(
-        &e,
-        MetraleError::NotFound {
+        e.kind(),
+        ErrorKind::NotFound {
             kind: NameKind::Symbol,
             ..
         }
@@ -119,8 +121,8 @@ fn error_text_for_each_variant() {
         "kernel 'kernels::vec_add': cuLaunchKernel failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES (701): \
          too many resources requested for launch (grid=[4,1,1], block=[256,1,1], shared_mem=0)"
     );
-    match &e {
-        MetraleError::KernelLaunch {
+    match e.kind() {
+        ErrorKind::KernelLaunch {
             kernel,
             shape,
             failure: LaunchFailure::Driver { call, status },

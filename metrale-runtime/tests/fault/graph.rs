@@ -135,7 +135,10 @@ fn an_invalidated_capture_is_reported_and_the_stream_recovers() {
             unsafe { s.launch(&f, cfg(), (&x, 1u32)) }
         })
         .unwrap_err();
-    assert!(matches!(e, MetraleError::ArgumentMismatch { .. }), "{e}");
+    assert!(
+        matches!(e.kind(), ErrorKind::ArgumentMismatch { .. }),
+        "{e}"
+    );
     assert!(!s.is_capturing().unwrap());
     assert_eq!(fake().live(Live::Graphs), 0);
     drop((x, f));
@@ -160,12 +163,25 @@ fn graphs_update_whole_and_per_node() {
     let e = exec.update(&g3).unwrap_err();
     assert!(
         e.to_string().starts_with(
-            "graph update on device 0 refused: the graph's topology changed (nodes or edges added or removed) \
+            "device 0 executable graph update: cuGraphExecUpdate_v2 failed: CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE (910): \
+             the graph update was not performed because it included changes which violated constraints specific to \
+             instantiated graph update; refused because the graph's topology changed (nodes or edges added or removed) \
              (CU_GRAPH_EXEC_UPDATE_ERROR_TOPOLOGY_CHANGED), at kernel node 0x"
         ) && e.to_string().ends_with("('kernels::axpb')"),
         "{e}"
     );
-    assert!(matches!(e, MetraleError::GraphUpdate { .. }));
+    assert!(matches!(
+        e.kind(),
+        ErrorKind::GraphUpdate {
+            call: "cuGraphExecUpdate_v2",
+            ..
+        }
+    ));
+    assert_eq!(
+        e.status(),
+        Some(CUresult(910)),
+        "the update refusal carries its status"
+    );
     // Per node, typed and checked like a launch.
     let nodes = g1.kernel_nodes().unwrap();
     // SAFETY: the stand-in only records the arguments.

@@ -319,8 +319,8 @@ fn typed_launches_are_checked_against_the_parameter_layout() {
         "kernel 'kernels::layout_probe': launch not attempted, 3 argument(s) given, the kernel takes 7 parameter(s)"
     );
     assert!(matches!(
-        e,
-        MetraleError::ArgumentMismatch {
+        e.kind(),
+        ErrorKind::ArgumentMismatch {
             index: None,
             expected: 7,
             given: 3,

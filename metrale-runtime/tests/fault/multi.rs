@@ -47,7 +47,7 @@ fn one_model_loaded_once_for_two_devices() {
     );
     // SAFETY: refused before the driver.
     let e = unsafe { r0.launch(f1.raw(), cfg, r0.stream(), (&buf, &buf, &buf, 4u32)) }.unwrap_err();
-    assert!(matches!(e, MetraleError::ForeignHandle { .. }), "{e}");
+    assert!(matches!(e.kind(), ErrorKind::ForeignHandle { .. }), "{e}");
     drop((f0, f1, s0, s1, buf));
     let mut regs = regs;
     let last = regs.pop().unwrap();
@@ -90,8 +90,8 @@ fn peer_access_and_peer_copies() {
     let e = h0.stream().copy_d2d(&b, &mut back).unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::WrongDevice {
+            e.kind(),
+            ErrorKind::WrongDevice {
                 belongs_to: 1,
                 used_device: 0,
                 ..

@@ -113,8 +113,8 @@ fn safe_entry_points_take_only_checked_streams() {
         "kernel 'kernels::vec_add' belongs to device 0, but the stream is on device 1"
     );
     assert!(matches!(
-        e,
-        MetraleError::WrongDevice {
+        e.kind(),
+        ErrorKind::WrongDevice {
             belongs_to: 0,
             used_device: 1,
             ..

@@ -172,8 +172,8 @@ fn child_old_driver() {
         )
     );
     assert!(matches!(
-        e,
-        MetraleError::MissingSymbol {
+        e.kind(),
+        ErrorKind::MissingSymbol {
             symbol: "cuModuleGetGlobal_v2",
             ..
         }
@@ -192,8 +192,8 @@ fn child_old_driver() {
     );
     let e = reg.function_names("kernels").unwrap_err();
     assert!(matches!(
-        e,
-        MetraleError::MissingSymbol {
+        e.kind(),
+        ErrorKind::MissingSymbol {
             symbol: "cuModuleGetFunctionCount",
             ..
         }
@@ -214,8 +214,8 @@ fn child_old_driver() {
     let e = h1.stream().alloc::<u8>(16).unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::MissingSymbol {
+            e.kind(),
+            ErrorKind::MissingSymbol {
                 symbol: "cuMemAllocAsync",
                 ..
             }
@@ -225,8 +225,8 @@ fn child_old_driver() {
     let e = MemPool::device_default(&h1).unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::MissingSymbol {
+            e.kind(),
+            ErrorKind::MissingSymbol {
                 symbol: "cuDeviceGetDefaultMemPool",
                 ..
             }
@@ -239,8 +239,8 @@ fn child_old_driver() {
     let e = s.prefetch(&m, PrefetchTarget::Device).unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::MissingSymbol {
+            e.kind(),
+            ErrorKind::MissingSymbol {
                 symbol: "cuMemPrefetchAsync_v2",
                 ..
             }
@@ -251,8 +251,8 @@ fn child_old_driver() {
     let e = g.add_while(&[], true, |_, _| Ok(())).unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::MissingSymbol {
+            e.kind(),
+            ErrorKind::MissingSymbol {
                 symbol: "cuGraphConditionalHandleCreate",
                 ..
             }

@@ -241,8 +241,8 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     .unwrap_err();
     assert!(
         matches!(
-            e,
-            MetraleError::KernelLaunch {
+            e.kind(),
+            ErrorKind::KernelLaunch {
                 failure: LaunchFailure::Refused(_),
                 ..
             }
