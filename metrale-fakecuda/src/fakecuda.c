@@ -387,6 +387,7 @@ struct event {
     struct ctx *ctx;
     unsigned flags;
     int recorded;
+    struct stream *stream; /* where it was last recorded (outside a capture) */
     long stamp;
     struct graph *cap_graph;
     struct node *cap_tails[MAX_TAILS];
@@ -749,6 +750,7 @@ static int attribute(int dev, int a) {
     case 76: return 0;
     case 81: return 233472;      /* shared memory per multiprocessor */
     case 83: return 1;           /* managed memory */
+    case 89: return 1;           /* concurrent managed access */
     case 95: return 1;           /* cooperative launch */
     case 97: return 232448;      /* shared memory per block, opt-in */
 #ifndef FAKECUDA_OLD
@@ -1027,7 +1029,9 @@ static CUresult do_event_record(void *e, void *s) {
         memcpy(ev->cap_tails, st->tails, sizeof st->tails);
         return SUCCESS;
     }
-    if (st) run_pending(st);
+    /* Work queued before the record (deferred copies) completes when the event
+     * is waited for or queried, as on a GPU. */
+    ev->stream = st;
     ev->recorded = 1;
     ev->stamp = ++event_clock;
     return SUCCESS;
@@ -1036,7 +1040,9 @@ EXPORT CUresult cuEventRecord(void *e, void *s) { LOCKED(do_event_record(e, s));
 
 static CUresult do_event_query(void *e) {
     NEED_CTX();
+    struct event *ev = e;
     if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    if (ev->stream && find(ev->stream, K_STREAM)) run_pending(ev->stream);
     return SUCCESS;
 }
 EXPORT CUresult cuEventQuery(void *e) { LOCKED(do_event_query(e)); }
@@ -1700,6 +1706,15 @@ static CUresult do_memset(CUdeviceptr dst, unsigned value, size_t n, int width, 
     unsigned char *p = (unsigned char *)(uintptr_t)dst;
     for (size_t i = 0; i < n; i++) memcpy(p + i * (size_t)width, &value, (size_t)width);
     return SUCCESS;
+}
+static CUresult do_memset_sync(CUdeviceptr dst, unsigned char v, size_t n) {
+    NEED_CTX();
+    if (!device_range_ok(dst, n)) return INVALID_VALUE;
+    memset((void *)(uintptr_t)dst, v, n);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n) {
+    LOCKED(do_memset_sync(dst, v, n));
 }
 EXPORT CUresult cuMemsetD8Async(CUdeviceptr dst, unsigned char v, size_t n, void *stream) {
     LOCKED(do_memset(dst, v, n, 1, stream));

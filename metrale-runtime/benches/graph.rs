@@ -14,10 +14,7 @@ use std::process::ExitCode;
 
 use common::{header, line, ratios, rounds, time, Row};
 use metrale_runtime::sys::{self, CUresult};
-use metrale_runtime::{
-    CaptureMode, CudaGraph, DeviceBuffer, InstantiateOptions, LaunchConfig, MetraleError,
-    MetraleRegistry,
-};
+use metrale_runtime::{CudaGraph, DeviceBuffer, LaunchConfig, MetraleError, MetraleRegistry};
 
 static PTX: &[u8] = include_bytes!("../tests/fixtures/kernels.ptx");
 const STEP: usize = 1000;
@@ -75,7 +72,7 @@ fn run() -> Result<(), MetraleError> {
         }
     };
     let capture_ours = || -> CudaGraph {
-        s.capture(CaptureMode::default(), |s| {
+        s.capture(|s| -> metrale_runtime::Result<()> {
             for _ in 0..STEP {
                 // SAFETY: as above.
                 unsafe { s.launch(&f, cfg, (&buf, n, x))? };
@@ -121,7 +118,7 @@ fn run() -> Result<(), MetraleError> {
     };
 
     let graph = capture_ours();
-    let exec = graph.instantiate(InstantiateOptions::default())?;
+    let exec = graph.instantiate()?;
     exec.upload(s)?;
     let replay_ours = || {
         // SAFETY: buf, the only memory the graph touches, is alive.
@@ -143,7 +140,7 @@ fn run() -> Result<(), MetraleError> {
 
     let g2 = capture_ours();
     let nodes = graph.kernel_nodes()?;
-    let mut exec_upd = graph.instantiate(InstantiateOptions::default())?;
+    let mut exec_upd = graph.instantiate()?;
     let raw_update = d.cuGraphExecUpdate_v2().unwrap();
     let raw_node_set = d.cuGraphExecKernelNodeSetParams_v2().unwrap();
 
@@ -219,7 +216,7 @@ fn run() -> Result<(), MetraleError> {
         rows[9].push(
             time(|| {
                 let g = capture_ours();
-                drop(g.instantiate(InstantiateOptions::default()).unwrap());
+                drop(g.instantiate().unwrap());
             }) * 1e3,
         );
         // Whole-graph update: raw to g2, ours back to the first graph (each call

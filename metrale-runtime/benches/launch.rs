@@ -294,14 +294,14 @@ fn run() -> Result<(), MetraleError> {
             let p = {
                 let mut back = None;
                 ours_up += time(|| {
-                    back = Some(stream.copy_h2d_async(p, &mut dev).unwrap().wait().unwrap());
+                    back = Some(stream.copy_h2d_pinned(p, &mut dev).unwrap().wait().unwrap());
                 });
                 back.unwrap()
             };
             let p = {
                 let mut back = None;
                 ours_down += time(|| {
-                    back = Some(stream.copy_d2h_async(&dev, p).unwrap().wait().unwrap());
+                    back = Some(stream.copy_d2h_pinned(&dev, p).unwrap().wait().unwrap());
                 });
                 back.unwrap()
             };
@@ -393,7 +393,7 @@ fn run() -> Result<(), MetraleError> {
             Some(&ratios(ru, ru)),
         );
         line(
-            &format!("H2D pinned {size}: copy_h2d_async (GB/s)"),
+            &format!("H2D pinned {size}: copy_h2d_pinned (GB/s)"),
             ou,
             "  ",
             Some(&ratios(ou, ru)),
@@ -405,7 +405,7 @@ fn run() -> Result<(), MetraleError> {
             Some(&ratios(rd, rd)),
         );
         line(
-            &format!("D2H pinned {size}: copy_d2h_async (GB/s)"),
+            &format!("D2H pinned {size}: copy_d2h_pinned (GB/s)"),
             od,
             "  ",
             Some(&ratios(od, rd)),

@@ -8,8 +8,7 @@
 use std::process::ExitCode;
 
 use metrale_runtime::{
-    CaptureMode, CudaEvent, CudaGraph, CudaStream, DeviceBuffer, InstantiateOptions, LaunchConfig,
-    MetraleError, MetraleRegistry,
+    CudaEvent, CudaGraph, CudaStream, DeviceBuffer, LaunchConfig, MetraleError, MetraleRegistry,
 };
 
 static KERNELS: &[u8] = include_bytes!("../tests/fixtures/kernels.sm_90.cubin");
@@ -29,7 +28,7 @@ fn run() -> Result<(), MetraleError> {
 
     // A diamond: x = 2x + 1 on stream a; then y = y + 5 on stream b beside
     // x = 2x + 1 on a; then, once both are done, x = 3x + 0 on a.
-    let graph = a.capture(CaptureMode::default(), |a| {
+    let graph = a.capture(|a| -> metrale_runtime::Result<()> {
         // SAFETY: axpb(unsigned*, unsigned, unsigned) updates element 0 of its buffer.
         unsafe { a.launch(&axpb, one, (&mut x, 2u32, 1u32))? };
         fork.record(a)?;
@@ -51,7 +50,7 @@ fn run() -> Result<(), MetraleError> {
         graph.edges()?
     );
 
-    let exec = graph.instantiate(InstantiateOptions::default())?;
+    let exec = graph.instantiate()?;
     // SAFETY: x and y, the only memory the graph touches, outlive the replays.
     unsafe {
         exec.launch(a)?;
@@ -94,7 +93,7 @@ fn run() -> Result<(), MetraleError> {
         unsafe { body_graph.add_kernel_node(&[], &body, one, (handle, &mut counter, &mut z)) }?;
         Ok(())
     })?;
-    let exec_loop = looped.instantiate(InstantiateOptions::default())?;
+    let exec_loop = looped.instantiate()?;
     // SAFETY: counter and z outlive the replay.
     unsafe { exec_loop.launch(a)? };
     println!(

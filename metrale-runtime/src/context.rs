@@ -24,6 +24,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, CStr};
 use std::fmt;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use metrale_cuda_sys::{self as sys, CUcontext, CUdevice, CUdevice_attribute};
@@ -59,6 +60,9 @@ pub struct DeviceLimits {
     pub memory_pools: bool,
     /// Whether managed (unified) memory can be allocated.
     pub managed_memory: bool,
+    /// Whether the host may access managed memory while kernels run
+    /// (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`).
+    pub concurrent_managed_access: bool,
 }
 
 /// Initialise the driver (`cuInit(0)`) once and return the table and its version.
@@ -161,6 +165,7 @@ fn read_limits(d: &sys::Driver, device: CUdevice) -> Result<DeviceLimits, CallEr
         cooperative_launch: get(A::CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH)? != 0,
         memory_pools: get(A::CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED)? != 0,
         managed_memory: get(A::CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY)? != 0,
+        concurrent_managed_access: get(A::CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS)? != 0,
     })
 }
 
@@ -185,6 +190,8 @@ pub struct CudaContext {
     name: String,
     driver_version: i32,
     limits: DeviceLimits,
+    /// Whether skipped resources of a reset have been reported (once).
+    reset_reported: AtomicBool,
 }
 
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
@@ -207,12 +214,19 @@ impl fmt::Debug for CudaContext {
 /// Whether a resource of a context can still be released.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum ReleaseState {
-    /// The context is the one the resource was created in, and is current.
+    /// The context is the generation the resource was created in, and is current.
     Live,
-    /// The context is gone (driver shut down, context destroyed or reset): its
-    /// resources went with it and there is nothing left to release.
+    /// The driver is shutting down: everything goes with it, silently.
     Gone,
+    /// The context was reset (destroyed, and perhaps created anew) since the
+    /// resource was made: the reset freed it; skipping it is reported once.
+    Reset,
 }
+
+/// The generation of a context a resource was made in (see
+/// `CudaContext::generation`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Generation(Option<u64>);
 
 fn contexts() -> std::sync::MutexGuard<'static, HashMap<usize, Weak<CudaContext>>> {
     static CONTEXTS: OnceLock<Mutex<HashMap<usize, Weak<CudaContext>>>> = OnceLock::new();
@@ -265,6 +279,7 @@ impl CudaContext {
             name,
             driver_version,
             limits,
+            reset_reported: AtomicBool::new(false),
         })
     }
 
@@ -313,21 +328,41 @@ impl CudaContext {
         self.bind_fast().and_then(|()| f(self.driver))
     }
 
-    /// Whether the context the resources were created in still exists, without
-    /// binding it (binding a reset primary context would create it anew). With
-    /// `cuCtxGetId` (CUDA 12.0+) one call answers: an error for a destroyed context,
-    /// another id for one created anew. Without it, whether the primary context is
+    /// The generation of the context as it is now: `cuCtxGetId` (CUDA 12.0+), which
+    /// changes when the primary context is reset and created anew. Every resource
+    /// records it at creation, so its Drop can tell its own generation from a later
+    /// one. `None` on drivers without the call (the release check then falls back
+    /// to the primary context's state) or when the call fails.
+    pub(crate) fn generation(&self) -> Generation {
+        let mut id: c_ulonglong = 0;
+        // SAFETY: writes one integer; the handle is this (retained) context.
+        Generation(
+            unsafe { cu!(self.driver, cuCtxGetId(self.raw, &mut id)) }
+                .ok()
+                .map(|()| id),
+        )
+    }
+
+    /// Whether resources made in generation `made` can still be released, without
+    /// binding (binding a reset primary context would create it anew). With
+    /// `cuCtxGetId` one call answers: an error for a destroyed context, another id
+    /// for one created anew since. Without it, whether the primary context is
     /// active.
-    fn state(&self) -> Result<ReleaseState, CallError> {
+    fn state(&self, made: Generation) -> Result<ReleaseState, CallError> {
         let d = self.driver;
         let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
-        if let Some(created) = self.id {
+        if let Some(made) = made.0.or(self.id) {
             let mut id: c_ulonglong = 0;
             // SAFETY: writes one integer; the handle is this (retained) context.
             return match unsafe { cu!(d, cuCtxGetId(self.raw, &mut id)) } {
-                Ok(()) if id == created => Ok(ReleaseState::Live),
-                Ok(()) => Ok(ReleaseState::Gone),
-                Err(e) if gone(e) => Ok(ReleaseState::Gone),
+                Ok(()) if id == made => Ok(ReleaseState::Live),
+                Ok(()) => Ok(ReleaseState::Reset),
+                Err(CallError::Status { status, .. })
+                    if status == crate::error::CUDA_ERROR_DEINITIALIZED =>
+                {
+                    Ok(ReleaseState::Gone)
+                }
+                Err(e) if gone(e) => Ok(ReleaseState::Reset),
                 Err(e) => Err(e),
             };
         }
@@ -339,18 +374,32 @@ impl CudaContext {
                 cuDevicePrimaryCtxGetState(self.device, &mut flags, &mut active)
             )
         } {
-            Ok(()) if active == 0 => Ok(ReleaseState::Gone),
+            Ok(()) if active == 0 => Ok(ReleaseState::Reset),
             Ok(()) => Ok(ReleaseState::Live),
             Err(e) if gone(e) => Ok(ReleaseState::Gone),
             Err(e) => Err(e),
         }
     }
 
+    /// Say once per reset that resources of an earlier generation are skipped: the
+    /// reset freed them, so there is nothing to free, but a skip is never silent.
+    #[cold]
+    fn report_reset(&self, what: fmt::Arguments<'_>) {
+        if !self.reset_reported.swap(true, Ordering::AcqRel) {
+            crate::error::report_line(format_args!(
+                "device {}: the context was reset outside metrale; resources made before the \
+                 reset are not freed again, the reset freed them (first: {what})",
+                self.ordinal
+            ));
+        }
+    }
+
     /// Bind the context before releasing one of its resources, and say whether
     /// there is still anything to release (see `state`).
-    fn bind_for_release(&self) -> Result<ReleaseState, CallError> {
-        if self.state()? == ReleaseState::Gone {
-            return Ok(ReleaseState::Gone);
+    fn bind_for_release(&self, made: Generation) -> Result<ReleaseState, CallError> {
+        match self.state(made)? {
+            ReleaseState::Live => {}
+            other => return Ok(other),
         }
         match self.bind_fast() {
             Ok(()) => Ok(ReleaseState::Live),
@@ -379,43 +428,47 @@ impl CudaContext {
         }
     }
 
-    /// [`CudaContext::release_with`] for one stream-ordered free, the Drop path of
-    /// stream-ordered buffers: one `cuCtxGetId` says whether the context still
-    /// exists (a reset context's stream handles are dangling: the driver crashes on
-    /// them, measured on CUDA 13.0), then the free runs without binding (see
-    /// `call_on_stream`).
-    pub(crate) fn release_on_stream(
-        &self,
-        what: fmt::Arguments<'_>,
-        free: impl Fn(&'static sys::Driver) -> Result<(), CallError>,
-    ) {
-        match self.state() {
-            Ok(ReleaseState::Gone) => {}
-            Ok(ReleaseState::Live) => {
-                if let Err(e) = self.call_on_stream(free) {
-                    report_drop_failures(what, &[e]);
-                }
+    /// Whether a stream-ordered free of a resource made in `made` may run: one
+    /// `cuCtxGetId` says whether that generation still exists (a reset context's
+    /// stream handles are dangling: the driver crashes on them, measured on CUDA
+    /// 13.0). `false` after a reset (reported once) or at shutdown; a failed check
+    /// is reported as a leak.
+    pub(crate) fn may_release(&self, made: Generation, what: fmt::Arguments<'_>) -> bool {
+        match self.state(made) {
+            Ok(ReleaseState::Live) => true,
+            Ok(ReleaseState::Gone) => false,
+            Ok(ReleaseState::Reset) => {
+                self.report_reset(what);
+                false
             }
-            Err(e) => crate::error::report_line(format_args!(
-                "{what}: leaked, the context of device {} could not be checked: {e}",
-                self.ordinal
-            )),
+            Err(e) => {
+                crate::error::report_line(format_args!(
+                    "{what}: leaked, the context of device {} could not be checked: {e}",
+                    self.ordinal
+                ));
+                false
+            }
         }
     }
 
-    /// Release resources of this context: bind it, run `free` (which pushes what
-    /// failed) unless the context is already gone, and report real failures as one
-    /// line on stderr. When the context cannot be bound for another reason, `free`
-    /// does not run and the line says what leaked. The body of every Drop; never
-    /// panics.
+    /// Release resources made in generation `made` of this context: bind it, run
+    /// `free` (which pushes what failed) unless that generation is gone, and report
+    /// real failures as one line on stderr. When the context cannot be bound for
+    /// another reason, `free` does not run and the line says what leaked. The body
+    /// of every Drop; never panics.
     pub(crate) fn release_with(
         &self,
+        made: Generation,
         what: fmt::Arguments<'_>,
         free: impl FnOnce(&'static sys::Driver, &mut Vec<CallError>),
     ) {
         let mut failures = Vec::new();
-        match self.bind_for_release() {
+        match self.bind_for_release(made) {
             Ok(ReleaseState::Gone) => return,
+            Ok(ReleaseState::Reset) => {
+                self.report_reset(what);
+                return;
+            }
             Ok(ReleaseState::Live) => free(self.driver, &mut failures),
             Err(e) => {
                 crate::error::report_line(format_args!(

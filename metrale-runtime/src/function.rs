@@ -19,9 +19,9 @@
 //!   under the kernel's lock, so they agree under any interleaving.
 
 use std::collections::HashMap;
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void};
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
 
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUfunction, CUfunction_attribute, CUresult};
@@ -44,8 +44,10 @@ pub(crate) struct KernelInfo {
     pub(crate) raw: CUfunction,
     /// `module::kernel`.
     pub(crate) name: Arc<str>,
-    /// The parameter layout; `None` when the driver cannot report it (before 12.4).
-    pub(crate) params: Option<Box<[ParamInfo]>>,
+    /// The parameter layout once known: `Some(None)` when the driver cannot
+    /// report it (before 12.4). Unset after a failed read, which the next typed
+    /// launch repeats (a transient failure never disables the check).
+    pub(crate) params: OnceLock<Option<Box<[ParamInfo]>>>,
     /// The dynamic shared memory limit set in the driver for this kernel.
     smem: AtomicU32,
     /// Serialises changes of `smem` with the driver call that makes them.
@@ -97,9 +99,15 @@ impl KernelInfo {
     }
 }
 
-/// Read a kernel's parameter layout; `None` when the driver cannot tell.
-fn read_params(d: &'static sys::Driver, func: CUfunction) -> Option<Box<[ParamInfo]>> {
-    let f = d.cuFuncGetParamInfo().ok()?;
+/// Read a kernel's parameter layout: `Ok(None)` when the driver cannot report
+/// one (no `cuFuncGetParamInfo`), the failing call otherwise.
+pub(crate) fn read_params(
+    d: &'static sys::Driver,
+    func: CUfunction,
+) -> Result<Option<Box<[ParamInfo]>>, CallError> {
+    let Ok(f) = d.cuFuncGetParamInfo() else {
+        return Ok(None);
+    };
     let mut params = Vec::new();
     // A kernel has at most 32 KiB of parameters: the loop ends well before this.
     for index in 0..32 * 1024 {
@@ -110,12 +118,67 @@ fn read_params(d: &'static sys::Driver, func: CUfunction) -> Option<Box<[ParamIn
             params.push(ParamInfo { offset, size });
         } else if status == CUresult::CUDA_ERROR_INVALID_VALUE {
             // One past the last parameter.
-            return Some(params.into_boxed_slice());
+            return Ok(Some(params.into_boxed_slice()));
         } else {
-            return None;
+            return Err(CallError::Status {
+                call: "cuFuncGetParamInfo",
+                status,
+            });
         }
     }
-    None
+    Ok(None)
+}
+
+impl KernelInfo {
+    /// The parameter layout (reading it again after an earlier failure); the
+    /// context must be current. `Ok(None)`: the driver cannot report one.
+    #[inline]
+    pub(crate) fn layout(
+        &self,
+        d: &'static sys::Driver,
+    ) -> Result<Option<&[ParamInfo]>, CallError> {
+        if let Some(known) = self.params.get() {
+            return Ok(known.as_deref());
+        }
+        self.read_layout(d)
+    }
+
+    #[cold]
+    fn read_layout(&self, d: &'static sys::Driver) -> Result<Option<&[ParamInfo]>, CallError> {
+        let read = read_params(d, self.raw)?;
+        Ok(self.params.get_or_init(|| read).as_deref())
+    }
+}
+
+/// Kernel code held while captures are in progress: every kernel queued while
+/// any capture is under way keeps its table here until the captures end, so a
+/// registry dropped inside a capture cannot unload code the graph will run.
+static CAPTURED_CODE: Mutex<Vec<Arc<KernelTable>>> = Mutex::new(Vec::new());
+
+/// A capture is beginning (counted before the driver begins it).
+pub(crate) fn capture_started() {
+    crate::stream::captures_begin();
+}
+
+/// A capture is over; the held code goes once no capture is left.
+pub(crate) fn capture_finished() {
+    if crate::stream::captures_end() {
+        let mut held = CAPTURED_CODE.lock().unwrap_or_else(PoisonError::into_inner);
+        if !crate::stream::captures_in_progress() {
+            let released = std::mem::take(&mut *held);
+            drop(held);
+            drop(released);
+        }
+    }
+}
+
+/// Hold `table` while captures are in progress (the launch path's cold side).
+#[cold]
+pub(crate) fn keep_for_capture(table: &Arc<KernelTable>) {
+    let mut held = CAPTURED_CODE.lock().unwrap_or_else(PoisonError::into_inner);
+    if !held.iter().any(|t| Arc::ptr_eq(t, table)) {
+        held.push(Arc::clone(table));
+    }
 }
 
 /// Where each looked-up kernel handle comes from, for graphs (which must keep the
@@ -199,13 +262,13 @@ impl KernelTable {
                 // SAFETY: writes one int for a live function handle. Where this fails,
                 // the driver's documented default (48 KiB) is assumed.
                 let _ = unsafe { cu!(d, cuFuncGetAttribute(&mut smem, attr, raw)) };
-                Ok((raw, read_params(d, raw), smem))
+                Ok((raw, read_params(d, raw).ok(), smem))
             })
             .map_err(|e| e.lookup(NameKind::Kernel, module, name))?;
         let info = Arc::new(KernelInfo {
             raw,
             name: Arc::from(format!("{module}::{name}")),
-            params,
+            params: params.map(OnceLock::from).unwrap_or_default(),
             smem: AtomicU32::new(u32::try_from(smem).unwrap_or(0)),
             smem_lock: Mutex::new(()),
         });
@@ -352,6 +415,85 @@ impl fmt::Debug for RawCudaFunc {
     }
 }
 
+/// A registry's own answers for caller caches (`OnceLock<RawCudaFunc>`) that hold
+/// another registry's handle: a static filled by a registry since dropped keeps
+/// that handle for good, and the registry in use answers from here in a few loads
+/// instead of a lock and a hash. Direct-mapped slots keyed by the cache's address,
+/// each under a sequence counter: readers never block, writers take a lock.
+pub(crate) struct SideCache {
+    slots: [SideSlot; SIDE_SLOTS],
+    write: Mutex<()>,
+}
+
+const SIDE_SLOTS: usize = 64;
+
+#[derive(Default)]
+struct SideSlot {
+    /// Odd while a writer changes the slot.
+    seq: AtomicU32,
+    key: AtomicUsize,
+    /// The foreign handle the cache held when the answer was stored: a cache at a
+    /// reused address (holding another handle) does not match.
+    held_raw: AtomicPtr<c_void>,
+    held_table: AtomicU64,
+    raw: AtomicPtr<c_void>,
+    info: AtomicPtr<KernelInfo>,
+    table: AtomicU64,
+}
+
+impl Default for SideCache {
+    fn default() -> Self {
+        SideCache {
+            slots: std::array::from_fn(|_| SideSlot::default()),
+            write: Mutex::new(()),
+        }
+    }
+}
+
+impl SideCache {
+    fn slot(&self, key: usize) -> &SideSlot {
+        &self.slots[(key >> 3) % SIDE_SLOTS]
+    }
+
+    /// The handle remembered for `cache`, if any.
+    #[inline]
+    pub(crate) fn get<C>(&self, cache: &C, held: RawCudaFunc) -> Option<RawCudaFunc> {
+        let key = cache as *const C as usize;
+        let slot = self.slot(key);
+        let before = slot.seq.load(Ordering::Acquire);
+        if before & 1 == 1
+            || slot.key.load(Ordering::Acquire) != key
+            || slot.held_table.load(Ordering::Acquire) != held.table
+            || slot.held_raw.load(Ordering::Acquire) != held.raw.cast()
+        {
+            return None;
+        }
+        let f = RawCudaFunc {
+            raw: slot.raw.load(Ordering::Acquire).cast(),
+            info: slot.info.load(Ordering::Acquire),
+            table: slot.table.load(Ordering::Acquire),
+        };
+        std::sync::atomic::fence(Ordering::Acquire);
+        (slot.seq.load(Ordering::Relaxed) == before).then_some(f)
+    }
+
+    /// Remember `f` (a handle of this registry's table) for `cache`.
+    pub(crate) fn put<C>(&self, cache: &C, held: RawCudaFunc, f: RawCudaFunc) {
+        let key = cache as *const C as usize;
+        let _serial = self.write.lock().unwrap_or_else(PoisonError::into_inner);
+        let slot = self.slot(key);
+        slot.seq.fetch_add(1, Ordering::AcqRel);
+        std::sync::atomic::fence(Ordering::Release);
+        slot.key.store(key, Ordering::Release);
+        slot.held_raw.store(held.raw.cast(), Ordering::Release);
+        slot.held_table.store(held.table, Ordering::Release);
+        slot.raw.store(f.raw.cast(), Ordering::Release);
+        slot.info.store(f.info.cast_mut(), Ordering::Release);
+        slot.table.store(f.table, Ordering::Release);
+        slot.seq.fetch_add(1, Ordering::Release);
+    }
+}
+
 /// A kernel's attributes, as `cuFuncGetAttribute` reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FunctionAttributes {
@@ -436,7 +578,7 @@ impl CudaFunction {
     /// (`cuFuncGetParamInfo`, CUDA 12.4+). `None` on an older driver: typed
     /// launches then go ahead unchecked.
     pub fn params(&self) -> Option<&[ParamInfo]> {
-        self.info.params.as_deref()
+        self.info.params.get().and_then(|p| p.as_deref())
     }
 
     pub(crate) fn info(&self) -> &KernelInfo {

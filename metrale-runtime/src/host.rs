@@ -105,6 +105,12 @@ impl CudaHost {
     }
 }
 
+impl crate::stream::AsStream for CudaHost {
+    fn stream(&self) -> &CudaStream {
+        &self.stream
+    }
+}
+
 impl AsContext for CudaHost {
     fn context(&self) -> &Arc<CudaContext> {
         &self.ctx

@@ -93,10 +93,10 @@ pub use graph::{
 pub use host::{host, release, CudaHost};
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
 pub use memory::{
-    DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, DeviceSlice,
-    DeviceSliceMut, DeviceSymbol, ManagedBuffer, MemPool, PendingCopy, PinnedBuffer,
+    deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
+    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MemPool, PendingCopy, PinnedBuffer,
     PrefetchTarget,
 };
 pub use module::NamedBlob;
 pub use registry::MetraleRegistry;
-pub use stream::{CudaEvent, CudaStream, EventOptions, StreamOptions};
+pub use stream::{AsStream, CudaEvent, CudaStream, EventOptions, StreamOptions};

@@ -22,7 +22,7 @@ use metrale_cuda_sys::{
 };
 
 use crate::blob::{self, BlobKind};
-use crate::context::CudaContext;
+use crate::context::{CudaContext, Generation};
 use crate::error::{cu, invalid_arg, report_drop_failures, CallError, ErrorKind, NameKind, Result};
 
 /// Bytes of each JIT log buffer (info and error) passed to the driver.
@@ -48,8 +48,9 @@ pub(crate) struct Loaded {
 
 /// Who a set's code belongs to.
 enum Owner {
-    /// Modules of this context, unloaded under its release rule.
-    Context(Arc<CudaContext>),
+    /// Modules of this context (made in that generation), unloaded under its
+    /// release rule.
+    Context(Arc<CudaContext>, Generation),
     /// Libraries, unloaded through the driver alone.
     Driver(&'static sys::Driver),
 }
@@ -103,7 +104,10 @@ impl<T: NamedBlob + ?Sized> NamedBlob for &T {
 impl ModuleSet {
     /// Load every blob as a module of `ctx`.
     pub(crate) fn load_modules(ctx: &Arc<CudaContext>, blobs: &[Blob<'_>]) -> Result<ModuleSet> {
-        let mut set = ModuleSet::empty(Owner::Context(Arc::clone(ctx)), blobs.len());
+        let mut set = ModuleSet::empty(
+            Owner::Context(Arc::clone(ctx), ctx.generation()),
+            blobs.len(),
+        );
         for &(name, bytes) in blobs {
             set.check_new_name(name)?;
             // On error `set` drops here and unloads what was loaded so far.
@@ -308,7 +312,8 @@ impl Drop for ModuleSet {
             }
         };
         match &self.owner {
-            Owner::Context(ctx) => ctx.release_with(
+            Owner::Context(ctx, made) => ctx.release_with(
+                *made,
                 format_args!("unloading kernel modules on device {}", ctx.ordinal()),
                 unload,
             ),

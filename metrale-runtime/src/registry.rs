@@ -21,7 +21,7 @@ use metrale_cuda_sys::{CUdeviceptr, CUstream};
 use crate::blob::BlobKind;
 use crate::context::{self, AsContext, CudaContext};
 use crate::error::{cu, invalid_arg, Result};
-use crate::function::{CudaFunction, KernelTable, RawCudaFunc};
+use crate::function::{CudaFunction, KernelTable, RawCudaFunc, SideCache};
 use crate::host::{host, CudaHost};
 use crate::launch::{launch_kernel, KernelArgs, LaunchAttributes, LaunchConfig};
 use crate::memory::{DeviceRepr, DeviceSymbol};
@@ -51,6 +51,10 @@ use crate::stream::CudaStream;
 pub struct MetraleRegistry {
     table: Arc<KernelTable>,
     host: Arc<CudaHost>,
+    /// Answers for caller caches that hold another registry's handle.
+    side: SideCache,
+    /// Slow-path lookups of `raw_function_cached`.
+    slow: std::sync::atomic::AtomicU64,
 }
 
 impl fmt::Debug for MetraleRegistry {
@@ -99,6 +103,8 @@ impl MetraleRegistry {
         Ok(MetraleRegistry {
             table: KernelTable::new(host.ctx(), Arc::new(code)),
             host,
+            side: SideCache::default(),
+            slow: Default::default(),
         })
     }
 
@@ -139,6 +145,8 @@ impl MetraleRegistry {
                     Arc::new(MetraleRegistry {
                         table: KernelTable::new(h.ctx(), Arc::clone(&code)),
                         host: h,
+                        side: SideCache::default(),
+                        slow: Default::default(),
                     })
                 })
                 .collect())
@@ -223,7 +231,14 @@ impl MetraleRegistry {
             return self.function(module_name, func_name);
         }
         let f = self.function(module_name, func_name)?;
-        Ok(cache.get_or_init(|| f).clone())
+        // Another thread (of another registry, maybe) may have filled the cache
+        // meanwhile: return what it holds only when it is this registry's.
+        let cached = cache.get_or_init(|| f.clone());
+        if Arc::ptr_eq(cached.table(), &self.table) {
+            Ok(cached.clone())
+        } else {
+            Ok(f)
+        }
     }
 
     /// The raw handle of kernel `func_name`, memoized in the caller's `OnceLock`: a
@@ -243,8 +258,20 @@ impl MetraleRegistry {
             if self.table.owns(f) {
                 return Ok(f);
             }
+            // The cache holds another registry's handle (one since dropped, say):
+            // this registry remembers its own answer for this cache.
+            if let Some(mine) = self.side.get(cache, f) {
+                return Ok(mine);
+            }
         }
         self.raw_function_miss(cache, module_name, func_name)
+    }
+
+    /// How many `raw_function_cached` calls took the slow path (a lookup by
+    /// name): for tests of the fast path.
+    #[doc(hidden)]
+    pub fn slow_lookups(&self) -> u64 {
+        self.slow.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     #[cold]
@@ -254,9 +281,14 @@ impl MetraleRegistry {
         module_name: &str,
         func_name: &str,
     ) -> Result<RawCudaFunc> {
+        self.slow.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let f = self.table.raw_function(module_name, func_name)?;
-        // Fills an empty cache; one holding another registry's handle stays as it is.
-        let _ = cache.get_or_init(|| f);
+        // Fills an empty cache; one holding another registry's handle stays as it
+        // is, and this registry's handle goes to its side cache for the next call.
+        let cached = *cache.get_or_init(|| f);
+        if !self.table.owns(cached) {
+            self.side.put(cache, cached, f);
+        }
         Ok(f)
     }
 
@@ -423,7 +455,7 @@ impl MetraleRegistry {
         unsafe {
             launch_kernel(
                 stream,
-                self.table.ctx(),
+                &self.table,
                 info,
                 &cfg,
                 None,
@@ -458,7 +490,7 @@ impl MetraleRegistry {
             unsafe {
                 launch_kernel(
                     stream,
-                    self.table.ctx(),
+                    &self.table,
                     info,
                     &cfg,
                     None,
@@ -491,7 +523,7 @@ impl MetraleRegistry {
         unsafe {
             launch_kernel(
                 stream,
-                self.table.ctx(),
+                &self.table,
                 info,
                 &cfg,
                 Some(attrs),
@@ -523,7 +555,7 @@ impl MetraleRegistry {
             unsafe {
                 launch_kernel(
                     stream,
-                    self.table.ctx(),
+                    &self.table,
                     info,
                     &cfg,
                     Some(attrs),
@@ -532,6 +564,12 @@ impl MetraleRegistry {
                 )
             }
         })
+    }
+}
+
+impl crate::stream::AsStream for MetraleRegistry {
+    fn stream(&self) -> &CudaStream {
+        self.host.stream()
     }
 }
 

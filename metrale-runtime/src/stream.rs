@@ -15,11 +15,12 @@
 
 use std::ffi::{c_int, c_uint};
 use std::fmt;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
-use crate::context::{AsContext, CudaContext};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, Result};
 
 /// How a stream is created.
@@ -47,6 +48,74 @@ struct StreamInner {
     ctx: Arc<CudaContext>,
     /// Whether metrale created the stream (and so destroys it).
     owned: bool,
+    /// The context generation the stream was made in (and everything allocated
+    /// on it in stream order).
+    made: Generation,
+    /// Reasons to ask the driver whether the stream is being captured: a capture
+    /// begun here by metrale (while it lasts), or a wait that may have joined one
+    /// (for good). Zero: the stream cannot be capturing through metrale.
+    capture_marks: AtomicU32,
+    /// Operations that must not overlap the start of a capture or a join on this
+    /// stream (host-borrowing copies, stream-ordered frees) while they run; see
+    /// `CudaStream::section`.
+    in_flight: AtomicU32,
+    /// The event host-borrowing copies wait on, made on first use.
+    done: OnceLock<EventHandle>,
+    /// Held across a metrale capture's start (mark, drain, begin) or a
+    /// capture-joining wait, and by sections that find the stream marked, so the
+    /// driver's answer "not capturing" stays true for the whole section.
+    capture_lock: Mutex<()>,
+}
+
+/// A raw event handle owned by a stream's inner state.
+struct EventHandle(CUevent);
+// SAFETY: an opaque handle the driver lets any thread record and wait on.
+unsafe impl Send for EventHandle {}
+// SAFETY: as for Send.
+unsafe impl Sync for EventHandle {}
+
+/// Metrale captures in progress in this process. While there is none, no stream
+/// can be capturing through metrale, and the launch path does no capture work.
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// Count a capture that is beginning.
+pub(crate) fn captures_begin() {
+    CAPTURES.fetch_add(1, AtomicOrdering::SeqCst);
+}
+
+/// Count a capture that is over; whether none is left.
+pub(crate) fn captures_end() -> bool {
+    let before = CAPTURES
+        .fetch_update(AtomicOrdering::SeqCst, AtomicOrdering::SeqCst, |n| {
+            Some(n.saturating_sub(1))
+        })
+        .unwrap_or(0);
+    before <= 1
+}
+
+/// Whether any capture begun through metrale is in progress (one atomic load).
+#[inline]
+pub(crate) fn captures_in_progress() -> bool {
+    CAPTURES.load(AtomicOrdering::SeqCst) != 0
+}
+
+/// A section of work on a stream during which no metrale capture begins on it and
+/// no metrale wait joins it to one (see [`CudaStream::section`]).
+pub(crate) struct Section<'a> {
+    inner: &'a StreamInner,
+    /// Whether the stream may be capturing: the driver must be asked.
+    pub(crate) may_capture: bool,
+    /// Held on the slow path (the stream was marked).
+    _locked: Option<MutexGuard<'a, ()>>,
+}
+
+impl Drop for Section<'_> {
+    #[inline]
+    fn drop(&mut self) {
+        if !self.may_capture {
+            self.inner.in_flight.fetch_sub(1, AtomicOrdering::SeqCst);
+        }
+    }
 }
 
 // SAFETY: the handle is written once at creation and only read; the driver lets any
@@ -57,16 +126,27 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        if !self.owned {
+        let raw = self.raw;
+        let done = self.done.get().map(|e| e.0);
+        if !self.owned && done.is_none() {
             return;
         }
-        let raw = self.raw;
+        let owned = self.owned;
         self.ctx.release_with(
+            self.made,
             format_args!("destroying stream {raw:p} on device {}", self.ctx.ordinal()),
             |d, failures| {
-                // SAFETY: the stream was created by metrale and is destroyed once, here.
-                if let Err(e) = unsafe { cu!(d, cuStreamDestroy_v2(raw)) } {
-                    failures.push(e);
+                if let Some(e) = done {
+                    // SAFETY: the stream's own event, made once and destroyed once.
+                    if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(e)) } {
+                        failures.push(e);
+                    }
+                }
+                if owned {
+                    // SAFETY: the stream was created by metrale and is destroyed once.
+                    if let Err(e) = unsafe { cu!(d, cuStreamDestroy_v2(raw)) } {
+                        failures.push(e);
+                    }
                 }
             },
         );
@@ -152,13 +232,7 @@ impl CudaStream {
                 )
             },
         )?;
-        Ok(CudaStream {
-            inner: Arc::new(StreamInner {
-                raw,
-                ctx: Arc::clone(ctx),
-                owned: true,
-            }),
-        })
+        Ok(CudaStream::wrap(ctx, raw, true))
     }
 
     /// Wrap a stream created elsewhere (another library, your own driver calls).
@@ -169,12 +243,219 @@ impl CudaStream {
     /// stream), and stay valid for as long as any clone of the returned handle, and
     /// anything queued through it, is alive.
     pub unsafe fn from_raw(ctx: &impl AsContext, raw: CUstream) -> CudaStream {
+        CudaStream::wrap(ctx.context(), raw, false)
+    }
+
+    fn wrap(ctx: &Arc<CudaContext>, raw: CUstream, owned: bool) -> CudaStream {
         CudaStream {
             inner: Arc::new(StreamInner {
                 raw,
-                ctx: Arc::clone(ctx.context()),
-                owned: false,
+                made: ctx.generation(),
+                ctx: Arc::clone(ctx),
+                owned,
+                capture_marks: AtomicU32::new(0),
+                in_flight: AtomicU32::new(0),
+                done: OnceLock::new(),
+                capture_lock: Mutex::new(()),
             }),
+        }
+    }
+
+    /// The context generation the stream was made in.
+    pub(crate) fn made(&self) -> Generation {
+        self.inner.made
+    }
+
+    /// Enter a section that no metrale capture may begin in, nor a metrale wait
+    /// join to one: while the returned guard lives, `begin_capture` and
+    /// capture-joining waits on this stream wait for it to end. The guard says
+    /// whether the stream may be capturing anyway (captured through metrale
+    /// before the section began): then ask [`CudaStream::is_capturing`].
+    ///
+    /// This is how a copy that borrows host memory, or a stream-ordered free, knows
+    /// that what it queues is not recorded into another thread's graph (two atomic
+    /// read-modify-writes and a load when no capture is in progress).
+    #[inline]
+    pub(crate) fn section(&self) -> Section<'_> {
+        let inner = &*self.inner;
+        inner.in_flight.fetch_add(1, AtomicOrdering::SeqCst);
+        if inner.capture_marks.load(AtomicOrdering::SeqCst) == 0 {
+            return Section {
+                inner,
+                may_capture: false,
+                _locked: None,
+            };
+        }
+        self.marked_section()
+    }
+
+    /// The slow path of `section`: the stream is (or is about to be) captured
+    /// through metrale. Leave the fast count (a capture start waits for it) and
+    /// take the capture lock instead, so no capture starts or joins until the
+    /// section ends and the driver's answer holds throughout.
+    #[cold]
+    fn marked_section(&self) -> Section<'_> {
+        let inner = &*self.inner;
+        inner.in_flight.fetch_sub(1, AtomicOrdering::SeqCst);
+        let locked = inner
+            .capture_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        Section {
+            inner,
+            may_capture: true,
+            _locked: Some(locked),
+        }
+    }
+
+    /// Take the capture lock, mark the stream as possibly capturing and wait until
+    /// no fast section is open on it: afterwards every new section takes the lock
+    /// and asks the driver. The lock is held until the returned guard drops, so
+    /// the capture (or join) happens before any such section.
+    pub(crate) fn mark_capture(&self) -> MutexGuard<'_, ()> {
+        let inner = &*self.inner;
+        let locked = inner
+            .capture_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        inner.capture_marks.fetch_add(1, AtomicOrdering::SeqCst);
+        while inner.in_flight.load(AtomicOrdering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
+        locked
+    }
+
+    /// Take back one mark of `mark_capture`.
+    pub(crate) fn unmark_capture(&self) {
+        self.inner
+            .capture_marks
+            .fetch_sub(1, AtomicOrdering::SeqCst);
+    }
+
+    /// Whether the stream is being captured (asked of the driver), inside a section
+    /// that said it may be.
+    pub(crate) fn capturing_now(&self, section: &Section<'_>) -> Result<bool, CallError> {
+        if !section.may_capture {
+            return Ok(false);
+        }
+        self.capturing_driver()
+    }
+
+    /// The driver's answer to "is the stream being captured".
+    fn capturing_driver(&self) -> Result<bool, CallError> {
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let raw = self.inner.raw;
+        self.inner.ctx.with(|d| {
+            // SAFETY: writes the status only; the other outputs are optional (null).
+            unsafe {
+                cu!(
+                    d,
+                    cuStreamGetCaptureInfo_v3(
+                        raw,
+                        &mut status,
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut(),
+                        std::ptr::null_mut()
+                    )
+                )
+            }
+        })?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// Refuse, inside `section`, an operation that cannot be captured (a copy that
+    /// borrows host memory would be replayed after the borrow ends).
+    pub(crate) fn refuse_if_capturing(&self, section: &Section<'_>, what: &str) -> Result<()> {
+        match self.capturing_now(section) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(invalid_arg(format!(
+                "{}: the stream is being captured, and {what} cannot be: a graph would \
+                 replay it after this call returned (queue it outside the capture)",
+                self.subject("")
+            ))),
+            Err(e) => Err(e.about(self.subject("capture status"))),
+        }
+    }
+
+    /// Record the stream's own completion event at the end of its queue, inside a
+    /// section (so it is not recorded into a capture): waiting on it waits for
+    /// everything queued so far.
+    pub(crate) fn record_done(&self) -> Result<CUevent> {
+        let ev = match self.inner.done.get() {
+            Some(e) => e.0,
+            None => {
+                let mut raw: CUevent = std::ptr::null_mut();
+                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+                self.call("creating its completion event", |d, _| {
+                    // SAFETY: writes one event handle; the context is current.
+                    unsafe { cu!(d, cuEventCreate(&mut raw, flags as c_uint)) }
+                })?;
+                match self.inner.done.set(EventHandle(raw)) {
+                    Ok(()) => raw,
+                    Err(extra) => {
+                        // Another thread made one first: keep theirs.
+                        // SAFETY: the event made just above, never recorded.
+                        let _ = self
+                            .inner
+                            .ctx
+                            .with(|d| unsafe { cu!(d, cuEventDestroy_v2(extra.0)) });
+                        self.inner.done.get().map_or(raw, |e| e.0)
+                    }
+                }
+            }
+        };
+        let s = self.inner.raw;
+        // SAFETY: a live event and stream of the bound context.
+        self.call("recording its completion event", |d, _| unsafe {
+            cu!(d, cuEventRecord(ev, s))
+        })?;
+        Ok(ev)
+    }
+
+    /// Whether `event` (recorded on this stream) has completed.
+    pub(crate) fn event_done(&self, event: CUevent) -> Result<bool> {
+        self.call("query", |d, _| {
+            // SAFETY: a live event of this context.
+            match unsafe { cu!(d, cuEventQuery(event)) } {
+                Ok(()) => Ok(true),
+                Err(CallError::Status { status, .. })
+                    if status == CUresult::CUDA_ERROR_NOT_READY =>
+                {
+                    Ok(false)
+                }
+                Err(e) => Err(e),
+            }
+        })
+    }
+
+    /// Wait until `event` (recorded on this stream outside any capture) has
+    /// completed, for an operation that lent host memory to the stream: when the
+    /// wait fails, poll until the event is done or the context can run nothing
+    /// more, so the memory is no longer touched when this returns. A failed query
+    /// is never taken for "done".
+    pub(crate) fn wait_done(&self, event: CUevent) -> Result<()> {
+        let waited = self.call("waiting for queued work", |d, _| {
+            // SAFETY: a live event of this context.
+            unsafe { cu!(d, cuEventSynchronize(event)) }
+        });
+        if waited.is_ok() {
+            return Ok(());
+        }
+        let d = self.inner.ctx.driver();
+        let mut pause = std::time::Duration::from_micros(10);
+        loop {
+            let _ = self.inner.ctx.bind_fast();
+            // SAFETY: a live event; only the status is read.
+            match unsafe { cu!(d, cuEventQuery(event)) } {
+                Ok(()) => return waited,
+                Err(CallError::Status { status, .. }) if work_abandoned(status) => return waited,
+                Err(_) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
+                }
+            }
         }
     }
 
@@ -258,10 +539,58 @@ impl CudaStream {
     /// `cuStreamWaitEvent`'s status.
     pub fn wait(&self, event: &CudaEvent) -> Result<()> {
         let e = event.raw;
+        let wait = || {
+            // SAFETY: a live stream and a live event; flags must be 0.
+            self.call("waiting for an event", |d, s| unsafe {
+                cu!(d, cuStreamWaitEvent(s, e, 0))
+            })
+        };
+        if !captures_in_progress() {
+            return wait();
+        }
+        // The event may have been recorded in a capture: waiting would join this
+        // stream to it. Mark the stream first, so sections that must not be
+        // captured ask the driver from now on; keep the mark if it did join.
+        let locked = self.mark_capture();
+        let waited = wait();
+        let joined = self.capturing_driver().unwrap_or(true);
+        if !joined {
+            self.unmark_capture();
+        }
+        drop(locked);
+        waited
+    }
+
+    /// `cuStreamWaitEvent` without the capture-join marking of
+    /// [`CudaStream::wait`]: for events metrale recorded outside any capture.
+    pub(crate) fn wait_unmarked(&self, event: &CudaEvent) -> Result<()> {
+        let e = event.raw;
         // SAFETY: a live stream and a live event; flags must be 0.
         self.call("waiting for an event", |d, s| unsafe {
             cu!(d, cuStreamWaitEvent(s, e, 0))
         })
+    }
+
+    /// Wait for everything queued on the stream so far, through its completion
+    /// event (see `record_done`); refused while the stream is being captured.
+    pub(crate) fn finish_queued(&self) -> Result<()> {
+        let section = self.section();
+        self.refuse_if_capturing(&section, "waiting for it")?;
+        let done = self.record_done()?;
+        drop(section);
+        self.wait_done(done)
+    }
+
+    /// Make work queued on this stream from now on wait for the work queued on
+    /// `other` so far: an event recorded on `other` and waited on here, in one
+    /// call. `other` may belong to another device.
+    ///
+    /// # Errors
+    /// `cuEventCreate`, `cuEventRecord` or `cuStreamWaitEvent`'s status.
+    pub fn join(&self, other: &CudaStream) -> Result<()> {
+        let event = CudaEvent::new(other)?;
+        event.record(other)?;
+        self.wait(&event)
     }
 
     /// The stream's priority (`cuStreamGetPriority`).
@@ -275,45 +604,6 @@ impl CudaStream {
             cu!(d, cuStreamGetPriority(s, &mut p))
         })?;
         Ok(p)
-    }
-
-    /// After a failed wait on work that touches host memory: return only once the
-    /// stream has nothing in flight. `cuStreamQuery` answers NOT_READY while work
-    /// is pending and anything else once the stream is idle or its work has been
-    /// abandoned (a failed context runs nothing more), so borrowed host memory is
-    /// no longer touched when this returns. Never fails; the caller reports the
-    /// original error.
-    #[cold]
-    pub(crate) fn quiesce(&self) {
-        let d = self.inner.ctx.driver();
-        let raw = self.inner.raw;
-        let _ = self.inner.ctx.bind_fast();
-        let mut pause = std::time::Duration::from_micros(10);
-        loop {
-            // SAFETY: a live stream; only the status is read.
-            match unsafe { cu!(d, cuStreamQuery(raw)) } {
-                Err(CallError::Status { status, .. })
-                    if status == CUresult::CUDA_ERROR_NOT_READY =>
-                {
-                    std::thread::sleep(pause);
-                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
-                }
-                _ => return,
-            }
-        }
-    }
-
-    /// Synchronise; when that fails, wait until the stream is idle before
-    /// returning the error (see [`CudaStream::quiesce`]). For operations that lent
-    /// host memory to the stream.
-    pub(crate) fn synchronize_or_quiesce(&self) -> Result<()> {
-        match self.synchronize() {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.quiesce();
-                Err(e)
-            }
-        }
     }
 }
 
@@ -342,6 +632,7 @@ pub struct EventOptions {
 pub struct CudaEvent {
     raw: CUevent,
     ctx: Arc<CudaContext>,
+    made: Generation,
     timing: bool,
 }
 
@@ -406,6 +697,7 @@ impl CudaEvent {
         )?;
         Ok(CudaEvent {
             raw,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
             timing: options.timing,
         })
@@ -517,6 +809,7 @@ impl Drop for CudaEvent {
     fn drop(&mut self) {
         let raw = self.raw;
         self.ctx.release_with(
+            self.made,
             format_args!("destroying event {raw:p} on device {}", self.ctx.ordinal()),
             |d, failures| {
                 // SAFETY: the event was created here and is destroyed once.
@@ -525,5 +818,47 @@ impl Drop for CudaEvent {
                 }
             },
         );
+    }
+}
+
+/// Whether a status means the context will run nothing more (a sticky fault, the
+/// context destroyed, the driver shutting down): queued work that borrowed host
+/// memory will never touch it again.
+pub(crate) fn work_abandoned(status: CUresult) -> bool {
+    matches!(
+        status.0,
+        3 | 4 // NOT_INITIALIZED, DEINITIALIZED
+            | 214 // ECC_UNCORRECTABLE
+            | 400 // INVALID_HANDLE: the event went with a reset
+            | 700..=702 // ILLEGAL_ADDRESS, LAUNCH_OUT_OF_RESOURCES, LAUNCH_TIMEOUT
+            | 709 // CONTEXT_IS_DESTROYED
+            | 710 // ASSERT
+            | 714..=720 // HARDWARE_STACK_ERROR .. COOPERATIVE_LAUNCH_TOO_LARGE
+    )
+}
+
+/// Something that names a stream to queue work on: a [`CudaStream`], or a
+/// [`CudaHost`](crate::CudaHost) or [`MetraleRegistry`](crate::MetraleRegistry)
+/// (their default stream).
+pub trait AsStream {
+    /// The stream.
+    fn stream(&self) -> &CudaStream;
+}
+
+impl AsStream for CudaStream {
+    fn stream(&self) -> &CudaStream {
+        self
+    }
+}
+
+impl<T: AsStream + ?Sized> AsStream for &T {
+    fn stream(&self) -> &CudaStream {
+        (**self).stream()
+    }
+}
+
+impl<T: AsStream + ?Sized> AsStream for Arc<T> {
+    fn stream(&self) -> &CudaStream {
+        (**self).stream()
     }
 }

@@ -23,6 +23,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/soundness.rs"]
+mod soundness;
 #[path = "fault/streams.rs"]
 mod streams;
 #[path = "fault/teardown.rs"]
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
         graph::tests(),
         multi::tests(),
         teardown::tests(),
+        soundness::tests(),
     ]
     .into_iter()
     .flatten()

@@ -4,7 +4,8 @@
 use metrale_cuda_sys::{self as sys, CUgraph};
 
 use super::CudaGraph;
-use crate::error::{cu, Result};
+use crate::error::{cu, MetraleError, Result};
+use crate::function::{capture_finished, capture_started};
 use crate::stream::CudaStream;
 
 /// How a capture treats calls that are unsafe while a stream is captured
@@ -45,19 +46,32 @@ fn capture_status_word(s: sys::CUstreamCaptureStatus) -> &'static str {
 impl CudaStream {
     /// Start capturing: work queued on this stream (and on streams that join it by
     /// waiting on an event recorded here) is recorded into a graph instead of run,
-    /// until [`CudaStream::end_capture`].
+    /// until [`CudaStream::end_capture`]. Prefer [`CudaStream::capture`], which
+    /// ends the capture on every path.
+    ///
+    /// Operations of this crate that cannot be captured (copies that borrow host
+    /// memory, waits, stream-ordered frees) are refused or deferred on a stream
+    /// being captured, by any thread, and kernels queued into the capture keep
+    /// their code loaded until the graph holds it.
     ///
     /// # Errors
     /// `cuStreamBeginCapture_v2`'s status (already capturing, the legacy stream).
     pub fn begin_capture(&self, mode: CaptureMode) -> Result<()> {
         let m = mode.raw();
+        let locked = self.mark_capture();
+        capture_started();
         // SAFETY: a live stream of the bound context.
-        self.call("begin capture", |d, s| unsafe {
+        let begun = self.call("begin capture", |d, s| unsafe {
             cu!(d, cuStreamBeginCapture_v2(s, m))
-        })
+        });
+        drop(locked);
+        if begun.is_err() {
+            self.capture_over();
+        }
+        begun
     }
 
-    /// The capture status of the stream: `(capturing, status word)`.
+    /// The capture status of the stream.
     fn capture_status(&self) -> Result<sys::CUstreamCaptureStatus> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         // SAFETY: writes the status only; every other output is optional (null).
@@ -86,6 +100,13 @@ impl CudaStream {
         Ok(self.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
+    /// The bookkeeping of a capture that is over (ended, or never begun).
+    fn capture_over(&self) {
+        self.unmark_capture();
+        capture_finished();
+        crate::memory::retry_deferred_frees();
+    }
+
     /// End the capture begun on this stream and return the graph. The stream runs
     /// work normally again afterwards, also when the capture failed.
     ///
@@ -106,30 +127,64 @@ impl CudaStream {
             if !raw.is_null() {
                 drop(CudaGraph::adopt(raw, self.context()));
             }
+            // A capture the driver ended (invalidated, ...) is over; one it kept
+            // (ended from the wrong thread) still counts.
+            if !self.is_capturing().unwrap_or(true) {
+                self.capture_over();
+            }
             return Err(e.about(self.subject(&format!(
                 "end capture (capture status: {})",
                 capture_status_word(status)
             ))));
         }
         let graph = CudaGraph::adopt(raw, self.context());
-        graph.keep_kernel_code()?;
+        // The kernels' code is still held for the capture: take it into the graph
+        // before letting go.
+        let kept = graph.keep_kernel_code();
+        self.capture_over();
+        kept?;
         Ok(graph)
     }
 
-    /// Capture the work `f` queues on this stream into a graph: begin, run `f`,
-    /// end (also when `f` fails, so the stream is usable afterwards).
+    /// Capture the work `f` queues on this stream into a graph, in the default
+    /// mode ([`CaptureMode::ThreadLocal`]): begin, run `f`, end. The capture ends
+    /// on every path (an error or a panic in `f` too), so the stream is usable
+    /// afterwards. `f` may return any error type that a [`MetraleError`] converts
+    /// into (`anyhow::Error`, your own).
     ///
     /// # Errors
     /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
-    pub fn capture(
+    pub fn capture<E: From<MetraleError>>(
+        &self,
+        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    ) -> std::result::Result<CudaGraph, E> {
+        self.capture_with(CaptureMode::default(), f)
+    }
+
+    /// As [`CudaStream::capture`], in `mode`.
+    ///
+    /// # Errors
+    /// As [`CudaStream::capture`].
+    pub fn capture_with<E: From<MetraleError>>(
         &self,
         mode: CaptureMode,
-        f: impl FnOnce(&CudaStream) -> Result<()>,
-    ) -> Result<CudaGraph> {
+        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    ) -> std::result::Result<CudaGraph, E> {
+        /// Ends the capture when `f` unwinds.
+        struct EndOnUnwind<'a>(&'a CudaStream);
+        impl Drop for EndOnUnwind<'_> {
+            fn drop(&mut self) {
+                if let Err(e) = self.0.end_capture() {
+                    crate::error::report_line(format_args!("ending a capture after a panic: {e}"));
+                }
+            }
+        }
         self.begin_capture(mode)?;
+        let guard = EndOnUnwind(self);
         let queued = f(self);
+        std::mem::forget(guard);
         let ended = self.end_capture();
         queued?;
-        ended
+        Ok(ended?)
     }
 }

@@ -7,7 +7,7 @@ use std::sync::{Arc, PoisonError};
 use metrale_cuda_sys::{self as sys, CUgraphExec, CUgraphNode};
 
 use super::{driver_function_name, node_params, CudaGraph, GraphNodeKind, KernelNode};
-use crate::context::CudaContext;
+use crate::context::{CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, ErrorKind, Result};
 use crate::function::{name_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
@@ -32,15 +32,19 @@ pub struct InstantiateOptions {
 pub struct CudaGraphExec {
     pub(super) raw: CUgraphExec,
     pub(super) ctx: Arc<CudaContext>,
+    pub(super) made: Generation,
+    /// The identity of the graph this was instantiated from: node updates take
+    /// only its nodes.
+    pub(super) source: u64,
     pub(super) keep: Vec<Arc<KernelTable>>,
 }
 
-// SAFETY: the handle is written once; launching and updating an executable graph are
-// thread-safe driver calls; updates take `&mut self` or are single node writes the
-// driver serialises.
+// SAFETY: the handle is written once and used by one thread at a time. The driver
+// documents graph objects, executable ones included, as not thread-safe, so
+// `CudaGraphExec` is `Send` but not `Sync`: replaying one executable graph from
+// several threads needs the caller's lock (replays of one executable graph are
+// serialised on the device anyway).
 unsafe impl Send for CudaGraphExec {}
-// SAFETY: as for Send.
-unsafe impl Sync for CudaGraphExec {}
 
 impl fmt::Debug for CudaGraphExec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -160,13 +164,17 @@ impl CudaGraphExec {
     /// Set a kernel node's shape and typed arguments in this executable graph,
     /// without a new capture (`cuGraphExecKernelNodeSetParams_v2`). `node` comes
     /// from [`CudaGraph::kernel_nodes`] of the graph this was instantiated from, and
-    /// `f` must be the kernel it runs; the update is checked like a launch.
+    /// `f` must be the kernel it runs; both are checked, and the update is checked
+    /// like a launch.
     ///
     /// # Safety
-    /// As [`CudaStream::launch`], for every later replay.
+    /// As [`CudaStream::launch`], for every later replay: the arguments must mean
+    /// what the kernel expects and the memory they name must be valid whenever the
+    /// executable graph runs.
     ///
     /// # Errors
-    /// `InvalidArgument` when `f` is not the node's kernel; as
+    /// `InvalidArgument` when `node` is not a node of the graph this was
+    /// instantiated from, or `f` is not the node's kernel; as
     /// [`CudaStream::launch`]; the driver's status.
     pub unsafe fn set_kernel_params<A: KernelArgs>(
         &self,
@@ -180,6 +188,14 @@ impl CudaGraphExec {
             || format!("kernel '{}'", f.name()),
             "the executable graph",
         )?;
+        if node.node.graph != self.source {
+            return Err(invalid_arg(format!(
+                "device {}: graph node {:p} is not a node of the graph this executable graph \
+                 was instantiated from",
+                self.ctx.ordinal(),
+                node.node.raw
+            )));
+        }
         if node.func.0 != f.as_raw() {
             return Err(invalid_arg(format!(
                 "graph node {:p} runs kernel '{}', not '{}'",
@@ -234,6 +250,7 @@ impl Drop for CudaGraphExec {
     fn drop(&mut self) {
         let raw = self.raw;
         self.ctx.release_with(
+            self.made,
             format_args!(
                 "destroying executable graph {raw:p} on device {}",
                 self.ctx.ordinal()

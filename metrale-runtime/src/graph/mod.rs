@@ -23,6 +23,7 @@ use std::ffi::{c_void, CString};
 use std::fmt;
 use std::marker::PhantomData;
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUfunction, CUgraph, CUgraphExec, CUgraphNode};
@@ -33,7 +34,7 @@ mod exec;
 pub use capture::CaptureMode;
 pub use exec::{CudaGraphExec, InstantiateOptions};
 
-use crate::context::{AsContext, CudaContext};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, Result};
 use crate::function::{name_of, owner_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
@@ -98,11 +99,14 @@ impl GraphNodeKind {
     }
 }
 
-/// One node of a graph. Valid while the graph it came from is alive.
+/// One node of a graph. It carries the identity of its graph (ids are never
+/// reused), so a node of another graph, or of one that was destroyed, is refused
+/// where a node is taken, never handed to the driver.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct GraphNode {
     raw: CUgraphNode,
     kind: GraphNodeKind,
+    graph: u64,
 }
 
 // SAFETY: an opaque handle, copied and passed to the thread-safe driver.
@@ -126,6 +130,28 @@ impl GraphNode {
     pub fn raw(&self) -> CUgraphNode {
         self.raw
     }
+}
+
+/// A fresh graph identity.
+fn next_graph_id() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+/// The raw handles of `deps`, each checked to belong to graph `graph`.
+fn raw_deps(deps: &[GraphNode], graph: u64, device: usize) -> Result<Vec<CUgraphNode>> {
+    deps.iter()
+        .map(|n| {
+            if n.graph == graph {
+                Ok(n.raw)
+            } else {
+                Err(invalid_arg(format!(
+                    "device {device}: {n:?} is a node of another graph (or of one that was \
+                     dropped), not of the graph it is added to"
+                )))
+            }
+        })
+        .collect()
 }
 
 /// A kernel node of a graph, with the kernel and the shape it launches.
@@ -176,7 +202,7 @@ unsafe impl DevicePod for ConditionalHandle {}
 /// # let x = DeviceBuffer::<f32>::alloc(reg.stream(), 1)?;
 /// let s = reg.stream();
 /// let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
-/// let graph = s.capture(CaptureMode::default(), |s| {
+/// let graph = s.capture(|s| -> metrale_runtime::Result<()> {
 ///     for _ in 0..100 {
 ///         // SAFETY: step(float*, float, float) updates x[0].
 ///         unsafe { s.launch(&step, cfg, (&x, 2.0f32, 1.0f32))? };
@@ -184,7 +210,7 @@ unsafe impl DevicePod for ConditionalHandle {}
 ///     Ok(())
 /// })?;
 /// graph.write_dot("step.dot")?;
-/// let exec = graph.instantiate(InstantiateOptions::default())?;
+/// let exec = graph.instantiate()?;
 /// // SAFETY: x, the only memory the graph touches, is alive.
 /// unsafe { exec.launch(s)? };
 /// # Ok(()) }
@@ -192,14 +218,16 @@ unsafe impl DevicePod for ConditionalHandle {}
 pub struct CudaGraph {
     raw: CUgraph,
     pub(super) ctx: Arc<CudaContext>,
+    made: Generation,
+    /// This graph's identity, carried by its nodes.
+    pub(super) id: u64,
     pub(super) keep: KeepAlive,
 }
 
-// SAFETY: the handle is written once; the driver's graph calls are thread-safe for
-// distinct graphs, and `&mut self` serialises changes to this one.
+// SAFETY: the handle is written once and the graph is used by one thread at a time:
+// the driver documents graph objects as not thread-safe (even calls that read), so
+// `CudaGraph` is `Send` but not `Sync`: a shared graph needs the caller's lock.
 unsafe impl Send for CudaGraph {}
-// SAFETY: `&self` methods only read the graph (nodes, edges, DOT, instantiate).
-unsafe impl Sync for CudaGraph {}
 
 impl fmt::Debug for CudaGraph {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -229,7 +257,9 @@ impl CudaGraph {
     pub(super) fn adopt(raw: CUgraph, ctx: &Arc<CudaContext>) -> CudaGraph {
         CudaGraph {
             raw,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
+            id: next_graph_id(),
             keep: Arc::default(),
         }
     }
@@ -286,6 +316,7 @@ impl CudaGraph {
                     Ok(GraphNode {
                         raw: node,
                         kind: GraphNodeKind::from_raw(t),
+                        graph: self.id,
                     })
                 })
                 .collect()
@@ -413,7 +444,7 @@ impl CudaGraph {
         args: A,
     ) -> Result<GraphNode> {
         // SAFETY: the caller's contract.
-        let node = unsafe { add_kernel(self.raw, &self.ctx, deps, f, &cfg, &args) }?;
+        let node = unsafe { add_kernel((self.raw, self.id), &self.ctx, deps, f, &cfg, &args) }?;
         keep(&self.keep, f.table());
         Ok(node)
     }
@@ -434,6 +465,7 @@ impl CudaGraph {
         body: impl FnOnce(&mut GraphBody<'_>, ConditionalHandle) -> Result<()>,
     ) -> Result<GraphNode> {
         let (g, ctx) = (self.raw, self.ctx.raw());
+        raw_deps(deps, self.id, self.ctx.ordinal())?;
         let mut handle: sys::CUgraphConditionalHandle = 0;
         let flags = sys::CU_GRAPH_COND_ASSIGN_DEFAULT;
         self.call("conditional handle", |d| {
@@ -456,7 +488,7 @@ impl CudaGraph {
             phGraph_out: std::ptr::null_mut(),
             ctx,
         };
-        let raw_deps: Vec<CUgraphNode> = deps.iter().map(|n| n.raw).collect();
+        let raw_deps = raw_deps(deps, self.id, self.ctx.ordinal())?;
         let mut node: CUgraphNode = std::ptr::null_mut();
         self.call("adding a while node", |d| {
             // SAFETY: `params` is a complete conditional node description; the
@@ -493,6 +525,7 @@ impl CudaGraph {
         }
         let mut b = GraphBody {
             raw: body_graph,
+            id: next_graph_id(),
             ctx: &self.ctx,
             keep: &self.keep,
             _parent: PhantomData,
@@ -501,7 +534,16 @@ impl CudaGraph {
         Ok(GraphNode {
             raw: node,
             kind: GraphNodeKind::Conditional,
+            graph: self.id,
         })
+    }
+
+    /// Instantiate the graph as an executable graph with the default options.
+    ///
+    /// # Errors
+    /// As [`CudaGraph::instantiate_with`].
+    pub fn instantiate(&self) -> Result<CudaGraphExec> {
+        self.instantiate_with(InstantiateOptions::default())
     }
 
     /// Instantiate the graph as an executable graph (`cuGraphInstantiateWithFlags`).
@@ -509,7 +551,7 @@ impl CudaGraph {
     /// # Errors
     /// The driver's status (`CUDA_ERROR_INVALID_VALUE` for flags the device or
     /// driver does not support).
-    pub fn instantiate(&self, options: InstantiateOptions) -> Result<CudaGraphExec> {
+    pub fn instantiate_with(&self, options: InstantiateOptions) -> Result<CudaGraphExec> {
         use sys::CUgraphInstantiate_flags as F;
         let mut flags = 0u64;
         if options.auto_free_on_launch {
@@ -533,7 +575,9 @@ impl CudaGraph {
             .clone();
         Ok(CudaGraphExec {
             raw,
+            made: self.ctx.generation(),
             ctx: Arc::clone(&self.ctx),
+            source: self.id,
             keep,
         })
     }
@@ -543,6 +587,7 @@ impl Drop for CudaGraph {
     fn drop(&mut self) {
         let raw = self.raw;
         self.ctx.release_with(
+            self.made,
             format_args!("destroying graph {raw:p} on device {}", self.ctx.ordinal()),
             |d, failures| {
                 // SAFETY: the graph is this value's own, destroyed once.
@@ -559,7 +604,7 @@ impl Drop for CudaGraph {
 /// # Safety
 /// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay.
 unsafe fn add_kernel<A: KernelArgs>(
-    graph: CUgraph,
+    (graph, graph_id): (CUgraph, u64),
     ctx: &Arc<CudaContext>,
     deps: &[GraphNode],
     f: &CudaFunction,
@@ -573,7 +618,7 @@ unsafe fn add_kernel<A: KernelArgs>(
     )?;
     ctx.bind()?;
     prepare(ctx, f.info(), cfg, None, Some(A::SIZES))?;
-    let raw_deps: Vec<CUgraphNode> = deps.iter().map(|n| n.raw).collect();
+    let raw_deps = raw_deps(deps, graph_id, ctx.ordinal())?;
     let mut node: CUgraphNode = std::ptr::null_mut();
     args.with_params(|p| {
         let params = node_params(f.as_raw(), cfg, p.as_mut_ptr());
@@ -598,6 +643,7 @@ unsafe fn add_kernel<A: KernelArgs>(
     Ok(GraphNode {
         raw: node,
         kind: GraphNodeKind::Kernel,
+        graph: graph_id,
     })
 }
 
@@ -639,6 +685,7 @@ pub(super) fn driver_function_name(d: &'static sys::Driver, func: CUfunction) ->
 /// The body of a conditional node, reached only while it is being built.
 pub struct GraphBody<'a> {
     raw: CUgraph,
+    id: u64,
     ctx: &'a Arc<CudaContext>,
     keep: &'a KeepAlive,
     _parent: PhantomData<&'a mut CudaGraph>,
@@ -660,7 +707,7 @@ impl GraphBody<'_> {
         args: A,
     ) -> Result<GraphNode> {
         // SAFETY: the caller's contract.
-        let node = unsafe { add_kernel(self.raw, self.ctx, deps, f, &cfg, &args) }?;
+        let node = unsafe { add_kernel((self.raw, self.id), self.ctx, deps, f, &cfg, &args) }?;
         keep(self.keep, f.table());
         Ok(node)
     }

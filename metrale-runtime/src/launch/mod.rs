@@ -24,7 +24,8 @@ use metrale_cuda_sys::{
 
 use crate::context::{CudaContext, DeviceLimits};
 use crate::error::{cu, invalid_arg, ErrorKind, LaunchFailure, LaunchShape, MetraleError, Result};
-use crate::function::{CudaFunction, KernelInfo};
+use crate::function::{keep_for_capture, CudaFunction, KernelInfo, KernelTable};
+use crate::stream::captures_in_progress;
 use crate::stream::CudaStream;
 
 mod args;
@@ -298,11 +299,21 @@ fn refused(
     .into()
 }
 
-/// Compare typed argument sizes with the kernel's layout (when the driver gave one).
+/// Compare typed argument sizes with the kernel's layout (when the driver can
+/// report one; a failure to read it refuses the launch and is tried again next
+/// time). The context must be current.
 #[inline]
-pub(crate) fn check_args(info: &KernelInfo, sizes: &[usize]) -> Result<()> {
-    let Some(params) = info.params.as_deref() else {
-        return Ok(());
+pub(crate) fn check_args(
+    d: &'static sys::Driver,
+    info: &KernelInfo,
+    cfg: &LaunchConfig,
+    attrs: Option<&LaunchAttributes>,
+    sizes: &[usize],
+) -> Result<()> {
+    let params = match info.layout(d) {
+        Ok(Some(params)) => params,
+        Ok(None) => return Ok(()),
+        Err(e) => return Err(e.launch(&info.name, shape(cfg, attrs))),
     };
     if params.len() != sizes.len() {
         return Err(mismatch(info, None, params.len(), sizes.len()));
@@ -363,7 +374,7 @@ pub(crate) fn prepare(
         }
     }
     if let Some(sizes) = sizes {
-        check_args(info, sizes)?;
+        check_args(ctx.driver(), info, cfg, attrs, sizes)?;
     }
     if !info.smem_ready(cfg.shared_mem_bytes) {
         info.opt_in(ctx.driver(), cfg.shared_mem_bytes)
@@ -381,7 +392,7 @@ pub(crate) fn prepare(
 #[inline]
 pub(crate) unsafe fn launch_kernel(
     stream: &CudaStream,
-    kernel_ctx: &Arc<CudaContext>,
+    table: &Arc<KernelTable>,
     info: &KernelInfo,
     cfg: &LaunchConfig,
     attrs: Option<&LaunchAttributes>,
@@ -389,8 +400,13 @@ pub(crate) unsafe fn launch_kernel(
     params: *mut *mut c_void,
 ) -> Result<()> {
     let ctx = stream.context();
-    if !Arc::ptr_eq(ctx, kernel_ctx) {
-        return Err(wrong_device(info, kernel_ctx, stream));
+    if !Arc::ptr_eq(ctx, table.ctx()) {
+        return Err(wrong_device(info, table.ctx(), stream));
+    }
+    if captures_in_progress() {
+        // The launch may be recorded into a graph: its code must outlive this
+        // handle until the capture ends and the graph holds it.
+        keep_for_capture(table);
     }
     if let Err(e) = ctx.bind_fast() {
         return Err(e.launch(&info.name, shape(cfg, attrs)));
@@ -489,7 +505,7 @@ impl CudaStream {
             unsafe {
                 launch_kernel(
                     self,
-                    f.context(),
+                    f.table(),
                     f.info(),
                     &cfg,
                     None,
@@ -523,7 +539,7 @@ impl CudaStream {
             unsafe {
                 launch_kernel(
                     self,
-                    f.context(),
+                    f.table(),
                     f.info(),
                     &cfg,
                     Some(attrs),
@@ -555,7 +571,7 @@ impl CudaStream {
         unsafe {
             launch_kernel(
                 self,
-                f.context(),
+                f.table(),
                 f.info(),
                 &cfg,
                 None,

@@ -49,21 +49,26 @@ impl CudaStream {
     ) -> Result<()> {
         check_len("copy from a host slice", dst, src.len())?;
         check_stream(dst, self)?;
-        note_use(dst, self);
         if src.is_empty() {
             return Ok(());
         }
+        note_use(dst, self)?;
         let (to, from, bytes) = (
             dst.device_ptr(),
             src.as_ptr().cast::<c_void>(),
             bytes_of::<T>(src.len()),
         );
+        let section = self.section();
+        self.refuse_if_capturing(&section, "a copy from borrowed host memory")?;
         // SAFETY: `src` is `bytes` long and borrowed until the wait below; the
-        // destination holds `bytes` in this stream's context.
+        // destination holds `bytes` in this stream's context; the stream is not
+        // being captured (checked in this section), so the copy runs now.
         self.call("copy to device", |d, s| unsafe {
             cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
         })?;
-        self.synchronize_or_quiesce()
+        let done = self.record_done()?;
+        drop(section);
+        self.wait_done(done)
     }
 
     /// Copy `src` into `dst` (same length), ordered after the work already on this
@@ -106,21 +111,28 @@ impl CudaStream {
         dst: *mut T,
     ) -> Result<()> {
         check_stream(src, self)?;
-        note_use(src, self);
         if src.is_empty() {
             return Ok(());
         }
+        note_use(src, self)?;
         let (from, to, bytes) = (
             src.device_ptr(),
             dst.cast::<c_void>(),
             bytes_of::<T>(src.len()),
         );
+        let section = self.section();
+        self.refuse_if_capturing(&section, "a copy into borrowed host memory")?;
         // SAFETY: the caller lends `dst` for `bytes` until the wait below; the source
-        // holds `bytes` in this stream's context.
+        // holds `bytes` in this stream's context; the stream is not being captured.
         self.call("copy from device", |d, s| unsafe {
             cu!(d, cuMemcpyDtoHAsync_v2(to, from, bytes, s))
         })?;
-        self.synchronize_or_quiesce()
+        // The wait is on an event recorded right after the copy, in the section: a
+        // capture begun on this stream afterwards (by any thread) cannot make the
+        // wait return early, and a failed wait polls until the copy is done.
+        let done = self.record_done()?;
+        drop(section);
+        self.wait_done(done)
     }
 
     /// Queue a copy from device memory to device memory of the same context (same
@@ -137,8 +149,8 @@ impl CudaStream {
         check_len("device-to-device copy", dst, src.len())?;
         check_stream(src, self)?;
         check_stream(dst, self)?;
-        note_use(src, self);
-        note_use(dst, self);
+        note_use(src, self)?;
+        note_use(dst, self)?;
         if src.is_empty() {
             return Ok(());
         }
@@ -173,11 +185,11 @@ impl CudaStream {
                 self.ordinal()
             )));
         }
-        note_use(src, self);
-        note_use(dst, self);
         if src.is_empty() {
             return Ok(());
         }
+        note_use(src, self)?;
+        note_use(dst, self)?;
         let (from, to, bytes) = (src.device_ptr(), dst.device_ptr(), bytes_of::<T>(src.len()));
         let (from_ctx, to_ctx) = (sc.raw(), dc.raw());
         // SAFETY: both ranges hold `bytes` in their (retained) contexts.
@@ -191,27 +203,33 @@ impl CudaStream {
     ///
     /// # Errors
     /// As [`CudaStream::copy_h2d`] (the buffer is freed on error).
-    pub fn copy_h2d_async<T: DevicePod>(
+    pub fn copy_h2d_pinned<T: DevicePod>(
         &self,
         src: PinnedBuffer<T>,
         dst: &mut (impl DeviceMemoryMut<T> + ?Sized),
     ) -> Result<PendingCopy<T>> {
         check_len("async copy from a pinned buffer", dst, src.len())?;
         check_stream(dst, self)?;
-        note_use(dst, self);
         if !src.is_empty() {
-            let (to, from, bytes) = (
-                dst.device_ptr(),
-                src.as_ptr().cast::<c_void>(),
-                src.byte_len(),
-            );
-            // SAFETY: the pinned source is owned by the PendingCopy until the stream
-            // has passed this copy; the destination holds `bytes`.
+            note_use(dst, self)?;
+        }
+        let (to, from, bytes) = (
+            dst.device_ptr(),
+            src.as_ptr().cast::<c_void>(),
+            src.byte_len(),
+        );
+        let section = self.section();
+        self.refuse_if_capturing(&section, "a copy from a pinned buffer that is handed back")?;
+        if bytes > 0 {
+            // SAFETY: the pinned source is owned by the PendingCopy until its event
+            // has completed; the destination holds `bytes`; not captured.
             self.call("async copy to device", |d, s| unsafe {
                 cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
             })?;
         }
-        Ok(PendingCopy::new(src, self))
+        let done = self.record_done()?;
+        drop(section);
+        Ok(PendingCopy::new(src, self, done))
     }
 
     /// Queue a copy into a pinned buffer, which the returned [`PendingCopy`] owns
@@ -219,26 +237,32 @@ impl CudaStream {
     ///
     /// # Errors
     /// As [`CudaStream::copy_d2h`] (the buffer is freed on error).
-    pub fn copy_d2h_async<T: DevicePod>(
+    pub fn copy_d2h_pinned<T: DevicePod>(
         &self,
         src: &(impl DeviceMemory<T> + ?Sized),
         mut dst: PinnedBuffer<T>,
     ) -> Result<PendingCopy<T>> {
         check_len("async copy into a pinned buffer", src, dst.len())?;
         check_stream(src, self)?;
-        note_use(src, self);
         if !dst.is_empty() {
-            let (from, to, bytes) = (
-                src.device_ptr(),
-                dst.as_mut_ptr().cast::<c_void>(),
-                dst.byte_len(),
-            );
-            // SAFETY: as for copy_h2d_async, in the other direction.
+            note_use(src, self)?;
+        }
+        let (from, to, bytes) = (
+            src.device_ptr(),
+            dst.as_mut_ptr().cast::<c_void>(),
+            dst.byte_len(),
+        );
+        let section = self.section();
+        self.refuse_if_capturing(&section, "a copy into a pinned buffer that is handed back")?;
+        if bytes > 0 {
+            // SAFETY: as for copy_h2d_pinned, in the other direction.
             self.call("async copy from device", |d, s| unsafe {
                 cu!(d, cuMemcpyDtoHAsync_v2(to, from, bytes, s))
             })?;
         }
-        Ok(PendingCopy::new(dst, self))
+        let done = self.record_done()?;
+        drop(section);
+        Ok(PendingCopy::new(dst, self, done))
     }
 
     fn fill<T: DeviceRepr>(
@@ -254,7 +278,7 @@ impl CudaStream {
         ) -> Result<(), crate::error::CallError>,
     ) -> Result<()> {
         check_stream(dst, self)?;
-        note_use(dst, self);
+        note_use(dst, self)?;
         let (ptr, bytes) = (dst.device_ptr(), bytes_of::<T>(dst.len()));
         if bytes % width != 0 || ptr % width as u64 != 0 {
             return Err(invalid_arg(format!(

@@ -5,12 +5,13 @@ use std::marker::PhantomData;
 use std::ops::{Bound, RangeBounds};
 use std::sync::Arc;
 
-use metrale_cuda_sys::{CUdeviceptr, CUstream};
+use metrale_cuda_sys::CUdeviceptr;
 
-use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, StreamOrdered};
-use crate::context::{AsContext, CudaContext};
+use super::free::{FreeJob, Kind};
+use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, Uses};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
-use crate::stream::CudaStream;
+use crate::stream::{AsStream, CudaStream};
 
 /// `len` elements of `T` in device memory, freed on drop.
 ///
@@ -32,15 +33,12 @@ use crate::stream::CudaStream;
 pub struct DeviceBuffer<T: DeviceRepr> {
     ptr: CUdeviceptr,
     len: usize,
-    home: Home,
+    ctx: Arc<CudaContext>,
+    /// The context generation the allocation was made in.
+    made: Generation,
+    /// The allocation's own stream (stream-ordered) and the streams that used it.
+    uses: Uses,
     _elem: PhantomData<T>,
-}
-
-/// What a buffer's allocation belongs to: a context (`cuMemAlloc`), or the stream
-/// it was allocated on in stream order (which holds the context).
-enum Home {
-    Context(Arc<CudaContext>),
-    Stream(StreamOrdered),
 }
 
 /// Check that the driver's address suits `T`'s alignment (it gives 256 bytes).
@@ -74,74 +72,59 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
                 |d| unsafe { cu!(d, cuMemAlloc_v2(&mut ptr, bytes)) },
             )?;
         }
-        let buf = DeviceBuffer::from_parts(ptr, len, ctx, None);
+        let buf = DeviceBuffer::from_parts(ptr, len, ctx, ctx.generation(), None);
         check_alignment::<T>(ptr, "device buffer")?;
         Ok(buf)
     }
 
+    /// A buffer over `ptr`, allocated in `ctx` (generation `made`), on stream
+    /// `own` when it is stream-ordered.
     pub(crate) fn from_parts(
         ptr: CUdeviceptr,
         len: usize,
         ctx: &Arc<CudaContext>,
-        ordered: Option<StreamOrdered>,
+        made: Generation,
+        own: Option<&CudaStream>,
     ) -> DeviceBuffer<T> {
         DeviceBuffer {
             ptr,
             len,
-            home: match ordered {
-                Some(o) => Home::Stream(o),
-                None => Home::Context(Arc::clone(ctx)),
-            },
+            ctx: Arc::clone(ctx),
+            made,
+            uses: Uses::new(own),
             _elem: PhantomData,
         }
     }
 
     #[inline]
     fn ctx(&self) -> &Arc<CudaContext> {
-        match &self.home {
-            Home::Context(c) => c,
-            Home::Stream(o) => o.stream().context(),
-        }
+        &self.ctx
     }
 
-    #[inline]
-    fn ordered(&self) -> Option<&StreamOrdered> {
-        match &self.home {
-            Home::Context(_) => None,
-            Home::Stream(o) => Some(o),
-        }
-    }
-
-    /// Allocate and fill from `data`; returns once the data is on the device, so
-    /// the buffer is ready for work on any stream.
+    /// Allocate (`cuMemAlloc`) and fill from `data` with a copy queued on
+    /// `stream` (a stream, or a host's or registry's stream) after its work so far; returns once the copy is done, so the buffer
+    /// is ready for work on any stream of its device.
     ///
     /// # Errors
-    /// As [`DeviceBuffer::alloc`], and the failing copy.
-    pub fn from_host(ctx: &impl AsContext, data: &[T]) -> Result<DeviceBuffer<T>> {
-        let mut buf = DeviceBuffer::alloc(ctx, data.len())?;
-        buf.legacy_stream().copy_h2d(data, &mut buf)?;
+    /// As [`DeviceBuffer::alloc`] and [`CudaStream::copy_h2d`].
+    pub fn from_host(stream: &impl AsStream, data: &[T]) -> Result<DeviceBuffer<T>> {
+        let stream = stream.stream();
+        let mut buf = DeviceBuffer::alloc(stream, data.len())?;
+        stream.copy_h2d(data, &mut buf)?;
         Ok(buf)
     }
 
-    /// Allocate `len` zeroed elements; returns once they are zero.
+    /// Allocate `len` elements and fill them with zero bytes on `stream`; returns
+    /// once they are zero (ready for work on any stream of the device).
     ///
     /// # Errors
-    /// As [`DeviceBuffer::alloc`], and the failing fill.
-    pub fn zeroed(ctx: &impl AsContext, len: usize) -> Result<DeviceBuffer<T>> {
-        let mut buf = DeviceBuffer::alloc(ctx, len)?;
-        let s = buf.legacy_stream();
-        s.zero(&mut buf)?;
-        s.synchronize()?;
+    /// As [`DeviceBuffer::alloc`], and the failing fill or wait.
+    pub fn zeroed(stream: &impl AsStream, len: usize) -> Result<DeviceBuffer<T>> {
+        let stream = stream.stream();
+        let mut buf = DeviceBuffer::alloc(stream, len)?;
+        stream.zero(&mut buf)?;
+        stream.finish_queued()?;
         Ok(buf)
-    }
-
-    /// The legacy default stream of this buffer's context: for the one-off
-    /// initialisation copies of a fresh buffer, which wait before returning.
-    fn legacy_stream(&self) -> CudaStream {
-        let null: CUstream = std::ptr::null_mut();
-        // SAFETY: null is the legacy default stream, valid in every context and never
-        // destroyed.
-        unsafe { CudaStream::from_raw(self.ctx(), null) }
     }
 
     /// Number of elements.
@@ -171,7 +154,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
 
     /// The stream a stream-ordered buffer is freed on (`None`: `cuMemAlloc`).
     pub fn stream(&self) -> Option<&CudaStream> {
-        self.ordered().map(StreamOrdered::stream)
+        self.uses.own.as_ref()
     }
 
     /// A shared view of `range` (`buf.slice(2..10)`, `buf.slice(..)`).
@@ -184,7 +167,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
             len,
             ctx: self.ctx(),
-            ordered: self.ordered(),
+            uses: Some(&self.uses),
             _elem: PhantomData,
         })
     }
@@ -199,7 +182,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
             len,
             ctx: self.ctx(),
-            ordered: self.ordered(),
+            uses: Some(&self.uses),
             _elem: PhantomData,
         })
     }
@@ -249,7 +232,7 @@ impl<T: DeviceRepr> fmt::Debug for DeviceBuffer<T> {
             .field("device", &self.ctx().ordinal())
             .field("ptr", &format_args!("{:#x}", self.ptr))
             .field("len", &self.len)
-            .field("stream_ordered", &self.ordered().is_some())
+            .field("stream_ordered", &self.uses.own.is_some())
             .finish()
     }
 }
@@ -259,43 +242,14 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        let ptr = self.ptr;
-        match &self.home {
-            Home::Context(ctx) => ctx.release_with(
-                format_args!("freeing device buffer {ptr:#x} on device {}", ctx.ordinal()),
-                |d, failures| {
-                    // SAFETY: this buffer's own allocation, freed once; `cuMemFree`
-                    // waits for work that uses it.
-                    if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
-                        failures.push(e);
-                    }
-                },
-            ),
-            Home::Stream(o) => {
-                let (stream, ctx) = (o.stream().raw(), o.stream().context());
-                let what = format_args!(
-                    "freeing stream-ordered buffer {ptr:#x} on device {}",
-                    ctx.ordinal()
-                );
-                if o.used_elsewhere() {
-                    // Used on other streams too: let all of it finish first.
-                    ctx.release_with(what, |d, failures| {
-                        // SAFETY: no arguments; the context is current.
-                        if let Err(e) = unsafe { cu!(d, cuCtxSynchronize()) } {
-                            failures.push(e);
-                        }
-                        // SAFETY: freed once, in order on the stream it was
-                        // allocated on (kept alive by this buffer).
-                        if let Err(e) = unsafe { cu!(d, cuMemFreeAsync(ptr, stream)) } {
-                            failures.push(e);
-                        }
-                    });
-                } else {
-                    // SAFETY: as above; the stream names the context.
-                    ctx.release_on_stream(what, |d| unsafe { cu!(d, cuMemFreeAsync(ptr, stream)) });
-                }
-            }
+        FreeJob {
+            ptr: self.ptr,
+            kind: Kind::Device,
+            ctx: Arc::clone(&self.ctx),
+            made: self.made,
+            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
         }
+        .release();
     }
 }
 
@@ -310,8 +264,8 @@ impl<T: DeviceRepr> DeviceMemory<T> for DeviceBuffer<T> {
     fn memory_context(&self) -> &Arc<CudaContext> {
         self.ctx()
     }
-    fn stream_ordered(&self) -> Option<&StreamOrdered> {
-        self.ordered()
+    fn uses(&self) -> Option<&Uses> {
+        Some(&self.uses)
     }
     fn describe(&self) -> String {
         format!(
@@ -331,7 +285,7 @@ macro_rules! slice_type {
             ptr: CUdeviceptr,
             len: usize,
             ctx: &'a Arc<CudaContext>,
-            ordered: Option<&'a StreamOrdered>,
+            uses: Option<&'a Uses>,
             _elem: PhantomData<$borrow>,
         }
 
@@ -366,7 +320,7 @@ macro_rules! slice_type {
                     ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
                     len,
                     ctx: self.ctx,
-                    ordered: self.ordered,
+                    uses: self.uses,
                     _elem: PhantomData,
                 })
             }
@@ -393,8 +347,8 @@ macro_rules! slice_type {
             fn memory_context(&self) -> &Arc<CudaContext> {
                 self.ctx
             }
-            fn stream_ordered(&self) -> Option<&StreamOrdered> {
-                self.ordered
+            fn uses(&self) -> Option<&Uses> {
+                self.uses
             }
             fn describe(&self) -> String {
                 format!(
@@ -433,7 +387,7 @@ impl<T: DeviceRepr> DeviceSliceMut<'_, T> {
             ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
             len,
             ctx: self.ctx,
-            ordered: self.ordered,
+            uses: self.uses,
             _elem: PhantomData,
         })
     }

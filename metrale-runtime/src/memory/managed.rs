@@ -8,8 +8,9 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
 use super::device::check_alignment;
-use super::{byte_len, check_stream, sealed, DeviceMemory, DeviceMemoryMut, DevicePod};
-use crate::context::{AsContext, CudaContext};
+use super::free::{FreeJob, Kind};
+use super::{byte_len, check_stream, sealed, DeviceMemory, DeviceMemoryMut, DevicePod, Uses};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
@@ -43,6 +44,9 @@ pub struct ManagedBuffer<T: DevicePod> {
     ptr: CUdeviceptr,
     len: usize,
     ctx: Arc<CudaContext>,
+    made: Generation,
+    /// Streams of other devices that used the buffer (peer copies).
+    uses: Uses,
     _elem: PhantomData<T>,
 }
 
@@ -74,31 +78,72 @@ impl<T: DevicePod> ManagedBuffer<T> {
         let buf = ManagedBuffer {
             ptr,
             len,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
+            uses: Uses::new(None),
             _elem: PhantomData,
         };
         check_alignment::<T>(ptr, "managed buffer")?;
-        if bytes > 0 {
+        if bytes > 0 && ctx.limits().concurrent_managed_access {
             // SAFETY: `bytes` of fresh managed memory, addressable from the host; no
-            // work can use it yet.
+            // work can use it yet, and the device lets the host touch managed memory
+            // while kernels run (CONCURRENT_MANAGED_ACCESS).
             unsafe { std::ptr::write_bytes(ptr as usize as *mut u8, 0, bytes) };
+        } else if bytes > 0 {
+            // Without concurrent access the host may not touch managed memory while
+            // any kernel of the device runs: the driver zeroes it instead.
+            ctx.call(
+                || format!("device {}: zeroing {bytes} managed bytes", ctx.ordinal()),
+                // SAFETY: the fresh allocation's `bytes`; the context is current.
+                |d| unsafe { cu!(d, cuMemsetD8_v2(ptr, 0, bytes)) },
+            )?;
+            ctx.synchronize()?;
         }
         Ok(buf)
     }
 
-    /// The elements, for the host to read and write: waits for all work of the
-    /// context first (`cuCtxSynchronize`).
+    /// The elements, for the host to read and write: waits first for all work of
+    /// the buffer's context (`cuCtxSynchronize`) and for every stream of another
+    /// device a safe operation used the buffer on (peer copies).
+    ///
+    /// Only on devices that let the host access managed memory while kernels run
+    /// (`CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS`: Linux with a Pascal or
+    /// newer GPU); elsewhere a kernel started by any thread while the slice is
+    /// held would fault the host, so it is refused: copy with
+    /// [`CudaStream::to_vec`] and [`CudaStream::copy_h2d`] instead.
     ///
     /// # Errors
-    /// The synchronisation's failure (an earlier kernel's fault).
+    /// `InvalidArgument` on a device without concurrent managed access; the
+    /// synchronisation's failure (an earlier kernel's fault), or a stream that
+    /// used the buffer being captured.
     pub fn host_slice(&mut self) -> Result<&mut [T]> {
+        if !self.ctx.limits().concurrent_managed_access {
+            return Err(invalid_arg(format!(
+                "managed buffer {:#x}: device {} does not let the host access managed memory while \
+                 kernels run (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS = 0); copy it instead",
+                self.ptr,
+                self.ctx.ordinal()
+            )));
+        }
         self.ctx.synchronize()?;
+        let foreign = self
+            .uses
+            .foreign
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        for s in &foreign {
+            s.synchronize()?;
+        }
         if self.len == 0 {
             return Ok(&mut []);
         }
         // SAFETY: `len` initialised (zeroed, then written as T) elements, aligned
-        // (checked), addressable from the host; no device work is in flight (just
-        // synchronised) and none can be queued through `&mut self` meanwhile.
+        // (checked), addressable from the host. Every stream a safe operation used
+        // the buffer on has finished (just waited for), none can be queued through
+        // `&mut self` meanwhile, and the device allows concurrent host access
+        // while unrelated kernels run. Kernels given the buffer by `unsafe`
+        // launches are the launch's contract.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as usize as *mut T, self.len) })
     }
 
@@ -165,20 +210,14 @@ impl<T: DevicePod> Drop for ManagedBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        let ptr = self.ptr;
-        self.ctx.release_with(
-            format_args!(
-                "freeing managed buffer {ptr:#x} on device {}",
-                self.ctx.ordinal()
-            ),
-            |d, failures| {
-                // SAFETY: this buffer's own allocation, freed once; `cuMemFree` waits
-                // for work that uses it.
-                if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
-                    failures.push(e);
-                }
-            },
-        );
+        FreeJob {
+            ptr: self.ptr,
+            kind: Kind::Managed,
+            ctx: Arc::clone(&self.ctx),
+            made: self.made,
+            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
+        }
+        .release();
     }
 }
 
@@ -192,6 +231,9 @@ impl<T: DevicePod> DeviceMemory<T> for ManagedBuffer<T> {
     }
     fn memory_context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+    fn uses(&self) -> Option<&Uses> {
+        Some(&self.uses)
     }
     fn describe(&self) -> String {
         format!("managed buffer {:#x} ({} elements)", self.ptr, self.len)

@@ -41,12 +41,15 @@ use crate::stream::CudaStream;
 
 mod copy;
 mod device;
+mod free;
 mod managed;
 mod pinned;
 mod pool;
 mod symbol;
 
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
+pub use free::deferred_frees;
+pub(crate) use free::retry_deferred as retry_deferred_frees;
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;
@@ -101,38 +104,37 @@ pub(crate) fn byte_len<T>(len: usize, what: &str) -> Result<usize> {
 }
 
 mod sealed {
-    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::atomic::AtomicBool;
+    use std::sync::Mutex;
 
     use crate::stream::CudaStream;
 
     /// Implemented by this crate's device memory types only.
     pub trait Sealed {}
 
-    /// A stream-ordered allocation's own stream, and whether a safe operation used the
-    /// memory on another stream (then its free must wait for the whole context).
-    pub struct StreamOrdered {
-        pub(crate) stream: CudaStream,
-        pub(crate) elsewhere: AtomicBool,
+    /// What an allocation needs to know to be freed only after every use: its own
+    /// stream, when it is stream-ordered, and the streams of safe operations that
+    /// used it elsewhere (another stream for stream-ordered memory, another
+    /// device's stream for any memory).
+    pub struct Uses {
+        pub(crate) own: Option<CudaStream>,
+        /// Whether `foreign` has anything (one load on the free path).
+        pub(crate) any_foreign: AtomicBool,
+        /// Each stream at most once; only touched off the hot path.
+        pub(crate) foreign: Mutex<Vec<CudaStream>>,
     }
 
-    impl StreamOrdered {
-        pub(crate) fn new(stream: &CudaStream) -> StreamOrdered {
-            StreamOrdered {
-                stream: stream.clone(),
-                elsewhere: AtomicBool::new(false),
+    impl Uses {
+        pub(crate) fn new(own: Option<&CudaStream>) -> Uses {
+            Uses {
+                own: own.cloned(),
+                any_foreign: AtomicBool::new(false),
+                foreign: Mutex::new(Vec::new()),
             }
-        }
-
-        pub(crate) fn stream(&self) -> &CudaStream {
-            &self.stream
-        }
-
-        pub(crate) fn used_elsewhere(&self) -> bool {
-            self.elsewhere.load(Ordering::Acquire)
         }
     }
 }
-pub(crate) use sealed::StreamOrdered;
+pub(crate) use sealed::Uses;
 
 /// Device memory holding elements of `T`: buffers, slices, managed buffers and
 /// typed symbols. Copies, fills and kernel arguments accept any of them.
@@ -148,8 +150,8 @@ pub trait DeviceMemory<T: DeviceRepr>: sealed::Sealed {
     /// The context the memory lives in.
     fn memory_context(&self) -> &Arc<CudaContext>;
     #[doc(hidden)]
-    /// The allocation's stream, when it is stream-ordered.
-    fn stream_ordered(&self) -> Option<&StreamOrdered> {
+    /// The allocation's record of its streams, for memory that is freed (buffers).
+    fn uses(&self) -> Option<&Uses> {
         None
     }
     /// What the memory is, for error texts.
@@ -166,17 +168,72 @@ pub trait DeviceMemory<T: DeviceRepr>: sealed::Sealed {
 /// Device memory that may be written through this handle.
 pub trait DeviceMemoryMut<T: DeviceRepr>: DeviceMemory<T> {}
 
-/// Note that `stream` uses `mem`: a stream-ordered allocation used on a stream
-/// other than its own must have its free wait for the whole context.
+/// Note that `stream` is about to use `mem`, before the operation is queued, so
+/// that freeing `mem` waits for it:
+/// - stream-ordered memory on another stream than its own: the first such use on
+///   each stream is ordered after the allocation (an event on the own stream that
+///   `stream` waits for), and the stream is remembered, so the free is ordered
+///   after its work (see `DeviceBuffer`'s Drop);
+/// - any memory on a stream of another device (peer copies): the stream is
+///   remembered, and the free waits for it.
+///
+/// A stream being captured records nothing (its work runs at replays, which are
+/// `unsafe` and the caller's to order).
 #[inline]
-pub(crate) fn note_use<T: DeviceRepr>(mem: &(impl DeviceMemory<T> + ?Sized), stream: &CudaStream) {
-    if let Some(o) = mem.stream_ordered() {
-        if !o.stream.same_stream(stream) {
-            o.elsewhere.store(true, Ordering::Release);
-        }
+pub(crate) fn note_use<T: DeviceRepr>(
+    mem: &(impl DeviceMemory<T> + ?Sized),
+    stream: &CudaStream,
+) -> Result<()> {
+    let Some(uses) = mem.uses() else {
+        return Ok(());
+    };
+    match &uses.own {
+        Some(own) if own.same_stream(stream) => Ok(()),
+        Some(own) => note_foreign(uses, Some(own), stream),
+        None if stream.context().same(mem.memory_context()) => Ok(()),
+        None => note_foreign(uses, None, stream),
     }
 }
 
+#[cold]
+fn note_foreign(uses: &Uses, own: Option<&CudaStream>, stream: &CudaStream) -> Result<()> {
+    let mut list = uses
+        .foreign
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if list.iter().any(|s| s.same_stream(stream)) {
+        return Ok(());
+    }
+    // Sections of two streams are never held at once (a capture start holds its
+    // stream's lock while it waits for that stream's sections).
+    let ready = match own {
+        Some(own) => {
+            // The memory is valid for work ordered after its allocation on `own`.
+            let own_section = own.section();
+            own.refuse_if_capturing(
+                &own_section,
+                "ordering a stream-ordered allocation before its use on another stream",
+            )?;
+            let ready = crate::stream::CudaEvent::new(own)?;
+            ready.record(own)?;
+            Some(ready)
+        }
+        None => None,
+    };
+    let section = stream.section();
+    if stream
+        .capturing_now(&section)
+        .map_err(|e| e.about(stream.subject("capture status")))?
+    {
+        return Ok(());
+    }
+    if let Some(ready) = ready {
+        stream.wait_unmarked(&ready)?;
+    }
+    list.push(stream.clone());
+    uses.any_foreign.store(true, Ordering::Release);
+    Ok(())
+}
 /// `Ok` when `mem` lives in `stream`'s context.
 pub(crate) fn check_stream<T: DeviceRepr>(
     mem: &(impl DeviceMemory<T> + ?Sized),

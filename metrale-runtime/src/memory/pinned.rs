@@ -5,15 +5,17 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
 
+use metrale_cuda_sys::CUevent;
+
 use super::{byte_len, DevicePod};
-use crate::context::{AsContext, CudaContext};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, report_line, Result};
 use crate::stream::CudaStream;
 
 /// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
 /// allocation, freed on drop. Dereferences to a slice. Copies from and to pinned
 /// memory run at full bus speed and truly asynchronously
-/// ([`CudaStream::copy_h2d_async`]).
+/// ([`CudaStream::copy_h2d_pinned`]).
 ///
 /// ```no_run
 /// use metrale_runtime::{host, DeviceBuffer, PinnedBuffer};
@@ -22,7 +24,7 @@ use crate::stream::CudaStream;
 /// let mut staging = PinnedBuffer::<f32>::zeroed(&h, 1 << 20)?;
 /// staging.fill(1.5);
 /// let mut dev = DeviceBuffer::<f32>::alloc(&h, 1 << 20)?;
-/// let pending = h.stream().copy_h2d_async(staging, &mut dev)?; // returns at once
+/// let pending = h.stream().copy_h2d_pinned(staging, &mut dev)?; // returns at once
 /// // ... queue more work ...
 /// let staging = pending.wait()?; // the buffer comes back once the copy is done
 /// # Ok(()) }
@@ -31,6 +33,7 @@ pub struct PinnedBuffer<T: DevicePod> {
     ptr: *mut T,
     len: usize,
     ctx: Arc<CudaContext>,
+    made: Generation,
 }
 
 // SAFETY: the buffer owns its allocation like a Box<[T]>; T is Send + Sync.
@@ -58,6 +61,7 @@ impl<T: DevicePod> PinnedBuffer<T> {
         let buf = PinnedBuffer {
             ptr: raw.cast::<T>(),
             len,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
         };
         if bytes > 0 && !(raw as usize).is_multiple_of(std::mem::align_of::<T>()) {
@@ -128,6 +132,7 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
         }
         let ptr = self.ptr.cast::<c_void>();
         self.ctx.release_with(
+            self.made,
             format_args!(
                 "freeing pinned buffer {ptr:p} on device {}",
                 self.ctx.ordinal()
@@ -151,13 +156,26 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
 pub struct PendingCopy<T: DevicePod> {
     buffer: Option<PinnedBuffer<T>>,
     stream: CudaStream,
+    /// Recorded right after the copy, outside any capture: done means the copy is.
+    done: CUevent,
 }
 
+// SAFETY: the buffer is Send; the event is an opaque handle of the stream (which
+// keeps it alive), waited on from any thread.
+unsafe impl<T: DevicePod> Send for PendingCopy<T> {}
+// SAFETY: shared access only queries the event and reads the stream.
+unsafe impl<T: DevicePod> Sync for PendingCopy<T> {}
+
 impl<T: DevicePod> PendingCopy<T> {
-    pub(crate) fn new(buffer: PinnedBuffer<T>, stream: &CudaStream) -> PendingCopy<T> {
+    pub(crate) fn new(
+        buffer: PinnedBuffer<T>,
+        stream: &CudaStream,
+        done: CUevent,
+    ) -> PendingCopy<T> {
         PendingCopy {
             buffer: Some(buffer),
             stream: stream.clone(),
+            done,
         }
     }
 
@@ -165,20 +183,21 @@ impl<T: DevicePod> PendingCopy<T> {
     /// the buffer back.
     ///
     /// # Errors
-    /// The stream's failure; the buffer is freed (once the stream is idle).
+    /// The stream's failure; the buffer is freed (once the copy can no longer
+    /// touch it).
     pub fn wait(mut self) -> Result<PinnedBuffer<T>> {
-        let waited = self.stream.synchronize_or_quiesce();
+        let waited = self.stream.wait_done(self.done);
         let buffer = self.buffer.take();
         waited?;
         buffer.ok_or_else(|| invalid_arg("pending copy already taken"))
     }
 
-    /// Whether the stream has finished the copy (and everything before it).
+    /// Whether the copy (and everything before it on the stream) has finished.
     ///
     /// # Errors
-    /// `cuStreamQuery`'s failure.
+    /// `cuEventQuery`'s failure.
     pub fn is_done(&self) -> Result<bool> {
-        self.stream.query()
+        self.stream.event_done(self.done)
     }
 
     /// The stream the copy was queued on.
@@ -190,7 +209,7 @@ impl<T: DevicePod> PendingCopy<T> {
 impl<T: DevicePod> Drop for PendingCopy<T> {
     fn drop(&mut self) {
         if self.buffer.is_some() {
-            if let Err(e) = self.stream.synchronize_or_quiesce() {
+            if let Err(e) = self.stream.wait_done(self.done) {
                 report_line(format_args!("dropping a pending copy: {e}"));
             }
         }

@@ -8,8 +8,8 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUmemoryPool};
 
 use super::device::check_alignment;
-use super::{byte_len, DeviceBuffer, DeviceRepr, StreamOrdered};
-use crate::context::{AsContext, CudaContext};
+use super::{byte_len, DeviceBuffer, DeviceRepr};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
 
@@ -45,6 +45,7 @@ fn check_pools(ctx: &CudaContext) -> Result<()> {
 pub struct MemPool {
     raw: CUmemoryPool,
     ctx: Arc<CudaContext>,
+    made: Generation,
     owned: bool,
 }
 
@@ -81,6 +82,7 @@ impl MemPool {
         )?;
         Ok(MemPool {
             raw,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
             owned: false,
         })
@@ -110,6 +112,7 @@ impl MemPool {
         )?;
         Ok(MemPool {
             raw,
+            made: ctx.generation(),
             ctx: Arc::clone(ctx),
             owned: true,
         })
@@ -206,6 +209,7 @@ impl Drop for MemPool {
         let raw = self.raw;
         // The driver defers the destruction until outstanding allocations are freed.
         self.ctx.release_with(
+            self.made,
             format_args!(
                 "destroying memory pool {raw:p} on device {}",
                 self.ctx.ordinal()
@@ -286,8 +290,8 @@ impl CudaStream {
                 })?;
             ptr = ptr_out.get();
         }
-        let ordered = (bytes > 0).then(|| StreamOrdered::new(self));
-        let buf = DeviceBuffer::from_parts(ptr, len, self.context(), ordered);
+        let own = (bytes > 0).then_some(self);
+        let buf = DeviceBuffer::from_parts(ptr, len, self.context(), self.made(), own);
         check_alignment::<T>(ptr, "stream-ordered buffer")?;
         Ok(buf)
     }

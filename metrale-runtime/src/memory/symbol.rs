@@ -17,7 +17,7 @@ use crate::stream::CudaStream;
 /// looked up; it keeps its module loaded.
 ///
 /// Read and write it with its own methods (which wait), or use it like any device
-/// memory: as a copy source or target ([`CudaStream::copy_h2d_async`] for an async
+/// memory: as a copy source or target ([`CudaStream::copy_h2d_pinned`] for an async
 /// write), or a kernel argument.
 ///
 /// ```no_run

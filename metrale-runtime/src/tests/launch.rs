@@ -15,6 +15,7 @@ fn limits() -> DeviceLimits {
         cooperative_launch: true,
         memory_pools: true,
         managed_memory: true,
+        concurrent_managed_access: true,
     }
 }
 

@@ -18,7 +18,7 @@ fn capture_chain(
     n: u32,
     b: u32,
 ) -> CudaGraph {
-    s.capture(CaptureMode::default(), |s| {
+    s.capture(|s| -> metrale_runtime::Result<()> {
         for i in 0..n {
             // SAFETY: the stand-in only records the arguments.
             unsafe { s.launch(f, cfg(), (x, 1u32, b + i))? };
@@ -44,7 +44,7 @@ fn capture_replay_and_inspect() {
     let kernels = graph.kernel_nodes().unwrap();
     assert!(kernels.iter().all(|k| k.name == "kernels::axpb"));
     assert_eq!(kernels[0].config, cfg());
-    let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = graph.instantiate().unwrap();
     exec.upload(s).unwrap();
     // SAFETY: x is alive.
     unsafe { exec.launch(s) }.unwrap();
@@ -130,7 +130,7 @@ fn an_invalidated_capture_is_reported_and_the_stream_recovers() {
     assert_eq!(fake().launches(), launches + 1);
     // A closure that fails still ends the capture.
     let e = s
-        .capture(CaptureMode::default(), |s| {
+        .capture(|s| -> metrale_runtime::Result<()> {
             // SAFETY: refused before the driver.
             unsafe { s.launch(&f, cfg(), (&x, 1u32)) }
         })
@@ -151,7 +151,7 @@ fn graphs_update_whole_and_per_node() {
     let f = reg.function("kernels", "axpb").unwrap();
     let x = DeviceBuffer::<u32>::zeroed(s, 1).unwrap();
     let g1 = capture_chain(s, &f, &x, 3, 0);
-    let mut exec = g1.instantiate(InstantiateOptions::default()).unwrap();
+    let mut exec = g1.instantiate().unwrap();
     // Same topology: accepted, and replays use the new arguments.
     let g2 = capture_chain(s, &f, &x, 3, 100);
     exec.update(&g2).unwrap();
@@ -248,12 +248,12 @@ fn drop_order_never_matters() {
         let f = reg.function("kernels", "empty").unwrap();
         let buf = DeviceBuffer::<f32>::alloc(&s, 1).unwrap();
         let graph = s
-            .capture(CaptureMode::default(), |s| {
+            .capture(|s| -> metrale_runtime::Result<()> {
                 // SAFETY: the stand-in only records the arguments.
                 unsafe { s.launch(&f, cfg(), (&buf, 1u32, 1.0f32)) }
             })
             .unwrap();
-        let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+        let exec = graph.instantiate().unwrap();
         drop(f);
         let ctx = Arc::clone(reg.ctx());
         let mut parts: [Option<Box<dyn std::any::Any>>; 4] = [
@@ -297,7 +297,7 @@ fn a_graph_keeps_its_kernels_loaded() {
     drop(reg);
     release(0);
     assert_eq!(fake().live(Live::Modules), 1, "held by the graph");
-    let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = graph.instantiate().unwrap();
     drop(graph);
     assert_eq!(
         fake().live(Live::Modules),

@@ -6,25 +6,30 @@ use crate::harness::Test;
 
 /// Before, a failed wait after a queued device-to-host copy returned at once: the
 /// borrow of the host memory ended while the copy engine could still write it.
+/// Now the wait is on an event recorded right after the copy, and a failed wait
+/// polls it: neither a failed query (item 7 of the soundness audit) nor a
+/// transient error is taken for "done".
 fn a_failed_wait_does_not_end_the_borrow_early() {
     let reg = setup();
     let s = reg.stream();
     let values: Vec<u32> = (0..256).map(|i| i * 7 + 1).collect();
     let dev = DeviceBuffer::from_host(s, &values).unwrap();
     let mut out = vec![0u32; 256];
-    fake().fail("cuStreamSynchronize", 700, 1, Some(1));
-    fake().fail("cuStreamQuery", 600, 1, Some(3));
+    fake().fail("cuEventSynchronize", 999, 1, Some(1));
+    // Three transient failures (not "idle", not "done"), then done.
+    fake().fail("cuEventQuery", 999, 1, Some(3));
     let e = s.copy_d2h(&dev, &mut out).unwrap_err();
-    assert_eq!(e.status(), Some(CUresult(700)));
+    assert_eq!(e.status(), Some(CUresult(999)));
+    assert!(e.to_string().contains("cuEventSynchronize"), "{e}");
     assert_eq!(
         fake().pending(raw(s)),
         0,
         "the copy engine must be done with the host memory when the call returns"
     );
     assert_eq!(out, values, "the copy landed before the borrow ended");
-    assert_eq!(fake().calls("cuStreamQuery"), 4, "polled until idle");
+    assert_eq!(fake().calls("cuEventQuery"), 4, "polled until done");
     // The same for to_vec, and the async copy's drop.
-    fake().fail("cuStreamSynchronize", 700, 1, Some(1));
+    fake().fail("cuEventSynchronize", 700, 1, Some(1));
     assert!(s.to_vec(&dev).is_err());
     assert_eq!(fake().pending(raw(s)), 0);
     assert_eq!(s.to_vec(&dev).unwrap(), values);
@@ -51,15 +56,15 @@ fn copies_and_length_checks() {
     let mut pinned = PinnedBuffer::<u64>::zeroed(s, 1024).unwrap();
     pinned.copy_from_slice(&h);
     let mut back = DeviceBuffer::<u64>::zeroed(s, 1024).unwrap();
-    let pending = s.copy_h2d_async(pinned, &mut back).unwrap();
+    let pending = s.copy_h2d_pinned(pinned, &mut back).unwrap();
     let pinned = pending.wait().unwrap();
     let staging = PinnedBuffer::<u64>::zeroed(s, 1024).unwrap();
-    let pending = s.copy_d2h_async(&back, staging).unwrap();
+    let pending = s.copy_d2h_pinned(&back, staging).unwrap();
     assert_eq!(fake().pending(raw(s)), 1, "the copy is in flight");
     let staging = pending.wait().unwrap();
     assert_eq!(&staging[..], &h[..]);
     // Dropping a pending copy waits for it.
-    let pending = s.copy_d2h_async(&back, staging).unwrap();
+    let pending = s.copy_d2h_pinned(&back, staging).unwrap();
     drop(pending);
     assert_eq!(fake().pending(raw(s)), 0);
     drop((pinned, dev, back));
@@ -180,13 +185,43 @@ fn stream_ordered_allocation_and_pools() {
     assert_eq!(fake().last_free_stream(), raw(s));
     let z = s.alloc_zeroed::<u32>(64).unwrap();
     assert_eq!(s.to_vec(&z).unwrap(), vec![0; 64]);
-    // Used by a safe operation on another stream: the free waits for the context.
+    // Used by a safe operation on another stream: that use is ordered after the
+    // allocation (an event of the own stream, waited for by the other), and the
+    // free after that use (an event of the other stream, waited for by the own
+    // stream), without blocking the host.
     let other = CudaStream::new(reg.ctx()).unwrap();
     let mut z = z;
+    let (records, waits) = (
+        fake().calls("cuEventRecord"),
+        fake().calls("cuStreamWaitEvent"),
+    );
     other.memset_u32(&mut z, 5).unwrap();
+    assert_eq!(
+        fake().calls("cuEventRecord"),
+        records + 1,
+        "use ordered after the allocation"
+    );
+    assert_eq!(fake().calls("cuStreamWaitEvent"), waits + 1);
+    other.memset_u32(&mut z, 6).unwrap();
+    assert_eq!(
+        fake().calls("cuEventRecord"),
+        records + 1,
+        "once per stream"
+    );
     let syncs = fake().calls("cuCtxSynchronize");
     drop(z);
-    assert_eq!(fake().calls("cuCtxSynchronize"), syncs + 1);
+    assert_eq!(
+        fake().calls("cuCtxSynchronize"),
+        syncs,
+        "the free does not block"
+    );
+    assert_eq!(
+        fake().calls("cuEventRecord"),
+        records + 2,
+        "free ordered after the use"
+    );
+    assert_eq!(fake().calls("cuStreamWaitEvent"), waits + 2);
+    assert_eq!(fake().last_free_stream(), raw(s), "freed on its own stream");
     // Pools: the default one and one of our own.
     let default = MemPool::device_default(s).unwrap();
     default.set_release_threshold(u64::MAX).unwrap();
@@ -268,7 +303,7 @@ fn typed_symbols_read_and_write() {
     let mut pinned = PinnedBuffer::<u32>::zeroed(s, 16).unwrap();
     pinned.fill(9);
     let pending = s
-        .copy_h2d_async(
+        .copy_h2d_pinned(
             pinned,
             &mut reg.symbol_array::<u32>("kernels", COUNTERS, 16).unwrap(),
         )

@@ -145,8 +145,8 @@ fn pinned_copies_sync_async_and_raw() {
     assert!(src.iter().zip(dst.iter()).all(|(a, b)| a == b));
     // Async, owned by the pending copies.
     s.zero(&mut dev).unwrap();
-    let up = s.copy_h2d_async(src, &mut dev).unwrap();
-    let down = s.copy_d2h_async(&dev, dst).unwrap();
+    let up = s.copy_h2d_pinned(src, &mut dev).unwrap();
+    let down = s.copy_d2h_pinned(&dev, dst).unwrap();
     let dst = down.wait().unwrap();
     let src = up.wait().unwrap();
     assert!(src.iter().zip(dst.iter()).all(|(a, b)| a == b));
@@ -470,13 +470,13 @@ fn child_drop_after_ctx_reset() {
     let event = CudaEvent::timed(&h).unwrap();
     let f = reg.function("kernels", "empty").unwrap();
     let graph = s
-        .capture(CaptureMode::default(), |s| {
+        .capture(|s| -> metrale_runtime::Result<()> {
             let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
             // SAFETY: empty(float*, unsigned, float) never writes for n != ~0.
             unsafe { s.launch(&f, cfg, (&dev, 1u32, 1.0f32)) }
         })
         .unwrap();
-    let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = graph.instantiate().unwrap();
     s.synchronize().unwrap();
     let d = sys::driver().unwrap();
     // SAFETY: resets the device's primary context; every handle above dies with it.

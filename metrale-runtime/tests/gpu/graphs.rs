@@ -20,7 +20,7 @@ fn capture_chain(
     a: u32,
     b: u32,
 ) -> CudaGraph {
-    s.capture(CaptureMode::default(), |s| {
+    s.capture(|s| -> metrale_runtime::Result<()> {
         for i in 0..n {
             // SAFETY: axpb(unsigned*, unsigned, unsigned) updates x[0].
             unsafe { s.launch(f, one_thread(), (&mut *x, a, b + i))? };
@@ -48,7 +48,7 @@ fn a_chain_of_100_replayed_1000_times_is_exact() {
     let graph = capture_chain(s, &f, &mut x, 100, 3, 1);
     assert_eq!(graph.nodes().unwrap().len(), 100);
     assert_eq!(graph.edges().unwrap().len(), 99);
-    let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = graph.instantiate().unwrap();
     exec.upload(s).unwrap();
     for _ in 0..1000 {
         // SAFETY: x, the only memory the graph touches, is alive.
@@ -64,7 +64,7 @@ fn updates_per_node_and_whole_graph() {
     let f = reg.function("kernels", "axpb").unwrap();
     let mut x = DeviceBuffer::<u32>::zeroed(s, 1).unwrap();
     let graph = capture_chain(s, &f, &mut x, 10, 2, 0);
-    let mut exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let mut exec = graph.instantiate().unwrap();
     let mut steps: Vec<(u32, u32)> = (0..10).map(|i| (2, i)).collect();
     // SAFETY: x is alive (for every replay below).
     unsafe { exec.launch(s) }.unwrap();
@@ -132,7 +132,7 @@ fn fork_join_capture_across_two_streams() {
     let graph = a.end_capture().unwrap();
     assert_eq!(graph.nodes().unwrap().len(), 2);
     assert!(!b.is_capturing().unwrap());
-    let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = graph.instantiate().unwrap();
     for _ in 0..10 {
         // SAFETY: x0 and x1 are alive.
         unsafe { exec.launch(a) }.unwrap();
@@ -181,7 +181,7 @@ fn drop_in_every_order() {
         let f = reg.function("k", "axpb").unwrap();
         let mut x = DeviceBuffer::<u32>::zeroed(&s, 1).unwrap();
         let graph = capture_chain(&s, &f, &mut x, 3, 1, 1);
-        let exec = graph.instantiate(InstantiateOptions::default()).unwrap();
+        let exec = graph.instantiate().unwrap();
         drop(f);
         let ctx = Arc::clone(reg.ctx());
         let mut parts: [Option<Box<dyn std::any::Any>>; 4] = [
@@ -230,7 +230,7 @@ fn a_device_side_while_loop() {
         Ok(())
     })
     .unwrap();
-    let exec = g.instantiate(InstantiateOptions::default()).unwrap();
+    let exec = g.instantiate().unwrap();
     // SAFETY: counter and x are alive.
     unsafe { exec.launch(s) }.unwrap();
     assert_eq!(s.to_vec(&x).unwrap()[0], 15, "five rounds of += 3");

@@ -118,7 +118,7 @@ fn typed_symbols_round_trip_with_a_namespace_array() {
     let mut pinned = PinnedBuffer::<f32>::zeroed(s, 64).unwrap();
     pinned.fill(3.0);
     let pending = s
-        .copy_h2d_async(
+        .copy_h2d_pinned(
             pinned,
             &mut reg.symbol_array::<f32>("kernels", SCALE, 64).unwrap(),
         )

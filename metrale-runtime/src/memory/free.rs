@@ -1,0 +1,229 @@
+//! Freeing device memory only after every use a safe operation queued: the one
+//! Drop path of [`DeviceBuffer`](super::DeviceBuffer) and
+//! [`ManagedBuffer`](super::ManagedBuffer), and the frees deferred while a stream
+//! involved is being captured.
+//!
+//! Invariants:
+//! - A stream-ordered allocation is freed on its own stream, after an event of
+//!   every other stream a safe operation used it on (any device): the free never
+//!   blocks the host and never runs before that work.
+//! - Memory from `cuMemAlloc` (and managed memory) used by a stream of another
+//!   device waits for that stream before `cuMemFree` (which waits for its own
+//!   device's work).
+//! - Nothing is queued on a stream that is being captured (the free would be
+//!   recorded into the graph, and the capture invalidated): such a free is
+//!   deferred and retried when a capture ends, never leaked silently.
+
+use std::sync::{Arc, Mutex, PoisonError};
+
+use metrale_cuda_sys::CUdeviceptr;
+
+use super::Uses;
+use crate::context::{CudaContext, Generation};
+use crate::error::{cu, report_line};
+use crate::stream::{CudaEvent, CudaStream};
+
+/// How an allocation was made, so how it is freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// `cuMemAlloc` or `cuMemAllocAsync` (per [`Uses::own`]).
+    Device,
+    /// `cuMemAllocManaged`.
+    Managed,
+}
+
+/// An allocation whose owner went: freed as soon as nothing can use it.
+pub(crate) struct FreeJob {
+    pub(crate) ptr: CUdeviceptr,
+    pub(crate) kind: Kind,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) made: Generation,
+    pub(crate) uses: Uses,
+}
+
+/// Frees that waited for a capture to end.
+static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
+
+impl FreeJob {
+    fn what(&self) -> String {
+        let kind = match (self.kind, self.uses.own.is_some()) {
+            (Kind::Managed, _) => "managed buffer",
+            (Kind::Device, true) => "stream-ordered buffer",
+            (Kind::Device, false) => "device buffer",
+        };
+        format!(
+            "freeing {kind} {:#x} on device {}",
+            self.ptr,
+            self.ctx.ordinal()
+        )
+    }
+
+    /// Free now, or defer when a stream involved is being captured.
+    pub(crate) fn release(self) {
+        if let Some(job) = self.try_free() {
+            DEFERRED
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(job);
+        }
+    }
+
+    /// Free, or hand the job back when it must wait for a capture to end.
+    fn try_free(self) -> Option<FreeJob> {
+        let foreign: Vec<CudaStream> = if self
+            .uses
+            .any_foreign
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            self.uses
+                .foreign
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        } else {
+            Vec::new()
+        };
+        match self.uses.own.clone() {
+            Some(own) => self.free_ordered(&own, &foreign),
+            None => self.free_now(&foreign),
+        }
+    }
+
+    /// A stream-ordered free on `own`, after the work of every foreign stream.
+    fn free_ordered(self, own: &CudaStream, foreign: &[CudaStream]) -> Option<FreeJob> {
+        let what = self.what();
+        // Sections of two streams are never held at once (a capture start holds its
+        // stream's lock while it waits for that stream's sections).
+        match own.capturing_now(&own.section()) {
+            Ok(false) => {}
+            Ok(true) => return Some(self),
+            Err(e) => {
+                report_line(format_args!(
+                    "{what}: leaked, the capture state of its stream could not be read: {e}"
+                ));
+                return None;
+            }
+        }
+        if !self.ctx.may_release(self.made, format_args!("{what}")) {
+            return None;
+        }
+        // An event at the end of each foreign stream's work so far.
+        let mut after = Vec::with_capacity(foreign.len());
+        for f in foreign {
+            let f_section = f.section();
+            match f.capturing_now(&f_section) {
+                Ok(false) => {}
+                Ok(true) => return Some(self),
+                Err(e) => {
+                    report_line(format_args!(
+                        "{what}: leaked, the capture state of a stream that used it could not be read: {e}"
+                    ));
+                    return None;
+                }
+            }
+            match CudaEvent::new(f).and_then(|ev| ev.record(f).map(|()| ev)) {
+                Ok(ev) => after.push(ev),
+                Err(e) => {
+                    // The stream cannot be ordered: wait for it instead; if that
+                    // fails too, leaking is the only safe choice.
+                    drop(f_section);
+                    if let Err(e2) = f.synchronize() {
+                        report_line(format_args!(
+                            "{what}: leaked, it could not be ordered after {} ({e}), nor waited for ({e2})",
+                            f.subject("")
+                        ));
+                        return None;
+                    }
+                }
+            }
+        }
+        let section = own.section();
+        match own.capturing_now(&section) {
+            Ok(false) => {}
+            Ok(true) => return Some(self),
+            Err(e) => {
+                report_line(format_args!(
+                    "{what}: leaked, the capture state of its stream could not be read: {e}"
+                ));
+                return None;
+            }
+        }
+        for ev in &after {
+            if let Err(e) = own.wait_unmarked(ev) {
+                report_line(format_args!(
+                    "{what}: leaked, its stream could not be ordered after a stream that used it: {e}"
+                ));
+                return None;
+            }
+        }
+        let (ptr, s) = (self.ptr, own.raw());
+        // SAFETY: this allocation's own stream-ordered free, once, on the stream it
+        // was allocated on (alive: `own` holds it), after every use recorded above;
+        // the stream is not being captured (checked in this section).
+        let freed = self
+            .ctx
+            .call_on_stream(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+        if let Err(e) = freed {
+            crate::error::report_drop_failures(format_args!("{what}"), &[e]);
+        }
+        drop(section);
+        None
+    }
+
+    /// `cuMemFree` after the foreign streams' work.
+    fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
+        let what = self.what();
+        for f in foreign {
+            let f_section = f.section();
+            match f.capturing_now(&f_section) {
+                Ok(false) => {}
+                Ok(true) => return Some(self),
+                Err(e) => {
+                    report_line(format_args!("{what}: leaked, the capture state of a stream that used it could not be read: {e}"));
+                    return None;
+                }
+            }
+            drop(f_section);
+            if let Err(e) = f.synchronize() {
+                let abandoned = e.status().is_some_and(crate::stream::work_abandoned);
+                if !abandoned {
+                    report_line(format_args!("{what}: leaked, a stream of another device that used it could not be waited for: {e}"));
+                    return None;
+                }
+            }
+        }
+        let ptr = self.ptr;
+        self.ctx
+            .release_with(self.made, format_args!("{what}"), |d, failures| {
+                // SAFETY: this allocation's own, freed once; `cuMemFree` waits for the
+                // work of its context, and foreign streams were waited for above.
+                if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
+                    failures.push(e);
+                }
+            });
+        None
+    }
+}
+
+/// Retry the frees that waited for a capture to end (called when one ends).
+pub(crate) fn retry_deferred() {
+    let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
+    if jobs.is_empty() {
+        return;
+    }
+    let still: Vec<FreeJob> = jobs.into_iter().filter_map(FreeJob::try_free).collect();
+    if !still.is_empty() {
+        DEFERRED
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(still);
+    }
+}
+
+/// How many frees are waiting for a capture to end (for tests and diagnostics).
+pub fn deferred_frees() -> usize {
+    DEFERRED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .len()
+}
