@@ -606,6 +606,44 @@ fn read_as_the_driver_would(b: &[u8]) {
                     assert!(table[name..].contains(&0));
                 }
             }
+            // Symbol and relocation tables, followed to what they name.
+            for i in 0..shnum {
+                let (_, kind, off, size) = section(i);
+                let at = shoff + i * 64;
+                let (link, info, entsize) = (u32_(at + 0x28), u32_(at + 0x2c), u64_(at + 0x38));
+                match kind {
+                    2 | 11 => {
+                        assert!(link < shnum);
+                        let (_, _, s_off, s_len) = section(link);
+                        let strings = &b[s_off..s_off + s_len];
+                        for k in 0..size / entsize {
+                            let sym = &b[off + k * entsize..off + (k + 1) * entsize];
+                            let name = u32::from_le_bytes(sym[0..4].try_into().unwrap()) as usize;
+                            assert!(strings[name..].contains(&0));
+                            let shndx = u16::from_le_bytes(sym[6..8].try_into().unwrap()) as usize;
+                            assert!(shndx < shnum || shndx >= 0xff00);
+                        }
+                    }
+                    4 | 9 => {
+                        assert!(link < shnum && info < shnum);
+                        let (_, _, sym_off, sym_len) = section(link);
+                        let symbols = &b[sym_off..sym_off + sym_len];
+                        let (_, t_kind, t_off, t_size) = section(info);
+                        for k in 0..size / entsize {
+                            let rel = &b[off + k * entsize..off + (k + 1) * entsize];
+                            let r_offset =
+                                u64::from_le_bytes(rel[0..8].try_into().unwrap()) as usize;
+                            let r_info = u64::from_le_bytes(rel[8..16].try_into().unwrap());
+                            let sym = (r_info >> 32) as usize;
+                            let _ = &symbols[sym * 24..sym * 24 + 24];
+                            if info != 0 && t_kind != 8 {
+                                let _ = &b[t_off..t_off + t_size][r_offset..r_offset + 8];
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
         }
         BlobKind::Fatbin => {
             let (header, size) = (u16_(6), u64_(8));
