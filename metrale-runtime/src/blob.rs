@@ -7,7 +7,9 @@
 //!   (borrowed when the caller already ends it with a NUL, copied once otherwise);
 //! - an ELF cubin must be a consistent ELF64 file: entry sizes of 64 and 56 bytes,
 //!   a section name table that exists, every section, segment and section name
-//!   inside the blob;
+//!   inside the blob; symbol and relocation tables of whole ELF64 entries, linked
+//!   to a string table and a symbol table, whose symbol names, section indices,
+//!   symbol indices and relocation offsets lie inside what they name;
 //! - a fatbin's header must describe no more bytes than the blob has, and every
 //!   entry must lie inside it (an uncompressed cubin entry is checked as above);
 //! - a clang offload bundle is unpacked to its CUDA entry.
@@ -183,8 +185,20 @@ impl ElfInfo {
 const SHDR: u64 = 64;
 /// ELF64 program header size.
 const PHDR: u64 = 56;
+const SHT_SYMTAB: u64 = 2;
 const SHT_STRTAB: u64 = 3;
+const SHT_RELA: u64 = 4;
 const SHT_NOBITS: u64 = 8;
+const SHT_REL: u64 = 9;
+const SHT_DYNSYM: u64 = 11;
+/// ELF64 symbol (`Elf64_Sym`) size.
+const SYM: u64 = 24;
+/// ELF64 relocation sizes (`Elf64_Rel`, `Elf64_Rela`).
+const REL: u64 = 16;
+const RELA: u64 = 24;
+/// Section indices from here up are special (`SHN_ABS`, `SHN_COMMON`, ...), not
+/// sections.
+const SHN_LORESERVE: u64 = 0xff00;
 /// `e_shstrndx` escape to extended numbering, which no cubin uses.
 const SHN_XINDEX: u64 = 0xffff;
 
@@ -253,17 +267,11 @@ fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
             .and_then(|at| f(blob, at))
             .unwrap_or(0)
     };
-    let section = |i: u64| {
-        let at = shoff + i * SHDR;
-        (
-            field(at, u32_at),        // sh_name
-            field(at + 4, u32_at),    // sh_type
-            field(at + 0x18, u64_at), // sh_offset
-            field(at + 0x20, u64_at), // sh_size
-        )
-    };
+    let section = |i: u64| Shdr::read(blob, shoff, i);
     for i in 0..shnum {
-        let (_, kind, offset, size) = section(i);
+        let Shdr {
+            kind, offset, size, ..
+        } = section(i);
         if kind != SHT_NOBITS && end_of(offset, size).is_none() {
             return Err(bad(format_args!(
                 "section {i} ({size} bytes at offset {offset}) lies past the end of the blob of {len} bytes"
@@ -280,35 +288,192 @@ fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
         }
     }
     if shnum > 0 {
-        let (_, kind, names_at, names_len) = section(shstrndx);
-        if kind != SHT_STRTAB {
+        let shstrtab = section(shstrndx);
+        if shstrtab.kind != SHT_STRTAB {
             return Err(bad(format_args!(
                 "corrupted header: section {shstrndx} (e_shstrndx) is not a string table"
             )));
         }
         // In bounds: checked above for every section that is not NOBITS.
-        let names = usize::try_from(names_at)
-            .ok()
-            .zip(usize::try_from(names_len).ok())
-            .and_then(|(at, n)| blob.get(at..at.checked_add(n)?))
-            .unwrap_or_default();
+        let names = names_end(shstrtab.bytes(blob));
         for i in 0..shnum {
-            let (name, ..) = section(i);
-            let terminated = usize::try_from(name)
-                .ok()
-                .and_then(|at| names.get(at..))
-                .is_some_and(|rest| rest.contains(&0));
-            if !terminated {
+            let name = section(i).name;
+            if name >= names {
                 return Err(bad(format_args!(
-                    "section {i}'s name (offset {name}) lies outside the section name table of {names_len} bytes"
+                    "section {i}'s name (offset {name}) lies outside the section name table of {} bytes",
+                    shstrtab.size
                 )));
             }
         }
+        check_tables(blob, shoff, shnum, &bad)?;
     }
     Ok(ElfInfo {
         flags: u32::try_from(flags).unwrap_or(0),
         abi_version: blob[8],
     })
+}
+
+/// How far into the string table `table` a name may start: an offset names a
+/// NUL-terminated string inside the table exactly when it is below this (one past
+/// the table's last NUL). One scan per table, not one per name.
+fn names_end(table: &[u8]) -> u64 {
+    table
+        .iter()
+        .rposition(|&b| b == 0)
+        .map_or(0, |at| at as u64 + 1)
+}
+
+/// One ELF64 section header, as far as the checks need it.
+#[derive(Debug, Clone, Copy)]
+struct Shdr {
+    name: u64,
+    kind: u64,
+    offset: u64,
+    size: u64,
+    link: u64,
+    info: u64,
+    entsize: u64,
+}
+
+impl Shdr {
+    /// Section `i` of the table at `shoff`; a field outside `blob` reads as 0 (the
+    /// caller has checked that the table lies inside it).
+    fn read(blob: &[u8], shoff: u64, i: u64) -> Shdr {
+        let at = i.checked_mul(SHDR).and_then(|o| o.checked_add(shoff));
+        let field = |off: u64, f: fn(&[u8], usize) -> Option<u64>| {
+            at.and_then(|at| at.checked_add(off))
+                .and_then(|at| usize::try_from(at).ok())
+                .and_then(|at| f(blob, at))
+                .unwrap_or(0)
+        };
+        Shdr {
+            name: field(0, u32_at),
+            kind: field(4, u32_at),
+            offset: field(0x18, u64_at),
+            size: field(0x20, u64_at),
+            link: field(0x28, u32_at),
+            info: field(0x2c, u32_at),
+            entsize: field(0x38, u64_at),
+        }
+    }
+
+    /// The section's bytes (empty for NOBITS, or where they are not in `blob`).
+    fn bytes(self, blob: &[u8]) -> &[u8] {
+        if self.kind == SHT_NOBITS {
+            return &[];
+        }
+        usize::try_from(self.offset)
+            .ok()
+            .zip(usize::try_from(self.size).ok())
+            .and_then(|(at, n)| blob.get(at..at.checked_add(n)?))
+            .unwrap_or_default()
+    }
+}
+
+/// Symbol and relocation tables: entry sizes, the tables they link to, symbol
+/// names and section indices, relocation symbols and offsets. Every section's
+/// bytes have been checked to lie inside `blob`.
+fn check_tables(
+    blob: &[u8],
+    shoff: u64,
+    shnum: u64,
+    bad: &dyn Fn(std::fmt::Arguments<'_>) -> MetraleError,
+) -> Result<()> {
+    // `sh_link` of section `i` must name a section of one of `kinds`.
+    let linked = |i: u64, s: Shdr, kinds: &[u64], what: &str| {
+        let link = s.link;
+        if link >= shnum {
+            return Err(bad(format_args!(
+                "section {i}'s sh_link {link} names no section (there are {shnum}), it must name a {what}"
+            )));
+        }
+        let target = Shdr::read(blob, shoff, link);
+        if !kinds.contains(&target.kind) {
+            return Err(bad(format_args!(
+                "section {i}'s sh_link {link} names a section of type {:#x}, not a {what}",
+                target.kind
+            )));
+        }
+        Ok(target)
+    };
+    // Entry size `want`, and a size that is a whole number of entries.
+    let entries = |i: u64, s: Shdr, want: u64, what: &str| {
+        if s.entsize != want {
+            return Err(bad(format_args!(
+                "section {i} ({what}) has sh_entsize {}, ELF64 entries are {want} bytes",
+                s.entsize
+            )));
+        }
+        if !s.size.is_multiple_of(want) {
+            return Err(bad(format_args!(
+                "section {i} ({what}) is {} bytes, not a whole number of {want}-byte entries",
+                s.size
+            )));
+        }
+        Ok(s.size / want)
+    };
+    for i in 0..shnum {
+        let s = Shdr::read(blob, shoff, i);
+        match s.kind {
+            SHT_SYMTAB | SHT_DYNSYM => {
+                entries(i, s, SYM, "symbol table")?;
+                let strtab = linked(i, s, &[SHT_STRTAB], "string table")?;
+                let names = names_end(strtab.bytes(blob));
+                for (n, sym) in s.bytes(blob).chunks_exact(SYM as usize).enumerate() {
+                    let name = u32_at(sym, 0).unwrap_or(0);
+                    let shndx = u16_at(sym, 6).unwrap_or(0);
+                    if name >= names {
+                        return Err(bad(format_args!(
+                            "section {i} symbol {n}'s name (offset {name}) lies outside its string table (section {}, {} bytes)",
+                            s.link, strtab.size
+                        )));
+                    }
+                    if shndx != 0 && shndx < SHN_LORESERVE && shndx >= shnum {
+                        return Err(bad(format_args!(
+                            "section {i} symbol {n}'s st_shndx {shndx} names no section (there are {shnum})"
+                        )));
+                    }
+                }
+            }
+            SHT_REL | SHT_RELA => {
+                let (size, what) = if s.kind == SHT_REL {
+                    (REL, "REL relocations")
+                } else {
+                    (RELA, "RELA relocations")
+                };
+                entries(i, s, size, what)?;
+                let symtab = linked(i, s, &[SHT_SYMTAB, SHT_DYNSYM], "symbol table")?;
+                let symbols = symtab.size / SYM;
+                if s.info >= shnum {
+                    return Err(bad(format_args!(
+                        "section {i}'s sh_info {} (the section relocated) names no section (there are {shnum})",
+                        s.info
+                    )));
+                }
+                let target = Shdr::read(blob, shoff, s.info);
+                let check_offset = s.info != 0 && target.kind != SHT_NOBITS;
+                for (n, rel) in s.bytes(blob).chunks_exact(size as usize).enumerate() {
+                    let offset = u64_at(rel, 0).unwrap_or(0);
+                    let symbol = u64_at(rel, 8).unwrap_or(0) >> 32;
+                    if symbol >= symbols {
+                        return Err(bad(format_args!(
+                            "section {i} relocation {n}'s symbol index {symbol} is past the {symbols} symbols of section {}",
+                            s.link
+                        )));
+                    }
+                    // The widest relocated word (8 bytes) must lie inside the target.
+                    if check_offset && offset.checked_add(8).is_none_or(|end| end > target.size) {
+                        return Err(bad(format_args!(
+                            "section {i} relocation {n}'s r_offset {offset} lies outside section {} of {} bytes",
+                            s.info, target.size
+                        )));
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 /// The ELF facts of a cubin, when `blob` is a well-formed one.

@@ -257,6 +257,322 @@ fn the_real_fixtures_pass_every_check() {
     assert_eq!(elf_info(cubin).unwrap().sm(), 90);
 }
 
+const CUBIN: &[u8] = include_bytes!("../../tests/fixtures/kernels.sm_90.cubin");
+
+/// Section header `i` of a cubin: where it is in the blob, and its type, offset,
+/// size, `sh_link`, `sh_info`.
+#[derive(Debug, Clone, Copy)]
+struct Section {
+    header: usize,
+    kind: u32,
+    offset: usize,
+    size: usize,
+    link: u32,
+    info: u32,
+}
+
+fn sections(b: &[u8]) -> Vec<Section> {
+    let u16_ = |at: usize| u16::from_le_bytes(b[at..at + 2].try_into().unwrap()) as usize;
+    let u32_ = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+    let u64_ = |at: usize| u64::from_le_bytes(b[at..at + 8].try_into().unwrap()) as usize;
+    let shoff = u64_(0x28);
+    (0..u16_(0x3c))
+        .map(|i| {
+            let at = shoff + i * 64;
+            Section {
+                header: at,
+                kind: u32_(at + 4),
+                offset: u64_(at + 0x18),
+                size: u64_(at + 0x20),
+                link: u32_(at + 0x28),
+                info: u32_(at + 0x2c),
+            }
+        })
+        .collect()
+}
+
+/// The first section of type `kind` in `blob` with at least one entry (and, for
+/// relocations, a target with contents), with its index.
+fn section_of(blob: &[u8], kind: u32) -> (usize, Section) {
+    let all = sections(blob);
+    all.iter()
+        .copied()
+        .enumerate()
+        .find(|(_, s)| {
+            s.kind == kind
+                && s.size > 0
+                && (!matches!(kind, 4 | 9) || all[s.info as usize].size > 0)
+        })
+        .unwrap()
+}
+
+/// [`section_of`] the sm_90 cubin fixture.
+fn fixture_section(kind: u32) -> (usize, Section) {
+    section_of(CUBIN, kind)
+}
+
+/// The uncompressed cubins inside the fatbin fixture.
+fn fatbin_cubins() -> Vec<&'static [u8]> {
+    let fatbin: &'static [u8] = include_bytes!("../../tests/fixtures/kernels.fatbin");
+    let mut inner = Vec::new();
+    let mut at = 16;
+    while at < fatbin.len() {
+        let header = u32::from_le_bytes(fatbin[at + 4..at + 8].try_into().unwrap()) as usize;
+        let size = u64::from_le_bytes(fatbin[at + 8..at + 16].try_into().unwrap()) as usize;
+        let body = &fatbin[at + header..at + header + size];
+        if body.starts_with(ELF_MAGIC) {
+            inner.push(body);
+        }
+        at += header + size;
+    }
+    inner
+}
+
+fn put32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+
+/// The sm_90 fixture with `patch` applied; `prepare` must refuse it with `want`.
+fn refused_after(patch: impl FnOnce(&mut Vec<u8>), want: &str) {
+    let mut b = CUBIN.to_vec();
+    patch(&mut b);
+    assert_eq!(refused(&b), format!("k: malformed cubin: {want}"));
+}
+
+fn accepted_after(patch: impl FnOnce(&mut Vec<u8>)) {
+    let mut b = CUBIN.to_vec();
+    patch(&mut b);
+    assert_eq!(prepare("k", &b).unwrap().kind, BlobKind::Cubin);
+}
+
+#[test]
+fn the_real_fixtures_pass_the_table_checks() {
+    let cubins: [&[u8]; 2] = [
+        CUBIN,
+        include_bytes!("../../tests/fixtures/conditional.sm_90.cubin"),
+    ];
+    let fatbin = include_bytes!("../../tests/fixtures/kernels.fatbin");
+    let inner = fatbin_cubins();
+    assert_eq!(inner.len(), 2, "the fatbin fixture holds two cubins");
+    for b in cubins.into_iter().chain(inner) {
+        // The fixtures really have the tables the checks read: a symbol table and
+        // relocations (REL or RELA) with entries.
+        let all = sections(b);
+        assert!(all.iter().any(|s| s.kind == 2 && s.size > 0));
+        assert!(all
+            .iter()
+            .any(|s| (s.kind == 4 || s.kind == 9) && s.size > 0));
+        assert_eq!(prepare("c", b).unwrap().kind, BlobKind::Cubin);
+    }
+    assert_eq!(prepare("f", fatbin).unwrap().kind, BlobKind::Fatbin);
+}
+
+#[test]
+fn symbol_name_past_its_string_table_is_refused() {
+    let (i, symtab) = fixture_section(2);
+    let strtab = sections(CUBIN)[symtab.link as usize];
+    let name = symtab.offset + 24; // symbol 1's st_name
+    refused_after(
+        |b| put32(b, name, strtab.size as u32),
+        &format!(
+            "section {i} symbol 1's name (offset {}) lies outside its string table (section {}, {} bytes)",
+            strtab.size, symtab.link, strtab.size
+        ),
+    );
+    refused_after(
+        |b| put32(b, name, u32::MAX),
+        &format!(
+            "section {i} symbol 1's name (offset 4294967295) lies outside its string table (section {}, {} bytes)",
+            symtab.link, strtab.size
+        ),
+    );
+    // A name that runs to the end of the table without its NUL.
+    let last = strtab.offset + strtab.size - 1;
+    refused_after(
+        |b| {
+            b[last] = b'x';
+            put32(b, name, strtab.size as u32 - 1);
+        },
+        &format!(
+            "section {i} symbol 1's name (offset {}) lies outside its string table (section {}, {} bytes)",
+            strtab.size - 1,
+            symtab.link,
+            strtab.size
+        ),
+    );
+}
+
+#[test]
+fn symbol_section_index_out_of_range_is_refused() {
+    let (i, symtab) = fixture_section(2);
+    let shnum = sections(CUBIN).len();
+    let shndx = symtab.offset + 24 + 6; // symbol 1's st_shndx
+    refused_after(
+        |b| put16(b, shndx, shnum as u16),
+        &format!("section {i} symbol 1's st_shndx {shnum} names no section (there are {shnum})"),
+    );
+    refused_after(
+        |b| put16(b, shndx, 0xfeff),
+        &format!("section {i} symbol 1's st_shndx 65279 names no section (there are {shnum})"),
+    );
+    // Undefined, SHN_ABS, SHN_COMMON and the last real section are indices a symbol may have.
+    for ok in [0, 0xfff1, 0xfff2, shnum as u16 - 1] {
+        accepted_after(|b| put16(b, shndx, ok));
+    }
+}
+
+#[test]
+fn relocation_symbol_index_past_the_symbol_table_is_refused() {
+    // The sm_90 fixture's relocations are RELA; the fatbin's other cubin has REL.
+    let rel_cubin = fatbin_cubins()
+        .into_iter()
+        .find(|b| sections(b).iter().any(|s| s.kind == 9 && s.size > 0))
+        .unwrap();
+    for (cubin, kind) in [(CUBIN, 4), (rel_cubin, 9)] {
+        let (i, rel) = section_of(cubin, kind);
+        let symbols = sections(cubin)[rel.link as usize].size / 24;
+        let sym = rel.offset + 8 + 4; // entry 0's r_info, high half
+        let with = |index: u32| {
+            let mut b = cubin.to_vec();
+            put32(&mut b, sym, index);
+            b
+        };
+        assert_eq!(
+            refused(&with(u32::MAX)),
+            format!(
+                "k: malformed cubin: section {i} relocation 0's symbol index 4294967295 is past the {symbols} symbols of section {}",
+                rel.link
+            )
+        );
+        assert_eq!(
+            refused(&with(symbols as u32)),
+            format!(
+                "k: malformed cubin: section {i} relocation 0's symbol index {symbols} is past the {symbols} symbols of section {}",
+                rel.link
+            )
+        );
+        assert!(prepare("k", &with(symbols as u32 - 1)).is_ok());
+        assert!(prepare("k", &with(0)).is_ok());
+    }
+}
+
+#[test]
+fn relocation_offset_past_its_section_is_refused() {
+    let (i, rel) = fixture_section(4);
+    let target = sections(CUBIN)[rel.info as usize];
+    let r_offset = rel.offset; // entry 0's r_offset
+    refused_after(
+        |b| put64(b, r_offset, target.size as u64 - 7),
+        &format!(
+            "section {i} relocation 0's r_offset {} lies outside section {} of {} bytes",
+            target.size - 7,
+            rel.info,
+            target.size
+        ),
+    );
+    refused_after(
+        |b| put64(b, r_offset, u64::MAX),
+        &format!(
+            "section {i} relocation 0's r_offset {} lies outside section {} of {} bytes",
+            u64::MAX,
+            rel.info,
+            target.size
+        ),
+    );
+    // The last 8-byte word is inside.
+    accepted_after(|b| put64(b, r_offset, target.size as u64 - 8));
+    // A relocation section must apply to a section that exists (0: to none).
+    let shnum = sections(CUBIN).len();
+    refused_after(
+        |b| put32(b, rel.header + 0x2c, shnum as u32),
+        &format!(
+            "section {i}'s sh_info {shnum} (the section relocated) names no section (there are {shnum})"
+        ),
+    );
+    accepted_after(|b| {
+        put32(b, rel.header + 0x2c, 0);
+        put64(b, r_offset, u64::MAX);
+    });
+}
+
+#[test]
+fn table_entry_sizes_are_checked() {
+    let (s, symtab) = fixture_section(2);
+    let (r, rel) = fixture_section(4);
+    refused_after(
+        |b| put64(b, symtab.header + 0x38, 16),
+        &format!("section {s} (symbol table) has sh_entsize 16, ELF64 entries are 24 bytes"),
+    );
+    refused_after(
+        |b| put64(b, symtab.header + 0x20, symtab.size as u64 - 1),
+        &format!(
+            "section {s} (symbol table) is {} bytes, not a whole number of 24-byte entries",
+            symtab.size - 1
+        ),
+    );
+    refused_after(
+        |b| put64(b, rel.header + 0x38, 16),
+        &format!("section {r} (RELA relocations) has sh_entsize 16, ELF64 entries are 24 bytes"),
+    );
+    refused_after(
+        |b| put64(b, rel.header + 0x20, rel.size as u64 + 8),
+        &format!(
+            "section {r} (RELA relocations) is {} bytes, not a whole number of 24-byte entries",
+            rel.size + 8
+        ),
+    );
+    // A REL table keeps RELA's 24-byte entries.
+    refused_after(
+        |b| put32(b, rel.header + 4, 9),
+        &format!("section {r} (REL relocations) has sh_entsize 24, ELF64 entries are 16 bytes"),
+    );
+    // A dynamic symbol table is held to the same rules as a symbol table.
+    accepted_after(|b| put32(b, symtab.header + 4, 11));
+    refused_after(
+        |b| {
+            put32(b, symtab.header + 4, 11);
+            put64(b, symtab.header + 0x38, 0);
+        },
+        &format!("section {s} (symbol table) has sh_entsize 0, ELF64 entries are 24 bytes"),
+    );
+}
+
+#[test]
+fn sh_link_must_name_the_right_table() {
+    let all = sections(CUBIN);
+    let (s, symtab) = fixture_section(2);
+    let (r, rel) = fixture_section(4);
+    let progbits = all.iter().position(|x| x.kind == 1).unwrap();
+    let shnum = all.len();
+    // A symbol table's names come from a string table...
+    refused_after(
+        |b| put32(b, symtab.header + 0x28, progbits as u32),
+        &format!(
+            "section {s}'s sh_link {progbits} names a section of type 0x1, not a string table"
+        ),
+    );
+    refused_after(
+        |b| put32(b, symtab.header + 0x28, 0xffff),
+        &format!(
+            "section {s}'s sh_link 65535 names no section (there are {shnum}), it must name a string table"
+        ),
+    );
+    // ...and a relocation table's symbols from a symbol table.
+    refused_after(
+        |b| put32(b, rel.header + 0x28, symtab.link),
+        &format!(
+            "section {r}'s sh_link {} names a section of type 0x3, not a symbol table",
+            symtab.link
+        ),
+    );
+    refused_after(
+        |b| put32(b, rel.header + 0x28, shnum as u32),
+        &format!(
+            "section {r}'s sh_link {shnum} names no section (there are {shnum}), it must name a symbol table"
+        ),
+    );
+}
+
 /// Reads everything an accepted binary's headers point at, trusting them the way
 /// a loader would: slicing panics on any range outside the blob.
 fn read_as_the_driver_would(b: &[u8]) {
@@ -288,6 +604,44 @@ fn read_as_the_driver_would(b: &[u8]) {
                 for i in 0..shnum {
                     let name = section(i).0;
                     assert!(table[name..].contains(&0));
+                }
+            }
+            // Symbol and relocation tables, followed to what they name.
+            for i in 0..shnum {
+                let (_, kind, off, size) = section(i);
+                let at = shoff + i * 64;
+                let (link, info, entsize) = (u32_(at + 0x28), u32_(at + 0x2c), u64_(at + 0x38));
+                match kind {
+                    2 | 11 => {
+                        assert!(link < shnum);
+                        let (_, _, s_off, s_len) = section(link);
+                        let strings = &b[s_off..s_off + s_len];
+                        for k in 0..size / entsize {
+                            let sym = &b[off + k * entsize..off + (k + 1) * entsize];
+                            let name = u32::from_le_bytes(sym[0..4].try_into().unwrap()) as usize;
+                            assert!(strings[name..].contains(&0));
+                            let shndx = u16::from_le_bytes(sym[6..8].try_into().unwrap()) as usize;
+                            assert!(shndx < shnum || shndx >= 0xff00);
+                        }
+                    }
+                    4 | 9 => {
+                        assert!(link < shnum && info < shnum);
+                        let (_, _, sym_off, sym_len) = section(link);
+                        let symbols = &b[sym_off..sym_off + sym_len];
+                        let (_, t_kind, t_off, t_size) = section(info);
+                        for k in 0..size / entsize {
+                            let rel = &b[off + k * entsize..off + (k + 1) * entsize];
+                            let r_offset =
+                                u64::from_le_bytes(rel[0..8].try_into().unwrap()) as usize;
+                            let r_info = u64::from_le_bytes(rel[8..16].try_into().unwrap());
+                            let sym = (r_info >> 32) as usize;
+                            let _ = &symbols[sym * 24..sym * 24 + 24];
+                            if info != 0 && t_kind != 8 {
+                                let _ = &b[t_off..t_off + t_size][r_offset..r_offset + 8];
+                            }
+                        }
+                    }
+                    _ => {}
                 }
             }
         }
