@@ -26,7 +26,8 @@ use std::process::ExitCode;
 
 fn gate() -> Result<(), String> {
     let h = metrale_runtime::host(0).map_err(|e| format!("no CUDA GPU: {e}"))?;
-    println!(
+    // On stderr: stdout is the test list under `--list`, JSON under `--format json`.
+    eprintln!(
         "device 0: {} (sm_{}{}), driver {}",
         h.device_name(),
         h.limits().compute_capability.0,

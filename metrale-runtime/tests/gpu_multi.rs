@@ -74,7 +74,7 @@ fn one_model_loaded_once_runs_on_both_devices() {
 fn peer_copy_round_trip_of_1_gib() {
     let (h0, h1) = (host(0).unwrap(), host(1).unwrap());
     let (d0, d1) = (Device::get(0).unwrap(), Device::get(1).unwrap());
-    println!("    link 0 -> 1: {:?}", d0.peer_link(&d1).unwrap());
+    eprintln!("    link 0 -> 1: {:?}", d0.peer_link(&d1).unwrap());
     if d0.can_access_peer(&d1).unwrap() {
         enable_peer_access(&h0, &h1).unwrap();
         enable_peer_access(&h1, &h0).unwrap();
@@ -105,7 +105,7 @@ fn peer_copy_round_trip_of_1_gib() {
     h0.stream().copy_peer(&mid, &mut back).unwrap();
     h0.stream().synchronize().unwrap();
     let home = t.elapsed();
-    println!(
+    eprintln!(
         "    1 GiB 0 -> 1 in {:.2} ms, 1 -> 0 in {:.2} ms",
         there.as_secs_f64() * 1e3,
         home.as_secs_f64() * 1e3
@@ -163,7 +163,7 @@ fn two_threads_each_launch_100000_kernels_on_their_device() {
         .collect();
     for (d, t) in threads.into_iter().enumerate() {
         let (count, took) = t.join().unwrap();
-        println!(
+        eprintln!(
             "    device {d}: 100000 launches in {:.1} ms",
             took.as_secs_f64() * 1e3
         );

@@ -225,7 +225,7 @@ fn large_registries_load_and_look_up_per_module() {
     };
     let small = time(250);
     let large = time(10_000);
-    println!(
+    eprintln!(
         "    per module: {:.2} us at 250 modules, {:.2} us at 10000",
         small * 1e6,
         large * 1e6

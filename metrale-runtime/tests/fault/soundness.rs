@@ -387,7 +387,7 @@ fn stress_shared_streams_with_captures() {
             stop.store(true, Ordering::Relaxed);
         });
     });
-    println!(
+    eprintln!(
         "    {} copy rounds, {} refused during captures, {} captures",
         copies.load(Ordering::Relaxed),
         refused.load(Ordering::Relaxed),

@@ -184,7 +184,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
         text.contains("\nJIT error log:\n") && text.contains("ptxas"),
         "{text}"
     );
-    println!("    JIT error text: {}", text.replace('\n', "\n    | "));
+    eprintln!("    JIT error text: {}", text.replace('\n', "\n    | "));
     check("syntax");
 
     let e = MetraleRegistry::load(0, &[("latin1", b".version 8.0 // caf\xe9\n")]).unwrap_err();
@@ -200,7 +200,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     sm80[0x30..0x34].copy_from_slice(&patched.to_le_bytes());
     match MetraleRegistry::load_into(Arc::clone(reg.host()), [("sm80", &sm80)]) {
         Err(e) => {
-            println!("    wrong-architecture cubin: {e}");
+            eprintln!("    wrong-architecture cubin: {e}");
             assert!(
                 e.to_string()
                     .contains("the cubin was built for sm_80, the device is sm_90"),
@@ -347,7 +347,7 @@ fn kernel_attributes_occupancy_and_listing() {
     let reg = registry();
     let f = reg.function("kernels", "vec_add").unwrap();
     let a = f.attributes().unwrap();
-    println!("    vec_add attributes: {a:?}");
+    eprintln!("    vec_add attributes: {a:?}");
     assert!(a.num_regs > 0 && a.max_threads_per_block >= 256);
     assert_eq!(a.ptx_version, 90);
     assert_eq!(a.binary_version, 90);
@@ -363,7 +363,7 @@ fn kernel_attributes_occupancy_and_listing() {
     let (b2, g2) = smem
         .potential_block_size_with(four_bytes_per_thread)
         .unwrap();
-    println!(
+    eprintln!(
         "    potential block size: vec_add {block} x {grid}; smem_check (4 B/thread) {b2} x {g2}"
     );
     assert!((32..=1024).contains(&b2) && g2 >= 1, "{b2} {g2}");
@@ -423,7 +423,7 @@ fn illegal_address_is_reported_in_a_child_without_hanging() {
             .contains("synchronize: cuStreamSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS (700)"),
         "{stdout}"
     );
-    println!("    child said: {}", stdout.trim());
+    eprintln!("    child said: {}", stdout.trim());
 }
 
 fn child_illegal_address() {
@@ -446,7 +446,7 @@ fn dropping_after_the_context_is_gone_is_silent() {
     for scenario in ["drop_after_ctx_reset", "drop_after_driver_exit"] {
         let out = run_child(scenario, &[]);
         assert!(out.status.success(), "{scenario}: {out:?}");
-        println!(
+        eprintln!(
             "    {scenario}: {}",
             String::from_utf8_lossy(&out.stdout).trim()
         );

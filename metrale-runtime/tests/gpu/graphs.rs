@@ -100,7 +100,7 @@ fn updates_per_node_and_whole_graph() {
     // Another topology is refused, with the driver's reason.
     let g3 = capture_chain(s, &f, &mut x, 11, 7, 3);
     let e = exec.update(&g3).unwrap_err();
-    println!("    refused update: {e}");
+    eprintln!("    refused update: {e}");
     assert!(matches!(e.kind(), ErrorKind::GraphUpdate { .. }), "{e}");
     assert!(e.to_string().contains("refused"), "{e}");
     // Still replays the accepted graph.
@@ -152,9 +152,9 @@ fn an_invalidated_capture_is_reported_and_the_stream_is_usable() {
     // SAFETY: axpb on x.
     unsafe { s.launch(&f, one_thread(), (&mut x, 1u32, 1u32)) }.unwrap();
     let e = s.synchronize().unwrap_err();
-    println!("    synchronize inside a capture: {e}");
+    eprintln!("    synchronize inside a capture: {e}");
     let e = s.end_capture().unwrap_err();
-    println!("    end of the invalidated capture: {e}");
+    eprintln!("    end of the invalidated capture: {e}");
     assert!(
         e.to_string().contains("(capture status: invalidated)")
             && e.to_string()
@@ -215,7 +215,7 @@ fn a_device_side_while_loop() {
         Ok(r) => r,
         Err(e) => {
             // The PTX variant, for a driver that wants to link it itself.
-            println!("    conditional cubin did not load ({e}); trying PTX");
+            eprintln!("    conditional cubin did not load ({e}); trying PTX");
             MetraleRegistry::load(0, &[("kernels", CUBIN), ("cond", COND_PTX)]).unwrap()
         }
     };

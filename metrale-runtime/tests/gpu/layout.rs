@@ -8,7 +8,7 @@ fn parameter_layouts_read_back() {
     for module in ["ptx", "cubin"] {
         let f = reg.function(module, "layout_probe").unwrap();
         let params = f.params().expect("the driver reports parameter layouts");
-        println!("    {module}::layout_probe parameters: {params:?}");
+        eprintln!("    {module}::layout_probe parameters: {params:?}");
         let sizes: Vec<usize> = params.iter().map(|p| p.size).collect();
         assert_eq!(sizes, [8, 4, 4, 3, 1, 8, 8], "{module}");
         let offsets: Vec<usize> = params.iter().map(|p| p.offset).collect();
@@ -114,7 +114,7 @@ fn mismatches_are_refused_and_a_correct_launch_works_after_each() {
         );
         check_correct(&mut out, i as u32 + 1);
     }
-    println!(
+    eprintln!(
         "    refused: kernel 'kernels::layout_probe': launch not attempted, {}",
         expect[2]
     );

@@ -151,7 +151,7 @@ fn stream_ordered_pairs_leave_free_memory_where_it_was() {
     s.synchronize().unwrap();
     pool.trim_to(0).unwrap();
     let (after, _) = memory_info(&s).unwrap();
-    println!("    free memory before {before}, after 10,000 pairs {after} (of {total})");
+    eprintln!("    free memory before {before}, after 10,000 pairs {after} (of {total})");
     assert!(
         after.abs_diff(before) <= 64 << 20,
         "free memory moved from {before} to {after}"
@@ -190,7 +190,7 @@ fn device_information() {
     assert!(device_count().unwrap() >= 1);
     let d = Device::get(0).unwrap();
     let (free, total) = d.memory_info().unwrap();
-    println!(
+    eprintln!(
         "    {} (sm_{}{}), uuid {:02x?}, {free} of {total} bytes free",
         d.name().unwrap(),
         d.compute_capability().unwrap().0,

@@ -44,7 +44,7 @@ fn two_kernels_on_two_streams_overlap() {
     spin_on(&reg, &[&a], cycles / 10); // warm up
     let one = spin_on(&reg, &[&a], cycles);
     let two = spin_on(&reg, &[&a, &b], cycles);
-    println!("    one 2 ms spin: {one:.3} ms; two on two streams: {two:.3} ms");
+    eprintln!("    one 2 ms spin: {one:.3} ms; two on two streams: {two:.3} ms");
     assert!(one > 1.0, "the spin ran {one} ms");
     assert!(
         two < 1.5 * one,
@@ -59,7 +59,7 @@ fn event_timing_of_a_1_ms_spin() {
     // Warm the clocks up first: the spin counts cycles of the rated clock.
     spin_on(&reg, &[&s], per_ms * 20);
     let ms = spin_on(&reg, &[&s], per_ms);
-    println!("    a spin of {per_ms} cycles (1 ms at the rated clock) took {ms:.3} ms by events");
+    eprintln!("    a spin of {per_ms} cycles (1 ms at the rated clock) took {ms:.3} ms by events");
     assert!((0.8..=1.2).contains(&ms), "{ms} ms");
 }
 
@@ -115,7 +115,7 @@ fn streams_created_and_used_from_eight_threads() {
 fn priorities_read_back() {
     let reg = registry();
     let (least, greatest) = reg.ctx().stream_priority_range().unwrap();
-    println!("    priority range: least {least}, greatest {greatest}");
+    eprintln!("    priority range: least {least}, greatest {greatest}");
     assert!(greatest < least);
     for p in [least, greatest, (least + greatest) / 2] {
         let s = CudaStream::with_options(

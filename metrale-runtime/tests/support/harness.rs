@@ -1,19 +1,52 @@
-//! A small test runner for the suites that need a driver (`harness = false`).
+//! The runner of the suites that need a driver (`harness = false`), on
+//! [libtest-mimic](https://docs.rs/libtest-mimic).
 //!
 //! libtest decides "ignored" at compile time; these suites decide at run time
-//! whether their driver is there, and say why when it is not. Output follows
-//! libtest's lines (`test NAME ... ok`, `test result: ok. N passed; ...`) so cargo
-//! and CI read it as usual. Tests run one at a time on the main thread, since they
-//! share process-wide driver state.
+//! whether their driver is there (the suite's *gate*), and say why when it is
+//! not. libtest-mimic parses libtest's flags (`--test-threads N`, `--format
+//! pretty|terse|json`, `--ignored`, `--include-ignored`, `--list`, `--exact`,
+//! `--skip NAME`, a name filter) and prints libtest's lines and summary, so cargo
+//! and CI read the output as usual. A flag it does not know is an error, never a
+//! name filter. It takes one name filter, not several.
+//!
+//! # One thread
+//!
+//! The tests share process-wide driver state (the loaded driver, its contexts,
+//! the stand-in's injected faults, the fault suite's counting allocator), so they
+//! run one at a time on the main thread whatever `--test-threads` says: the
+//! runner sets the thread count to 1, and says so on stderr when it was asked for
+//! more.
+//!
+//! # When the gate fails
+//!
+//! The gate's reason is printed once, before the run (on stderr under `--list`
+//! and `--format json`, whose stdout tools parse; on stdout otherwise). Then:
+//!
+//! - Nothing requires the suite: every test is marked ignored, so a plain run
+//!   reports each `ignored` and the summary counts them, and `--list --ignored`
+//!   lists them. Asked to run them anyway (`--ignored`, `--include-ignored`), each
+//!   fails with the reason: the run was asked to carry out tests this machine
+//!   cannot carry out, and reporting them ignored again would answer "ok" to a
+//!   request that was not met, which is what this runner exists to avoid.
+//! - `require` names the setting that demands the suite (`METRALE_REQUIRE_GPU=1`):
+//!   no test is ignored, and every selected test fails with a message naming the
+//!   setting and the reason.
+//!
+//! When the gate passes, no test is ignored: a test passes when it returns and
+//! fails with its panic's message when it panics.
+//!
+//! # Child processes
 //!
 //! A test may re-run this binary as a child process on one scenario
-//! ([`run_child`]); the child runs only that scenario and exits.
+//! ([`run_child`], environment variable `METRALE_TEST_CHILD`). The child runs only
+//! that scenario and exits, before any argument is parsed and before the gate;
+//! libtest-mimic has no such notion, so this part stays by hand.
 
 #![allow(dead_code)]
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::process::{Command, ExitCode, Output};
-use std::time::Instant;
+
+use libtest_mimic::{Arguments, FormatSetting, Trial};
 
 /// Environment variable naming the scenario a child process runs.
 const CHILD_VAR: &str = "METRALE_TEST_CHILD";
@@ -47,7 +80,8 @@ pub fn run_child(scenario: &str, env: &[(&str, &str)]) -> Output {
 
 /// Run the suite. `gate` says whether the suite can run here: `Err(reason)` marks
 /// every test ignored with that reason, or fails them all when `require` names the
-/// setting that demands the suite run (`METRALE_REQUIRE_GPU=1`).
+/// setting that demands the suite run (`METRALE_REQUIRE_GPU=1`). See the module
+/// documentation for the flags and for `--ignored` when the gate fails.
 pub fn main(
     tests: &[Test],
     children: &[Child],
@@ -67,98 +101,61 @@ pub fn main(
         };
     }
 
-    // libtest's own flags are accepted and ignored, except these: `--exact`,
-    // `--skip NAME` (repeatable), `--list`; other words are name filters.
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut filters: Vec<&str> = Vec::new();
-    let mut skips: Vec<&str> = Vec::new();
-    let mut words = args.iter();
-    while let Some(a) = words.next() {
-        if a == "--skip" {
-            skips.extend(words.next().map(String::as_str));
-        } else if !a.starts_with('-') {
-            filters.push(a);
-        }
-    }
-    let exact = args.iter().any(|a| a == "--exact");
-    if std::env::args().any(|a| a == "--list") {
-        for t in tests {
-            println!("{}: test", t.name);
-        }
-        return ExitCode::SUCCESS;
-    }
-    let selected: Vec<&Test> = tests
-        .iter()
-        .filter(|t| {
-            filters.is_empty()
-                || filters.iter().any(|f| {
-                    if exact {
-                        t.name == *f
-                    } else {
-                        t.name.contains(f)
-                    }
-                })
-        })
-        .filter(|t| !skips.iter().any(|s| t.name.contains(s)))
-        .collect();
-    let filtered_out = tests.len() - selected.len();
-    let start = Instant::now();
-    println!("\nrunning {} tests", selected.len());
-
-    if let Err(reason) = gate() {
-        if let Some(setting) = require {
-            for t in &selected {
-                println!("test {} ... FAILED", t.name);
-            }
-            println!("\n{setting} is set but the suite cannot run: {reason}");
-            println!(
-                "\ntest result: FAILED. 0 passed; {} failed; 0 ignored; 0 measured; {filtered_out} filtered out; finished in {:.2}s\n",
-                selected.len(),
-                start.elapsed().as_secs_f64()
-            );
-            return ExitCode::from(101);
-        }
-        println!("every test below is ignored: {reason}");
-        for t in &selected {
-            println!("test {} ... ignored, see above", t.name);
-        }
-        println!(
-            "\ntest result: ok. 0 passed; 0 failed; {} ignored; 0 measured; {filtered_out} filtered out; finished in {:.2}s\n",
-            selected.len(),
-            start.elapsed().as_secs_f64()
+    let mut args = Arguments::from_args();
+    if let Some(n) = args.test_threads.filter(|&n| n != 1) {
+        eprintln!(
+            "--test-threads {n}: these tests share process-wide driver state; \
+             they run one at a time, on the main thread"
         );
-        return ExitCode::SUCCESS;
     }
+    args.test_threads = Some(1);
 
-    let mut failed = Vec::new();
-    for t in &selected {
-        let t0 = Instant::now();
-        let outcome = catch_unwind(AssertUnwindSafe(t.run));
-        let ms = t0.elapsed().as_millis();
-        match outcome {
-            Ok(()) => println!("test {} ... ok ({ms} ms)", t.name),
-            Err(_) => {
-                println!("test {} ... FAILED", t.name);
-                failed.push(t.name);
-            }
+    // Tools parse stdout under `--list` and `--format json`: notes go to stderr.
+    let stdout_is_parsed = args.list || args.format == Some(FormatSetting::Json);
+    let note = |text: &str| {
+        if stdout_is_parsed {
+            eprintln!("{text}");
+        } else {
+            println!("{text}");
         }
-    }
-    let passed = selected.len() - failed.len();
-    if !failed.is_empty() {
-        println!("\nfailures:");
-        for name in &failed {
-            println!("    {name}");
+    };
+
+    let trials: Vec<Trial> = match (gate(), require) {
+        (Ok(()), _) => tests
+            .iter()
+            .map(|t| {
+                let run = t.run;
+                Trial::test(t.name, move || {
+                    run();
+                    Ok(())
+                })
+            })
+            .collect(),
+        (Err(reason), Some(setting)) => {
+            let message = format!("this suite cannot run here: {reason} (required: {setting})");
+            note(&message);
+            tests
+                .iter()
+                .map(|t| {
+                    let message = message.clone();
+                    Trial::test(t.name, move || Err(message.into()))
+                })
+                .collect()
         }
-    }
-    println!(
-        "\ntest result: {}. {passed} passed; {} failed; 0 ignored; 0 measured; {filtered_out} filtered out; finished in {:.2}s\n",
-        if failed.is_empty() { "ok" } else { "FAILED" },
-        failed.len(),
-        start.elapsed().as_secs_f64()
-    );
-    if failed.is_empty() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(101)
-    }
+        (Err(reason), None) => {
+            note(&format!(
+                "every test of this suite is ignored here: {reason}"
+            ));
+            let message =
+                format!("asked to run an ignored test, but this suite cannot run here: {reason}");
+            tests
+                .iter()
+                .map(|t| {
+                    let message = message.clone();
+                    Trial::test(t.name, move || Err(message.into())).with_ignored_flag(true)
+                })
+                .collect()
+        }
+    };
+    libtest_mimic::run(&args, trials).exit_code()
 }
