@@ -15,7 +15,7 @@
 //! - Versioned entry points keep the names the header maps them to (`cuMemAlloc_v2`,
 //!   `cuCtxCreate_v4`, ...), and the table resolves exactly those symbols.
 //!
-//! With the `nvrtc` feature, [`nvrtc`] and [`nvjitlink`] bind the run-time
+//! With the `nvrtc` feature, the modules `nvrtc` and `nvjitlink` bind the run-time
 //! compiler and the JIT linker the same way: generated types, a lazily loaded
 //! table each (`nvrtc::nvrtc()`, `nvjitlink::nvjitlink()`), their own
 //! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors.

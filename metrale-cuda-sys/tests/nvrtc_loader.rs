@@ -46,7 +46,11 @@ fn the_real_libraries_load_when_named() {
         std::env::var_os(nvrtc::LIBNVRTC_PATH_VAR),
         std::env::var_os(nvjitlink::LIBNVJITLINK_PATH_VAR),
     ) else {
-        eprintln!("skipped: METRALE_LIBNVRTC_PATH / METRALE_LIBNVJITLINK_PATH not set");
+        assert!(
+            std::env::var("METRALE_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+            "METRALE_REQUIRE_NVRTC=1 but METRALE_LIBNVRTC_PATH / METRALE_LIBNVJITLINK_PATH are not set"
+        );
+        eprintln!("not checked: METRALE_LIBNVRTC_PATH / METRALE_LIBNVJITLINK_PATH not set");
         return;
     };
     let n = Nvrtc::load_from(&rtc).unwrap();

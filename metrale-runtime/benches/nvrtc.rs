@@ -210,13 +210,13 @@ fn run() -> Result<(), MetraleError> {
         &format!("CompileCache hit, memory (mean of {hits})"),
         &mem,
         "ms",
-        Some(&ratios(&mem, &raw)),
+        None,
     );
     line(
         &format!("CompileCache hit, disk (mean of {disk_hits})"),
         &disk,
         "ms",
-        Some(&ratios(&disk, &raw)),
+        None,
     );
     println!(
         "\ncompile saved per memory hit: {:.1} ms ({:.0}x); per disk hit: {:.1} ms ({:.0}x)",
