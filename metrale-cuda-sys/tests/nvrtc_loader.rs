@@ -26,6 +26,19 @@ fn a_missing_file_is_a_typed_error_naming_it() {
 }
 
 #[test]
+fn a_missing_symbol_names_the_library_and_its_version() {
+    let m = metrale_cuda_sys::LibraryMissingSymbol {
+        library: "NVRTC",
+        name: "nvrtcGetLTOIR",
+        version: Some((11, 8)),
+    };
+    assert_eq!(
+        m.to_string(),
+        "the loaded NVRTC library does not export `nvrtcGetLTOIR` (it is version 11.8)"
+    );
+}
+
+#[test]
 fn status_names_come_from_the_header() {
     assert_eq!(
         nvrtcResult::NVRTC_ERROR_COMPILATION.to_string(),
