@@ -104,8 +104,8 @@ fn sm80_code_on_this_device() {
     } else {
         let e = loaded.expect_err("an sm_80 cubin on a device of another major version");
         let text = e.to_string();
-        assert!(text.contains("CUDA_ERROR_NO_BINARY_FOR_GPU"), "{text}");
-        assert!(text.contains("sm_80"), "{text}");
+        assert!(matches!(e, MetraleError::ModuleLoad { .. }), "{text}");
+        assert!(text.contains("the cubin was built for sm_80"), "{text}");
     }
     let ptx = Program::new("fill80ptx.cu", src)
         .compile(Target::Compute(80))
