@@ -26,7 +26,8 @@ use crate::context::CudaContext;
 use crate::error::Result;
 
 use super::error::{into_error, NvrtcError};
-use super::program::{self, Compiled, Program};
+use super::output::Compiled;
+use super::program::{self, Program};
 use super::Target;
 
 /// The default in-memory budget: 64 MiB.

@@ -5,7 +5,7 @@
 //! This room owns:
 //! - [`Program`] (`program.rs`): source, name, headers, typed options, name
 //!   expressions; [`Program::compile`] / [`Program::compile_for`] give a
-//!   [`Compiled`]: owned bytes that [`MetraleRegistry::load_into`](crate::MetraleRegistry::load_into)
+//!   [`Compiled`] (`output.rs`): owned bytes that [`MetraleRegistry::load_into`](crate::MetraleRegistry::load_into)
 //!   loads directly, the log of warnings, and the lowered names.
 //! - [`Linker`] (`link.rs`): LTO-IR, cubin, PTX and fatbin objects linked into one
 //!   cubin for one architecture.
@@ -32,6 +32,7 @@
 mod cache;
 mod error;
 mod link;
+mod output;
 mod program;
 
 use std::fmt;
@@ -39,7 +40,8 @@ use std::fmt;
 pub use cache::{CacheStats, CompileCache};
 pub use error::{LibraryStatus, NvrtcError};
 pub use link::{LinkInput, Linked, Linker};
-pub use program::{nvrtc_version, supported_archs, CompileOption, Compiled, Program};
+pub use output::Compiled;
+pub use program::{nvrtc_version, supported_archs, CompileOption, Program};
 
 /// What to compile (or link) for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
