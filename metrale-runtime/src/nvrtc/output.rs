@@ -44,7 +44,7 @@ impl Compiled {
         self.cubin.as_deref()
     }
 
-    /// The LTO-IR, when compiled with [`Program::lto`].
+    /// The LTO-IR, when compiled with [`Program::lto`](super::Program::lto).
     pub fn lto_ir(&self) -> Option<&[u8]> {
         self.lto_ir.as_deref()
     }
@@ -56,7 +56,7 @@ impl Compiled {
     }
 
     /// The lowered (mangled) name of a name expression added with
-    /// [`Program::name_expression`], as written there.
+    /// [`Program::name_expression`](super::Program::name_expression), as written there.
     pub fn lowered_name(&self, expression: &str) -> Option<&str> {
         self.lowered
             .iter()
