@@ -1,11 +1,12 @@
 //! Build script of metrale-cuda-sys.
 //!
-//! By default it does nothing: the committed `src/bindings.rs` is used, so a build
-//! needs neither a CUDA toolkit nor libclang. With the `bindgen` feature it runs
-//! bindgen on `wrapper.h` (see `build/gen.rs`) against the first include folder
-//! that has `cuda.h`, and writes the bindings to `$OUT_DIR/bindings.rs`; when
-//! `METRALE_BINDINGS_OUT` names a file, the same text is written there too (the
-//! regeneration script uses this).
+//! By default it does nothing: the committed `src/bindings.rs` (and, with the
+//! `nvrtc` feature, `src/nvrtc_bindings.rs` and `src/nvjitlink_bindings.rs`) are
+//! used, so a build needs neither a CUDA toolkit nor libclang. With the `bindgen`
+//! feature it runs bindgen (see `build/gen.rs`) on each wrapper header against the
+//! first include folder that has the header, and writes the bindings to
+//! `$OUT_DIR`; when `METRALE_BINDINGS_OUT_DIR` names a folder, the same files are
+//! written there too (the regeneration script uses this).
 
 #[cfg(feature = "bindgen")]
 #[path = "build/gen.rs"]
@@ -14,30 +15,62 @@ mod gen;
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     #[cfg(feature = "bindgen")]
-    if let Err(message) = generate() {
+    if let Err(message) = generate_all() {
         eprintln!("metrale-cuda-sys: {message}");
         std::process::exit(1);
     }
 }
 
 #[cfg(feature = "bindgen")]
-fn generate() -> Result<(), String> {
-    use std::path::PathBuf;
-
+fn generate_all() -> Result<(), String> {
     println!("cargo:rerun-if-changed=build/gen.rs");
-    println!("cargo:rerun-if-changed=wrapper.h");
     for var in [
         "METRALE_CUDA_INCLUDE_DIR",
         "CUDA_PATH",
         "CUDA_HOME",
-        "METRALE_BINDINGS_OUT",
+        "METRALE_BINDINGS_OUT_DIR",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    generate(&gen::CUDA, "wrapper.h", None, "bindings.rs")?;
+    #[cfg(feature = "nvrtc")]
+    {
+        generate(
+            &gen::NVRTC,
+            "nvrtc_wrapper.h",
+            Some("METRALE_NVRTC_INCLUDE_DIR"),
+            "nvrtc_bindings.rs",
+        )?;
+        generate(
+            &gen::NVJITLINK,
+            "nvjitlink_wrapper.h",
+            Some("METRALE_NVJITLINK_INCLUDE_DIR"),
+            "nvjitlink_bindings.rs",
+        )?;
+    }
+    Ok(())
+}
 
+/// Generate one header's bindings into `$OUT_DIR/<file>` (and the extra folder).
+/// The include folder is the first of: `own_var`, `METRALE_CUDA_INCLUDE_DIR`,
+/// `$CUDA_PATH/include`, `$CUDA_HOME/include`, `/usr/local/cuda/include` that has
+/// the header.
+#[cfg(feature = "bindgen")]
+fn generate(
+    spec: &gen::Spec,
+    wrapper: &str,
+    own_var: Option<&str>,
+    file: &str,
+) -> Result<(), String> {
+    use std::path::PathBuf;
+
+    println!("cargo:rerun-if-changed={wrapper}");
     let mut candidates: Vec<PathBuf> = Vec::new();
-    if let Some(dir) = std::env::var_os("METRALE_CUDA_INCLUDE_DIR") {
-        candidates.push(dir.into());
+    for var in own_var.into_iter().chain(["METRALE_CUDA_INCLUDE_DIR"]) {
+        println!("cargo:rerun-if-env-changed={var}");
+        if let Some(dir) = std::env::var_os(var) {
+            candidates.push(dir.into());
+        }
     }
     for var in ["CUDA_PATH", "CUDA_HOME"] {
         if let Some(root) = std::env::var_os(var) {
@@ -45,32 +78,34 @@ fn generate() -> Result<(), String> {
         }
     }
     candidates.push("/usr/local/cuda/include".into());
+    let header = spec.header;
     let include_dir = candidates
         .iter()
-        .find(|dir| dir.join("cuda.h").is_file())
+        .find(|dir| dir.join(header).is_file())
         .ok_or_else(|| {
             let tried: Vec<String> = candidates.iter().map(|d| d.display().to_string()).collect();
+            let vars = own_var.map_or(String::new(), |v| format!("{v}, "));
             format!(
-                "feature `bindgen` needs cuda.h; none found in: {} \
-                 (set METRALE_CUDA_INCLUDE_DIR, CUDA_PATH or CUDA_HOME, or build without the feature)",
+                "feature `bindgen` needs {header}; none found in: {} \
+                 (set {vars}METRALE_CUDA_INCLUDE_DIR, CUDA_PATH or CUDA_HOME, or build without the feature)",
                 tried.join(", ")
             )
         })?;
     println!(
         "cargo:rerun-if-changed={}",
-        include_dir.join("cuda.h").display()
+        include_dir.join(header).display()
     );
 
     let manifest =
         PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").ok_or("CARGO_MANIFEST_DIR unset")?);
-    let text = gen::generate(&manifest.join("wrapper.h"), include_dir)?;
+    let text = gen::generate(spec, &manifest.join(wrapper), include_dir)?;
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR unset")?);
     let write = |path: &std::path::Path| {
         std::fs::write(path, &text).map_err(|e| format!("cannot write {}: {e}", path.display()))
     };
-    write(&out_dir.join("bindings.rs"))?;
-    if let Some(extra) = std::env::var_os("METRALE_BINDINGS_OUT") {
-        write(std::path::Path::new(&extra))?;
+    write(&out_dir.join(file))?;
+    if let Some(extra) = std::env::var_os("METRALE_BINDINGS_OUT_DIR") {
+        write(&std::path::Path::new(&extra).join(file))?;
     }
     Ok(())
 }

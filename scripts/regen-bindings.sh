@@ -1,23 +1,28 @@
 #!/usr/bin/env bash
-# Regenerate metrale-cuda-sys/src/bindings.rs from the pinned CUDA header.
+# Regenerate the committed bindings of metrale-cuda-sys from the pinned headers:
+#   src/bindings.rs            cuda.h       (nvidia-cuda-runtime)
+#   src/nvrtc_bindings.rs      nvrtc.h      (nvidia-cuda-nvrtc, feature nvrtc)
+#   src/nvjitlink_bindings.rs  nvJitLink.h  (nvidia-nvjitlink, feature nvrtc)
 #
 #   scripts/regen-bindings.sh          rewrite the committed bindings
-#   scripts/regen-bindings.sh --check  fail if the committed bindings differ
+#   scripts/regen-bindings.sh --check  fail if any committed file differs
 #
-# The header comes from the PyPI package nvidia-cuda-runtime (pinned below),
-# fetched with `pip download` into .cuda-header/ (ignored by git). The bindings
-# are produced by the crate's own build script (feature `bindgen`), so a feature
-# build and the committed file share one bindgen configuration. Needs libclang
+# Each header comes from its PyPI package (pinned below), fetched with
+# `pip download` into .cuda-header/ (ignored by git). The bindings are produced by
+# the crate's own build script (features `bindgen` and `nvrtc`), so a feature
+# build and the committed files share one bindgen configuration. Needs libclang
 # (Debian: libclang-dev) and rustfmt.
 set -euo pipefail
 
-PACKAGE=nvidia-cuda-runtime
-VERSION=13.0.96
+# package version header
+PINS=(
+  "nvidia-cuda-runtime 13.0.96 cuda.h"
+  "nvidia-cuda-nvrtc 13.0.88 nvrtc.h"
+  "nvidia-nvjitlink 13.0.88 nvJitLink.h"
+)
+FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
-committed=$root/metrale-cuda-sys/src/bindings.rs
-cache=$root/.cuda-header/$PACKAGE-$VERSION
-include=$cache/nvidia/cu13/include
 
 mode=write
 case "${1:-}" in
@@ -26,31 +31,56 @@ case "${1:-}" in
   *) echo "usage: $0 [--check]" >&2; exit 2 ;;
 esac
 
-if [ ! -f "$include/cuda.h" ]; then
-  wheels=$(mktemp -d)
-  python3 -m pip download --quiet --no-deps --only-binary=:all: \
-    --platform manylinux2014_x86_64 --python-version 3.12 \
-    -d "$wheels" "$PACKAGE==$VERSION"
-  mkdir -p "$cache"
-  python3 -m zipfile -e "$wheels"/*.whl "$cache"
-  rm -rf "$wheels"
-fi
-[ -f "$include/cuda.h" ] || { echo "cuda.h not found in $include" >&2; exit 1; }
-
-generated=$(mktemp --suffix=.rs)
-trap 'rm -f "$generated"' EXIT
-(cd "$root" && METRALE_CUDA_INCLUDE_DIR=$include METRALE_BINDINGS_OUT=$generated \
-  cargo build --quiet -p metrale-cuda-sys --features bindgen)
-rustfmt --edition 2021 "$generated"
-
-if [ "$mode" = check ]; then
-  if ! diff -q "$committed" "$generated" >/dev/null; then
-    echo "metrale-cuda-sys/src/bindings.rs is stale; run scripts/regen-bindings.sh" >&2
-    diff -u "$committed" "$generated" | head -40 >&2 || true
-    exit 1
+# fetch PACKAGE VERSION HEADER: print the include folder holding HEADER.
+fetch() {
+  local package=$1 version=$2 header=$3
+  local cache=$root/.cuda-header/$package-$version
+  local include=$cache/nvidia/cu13/include
+  if [ ! -f "$include/$header" ]; then
+    local wheels
+    wheels=$(mktemp -d)
+    python3 -m pip download --quiet --no-deps --only-binary=:all: \
+      --platform manylinux2014_x86_64 --python-version 3.12 \
+      -d "$wheels" "$package==$version" >&2
+    mkdir -p "$cache"
+    python3 -m zipfile -e "$wheels"/*.whl "$cache"
+    rm -rf "$wheels"
   fi
-  echo "bindings are fresh ($PACKAGE==$VERSION)"
+  [ -f "$include/$header" ] || { echo "$header not found in $include" >&2; exit 1; }
+  printf '%s\n' "$include"
+}
+
+read -r p v h <<<"${PINS[0]}"; cuda_include=$(fetch "$p" "$v" "$h")
+read -r p v h <<<"${PINS[1]}"; nvrtc_include=$(fetch "$p" "$v" "$h")
+read -r p v h <<<"${PINS[2]}"; nvjitlink_include=$(fetch "$p" "$v" "$h")
+
+generated=$(mktemp -d)
+trap 'rm -rf "$generated"' EXIT
+(cd "$root" && METRALE_CUDA_INCLUDE_DIR=$cuda_include \
+  METRALE_NVRTC_INCLUDE_DIR=$nvrtc_include \
+  METRALE_NVJITLINK_INCLUDE_DIR=$nvjitlink_include \
+  METRALE_BINDINGS_OUT_DIR=$generated \
+  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc)
+
+pins=$(printf '%s, ' "${PINS[@]}" | sed 's/ \([^ ,]*\.h\)//g; s/ /==/g; s/,==/, /g; s/, $//')
+stale=0
+for file in "${FILES[@]}"; do
+  rustfmt --edition 2021 "$generated/$file"
+  committed=$root/metrale-cuda-sys/src/$file
+  if [ "$mode" = check ]; then
+    if ! diff -q "$committed" "$generated/$file" >/dev/null 2>&1; then
+      echo "metrale-cuda-sys/src/$file is stale; run scripts/regen-bindings.sh" >&2
+      diff -u "$committed" "$generated/$file" | head -40 >&2 || true
+      stale=1
+    fi
+  else
+    cat "$generated/$file" > "$committed"
+    echo "wrote $committed"
+  fi
+done
+[ "$stale" = 0 ] || exit 1
+if [ "$mode" = check ]; then
+  echo "bindings are fresh ($pins)"
 else
-  cat "$generated" > "$committed"
-  echo "wrote $committed ($PACKAGE==$VERSION)"
+  echo "from $pins"
 fi

@@ -1,9 +1,14 @@
-//! The one bindgen configuration for `cuda.h`, and the pass that turns bindgen's
-//! `extern "C"` block into a run-time loaded function table.
+//! The one bindgen configuration for every header the crate binds (`cuda.h`, and
+//! with the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`), and the one pass that
+//! turns bindgen's `extern "C"` block into a run-time loaded function table.
+//!
+//! A header differs from another only by its [`Spec`]: which file's declarations
+//! are kept, what the table and its owner are called, which enum is the status
+//! type and how a missing symbol is reported.
 //!
 //! Used by `build.rs` when the `bindgen` feature is on; `scripts/regen-bindings.sh`
-//! goes through that same path to rewrite the committed `src/bindings.rs`, so the
-//! committed file and a feature build can never be configured differently.
+//! goes through that same path to rewrite the committed `src/*bindings.rs`, so the
+//! committed files and a feature build can never be configured differently.
 //!
 //! bindgen is asked for unformatted output (`Formatter::None`): one token per word,
 //! separated by single spaces. That makes the post-processing below a plain scan
@@ -15,17 +20,82 @@ use std::path::Path;
 /// Minor version of the Rust release bindgen writes for (1.82: `unsafe extern`).
 const RUST_TARGET_MINOR: u64 = 82;
 
-/// Run bindgen on `wrapper` with `include_dir` on the include path and return the
-/// complete text of the bindings module.
-pub fn generate(wrapper: &Path, include_dir: &Path) -> Result<String, String> {
+/// What makes one header's bindings different from another's.
+pub struct Spec {
+    /// The header file bindgen reads (`cuda.h`); only its declarations are kept.
+    pub header: &'static str,
+    /// What the first line of the generated file calls the header.
+    pub describes: &'static str,
+    /// The crate-private table struct (`DriverFns`).
+    pub table: &'static str,
+    /// The public type that owns the table and gets one accessor per function,
+    /// as a path from the crate root (`crate::Driver`).
+    pub owner: &'static str,
+    /// The enum type every function returns (`cudaError_enum`); it gets `name()`.
+    pub status: &'static str,
+    /// What the library is, in the resolve function's safety text.
+    pub library: &'static str,
+    /// The expression an accessor returns for an absent symbol, `{name}` standing
+    /// for the symbol's name; its type is the accessor's error type `{error}`.
+    pub missing: &'static str,
+    /// The accessor's error type (a path from the crate root).
+    pub error: &'static str,
+    /// What the accessor's docs call the loaded library (`driver`).
+    pub loaded: &'static str,
+}
+
+/// `cuda.h`: the driver API.
+pub const CUDA: Spec = Spec {
+    header: "cuda.h",
+    describes: "the pinned CUDA header",
+    table: "DriverFns",
+    owner: "crate::Driver",
+    status: "cudaError_enum",
+    library: "a CUDA driver library",
+    missing: "crate::MissingSymbol { name: \"{name}\" }",
+    error: "crate::MissingSymbol",
+    loaded: "driver",
+};
+
+/// `nvrtc.h`: the run-time compiler.
+#[allow(dead_code)]
+pub const NVRTC: Spec = Spec {
+    header: "nvrtc.h",
+    describes: "the pinned NVRTC header",
+    table: "NvrtcFns",
+    owner: "crate::nvrtc::Nvrtc",
+    status: "nvrtcResult",
+    library: "an NVRTC library",
+    missing: "self.missing(\"{name}\")",
+    error: "crate::LibraryMissingSymbol",
+    loaded: "library",
+};
+
+/// `nvJitLink.h`: the JIT linker.
+#[allow(dead_code)]
+pub const NVJITLINK: Spec = Spec {
+    header: "nvJitLink.h",
+    describes: "the pinned nvJitLink header",
+    table: "NvJitLinkFns",
+    owner: "crate::nvjitlink::NvJitLink",
+    status: "nvJitLinkResult",
+    library: "an nvJitLink library",
+    missing: "self.missing(\"{name}\")",
+    error: "crate::LibraryMissingSymbol",
+    loaded: "library",
+};
+
+/// Run bindgen on `wrapper` (which includes `spec.header`) with `include_dir` on
+/// the include path and return the complete text of the bindings module.
+pub fn generate(spec: &Spec, wrapper: &Path, include_dir: &Path) -> Result<String, String> {
     let target = bindgen::RustTarget::stable(RUST_TARGET_MINOR, 0)
         .map_err(|e| format!("bindgen rust target 1.{RUST_TARGET_MINOR}: {e}"))?;
     let bindings = bindgen::Builder::default()
         .header(wrapper.to_string_lossy())
         .clang_arg(format!("-I{}", include_dir.display()))
         .rust_target(target)
-        // Only what cuda.h itself declares; libc typedefs it needs come along.
-        .allowlist_file(r".*[/\\]cuda\.h")
+        // Only what the header itself declares; libc typedefs it needs come along.
+        .allowlist_file(format!(r".*[/\\]{}", spec.header.replace('.', r"\.")))
         // Newtype enums: a status a newer driver returns is a value, never UB.
         .default_enum_style(bindgen::EnumVariation::NewType {
             is_bitfield: false,
@@ -39,7 +109,7 @@ pub fn generate(wrapper: &Path, include_dir: &Path) -> Result<String, String> {
         .formatter(bindgen::Formatter::None)
         .generate()
         .map_err(|e| format!("bindgen failed on {}: {e}", wrapper.display()))?;
-    postprocess(&bindings.to_string())
+    postprocess(spec, &bindings.to_string())
 }
 
 /// One function declaration from bindgen's extern block.
@@ -50,7 +120,7 @@ struct Decl<'a> {
     signature: &'a str,
 }
 
-fn postprocess(raw: &str) -> Result<String, String> {
+fn postprocess(spec: &Spec, raw: &str) -> Result<String, String> {
     const OPEN: &str = "unsafe extern \"C\" {";
     let start = raw
         .find(OPEN)
@@ -63,20 +133,22 @@ fn postprocess(raw: &str) -> Result<String, String> {
         return Err("more than one extern block: merge_extern_blocks is off?".into());
     }
     let decls = parse_decls(body)?;
-    let statuses = parse_status_constants(raw)?;
+    let statuses = parse_status_constants(raw, spec.status)?;
 
     let mut out = String::with_capacity(raw.len() + decls.len() * 600);
-    out.push_str(
-        "// Generated by metrale-cuda-sys/build/gen.rs from the pinned CUDA header \
-         (scripts/regen-bindings.sh). Do not edit.\n",
+    let _ = writeln!(
+        out,
+        "// Generated by metrale-cuda-sys/build/gen.rs from {} \
+         (scripts/regen-bindings.sh). Do not edit.",
+        spec.describes
     );
     let header_end = raw.find("*/").map_or(0, |i| i + 2);
     out.push_str(raw[header_end..start].trim());
     out.push('\n');
     out.push_str(raw[body_start + body_len + 1..].trim());
     out.push('\n');
-    emit_table(&mut out, &decls);
-    emit_status_names(&mut out, &statuses);
+    emit_table(&mut out, spec, &decls);
+    emit_status_names(&mut out, spec.status, &statuses);
     Ok(out)
 }
 
@@ -125,12 +197,15 @@ fn parse_decls(body: &str) -> Result<Vec<Decl<'_>>, String> {
     Ok(decls)
 }
 
-/// `(name, value)` for every associated constant of `CUresult`'s enum type.
-fn parse_status_constants(raw: &str) -> Result<Vec<(&str, u64)>, String> {
-    const TY: &str = "cudaError_enum";
-    let open = format!("impl {TY} {{");
-    let start = raw.find(&open).ok_or("no CUresult constants found")? + open.len();
-    let len = matching_close(&raw[start..], '{', '}').ok_or("unbalanced CUresult impl")?;
+/// `(name, value)` for every associated constant of the status enum type `ty`.
+fn parse_status_constants<'a>(raw: &'a str, ty: &str) -> Result<Vec<(&'a str, u64)>, String> {
+    let open = format!("impl {ty} {{");
+    let start = raw
+        .find(&open)
+        .ok_or_else(|| format!("no {ty} constants found"))?
+        + open.len();
+    let len =
+        matching_close(&raw[start..], '{', '}').ok_or_else(|| format!("unbalanced {ty} impl"))?;
     let mut out: Vec<(&str, u64)> = Vec::new();
     for item in raw[start..start + len].split(';') {
         let item = item.trim();
@@ -139,7 +214,7 @@ fn parse_status_constants(raw: &str) -> Result<Vec<(&str, u64)>, String> {
         }
         let rest = item
             .strip_prefix("pub const ")
-            .ok_or_else(|| format!("unexpected item in CUresult impl: {}", head(item)))?;
+            .ok_or_else(|| format!("unexpected item in {ty} impl: {}", head(item)))?;
         let name = rest.split(' ').next().unwrap_or_default();
         let value = rest
             .rsplit_once('(')
@@ -157,7 +232,8 @@ fn head(s: &str) -> &str {
     &s[..end]
 }
 
-fn emit_table(out: &mut String, decls: &[Decl<'_>]) {
+fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
+    let table = spec.table;
     let n = decls.len();
     out.push_str("\n/* Function table. */\n");
     for d in decls {
@@ -179,25 +255,28 @@ fn emit_table(out: &mut String, decls: &[Decl<'_>]) {
     }
     out.push_str("];\n");
 
-    out.push_str(
+    let _ = write!(
+        out,
         "/// One entry per header function; `None` where the loaded library lacks it.\n\
-         pub(crate) struct DriverFns {",
+         pub(crate) struct {table} {{"
     );
     for d in decls {
         let _ = write!(out, "{0}: Option<PFN_{0}>,", d.name);
     }
     out.push_str("}\n");
 
-    out.push_str(
-        "impl DriverFns {\n\
+    let _ = write!(
+        out,
+        "impl {table} {{\n\
          /// Resolve every entry in `lib`; a missing symbol leaves `None`.\n\
          ///\n/// # Safety\n\
-         /// `lib` must be a CUDA driver library whose exported functions have the \
+         /// `lib` must be {} whose exported functions have the \
          signatures of the header these bindings were generated from.\n\
-         pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {\n\
+         pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
          // SAFETY: the caller promises the symbols have the declared types; a \
          symbol that is absent is kept as `None` and never called.\n\
-         unsafe { Self {",
+         unsafe {{ Self {{",
+        spec.library
     );
     for d in decls {
         let _ = write!(
@@ -216,25 +295,31 @@ fn emit_table(out: &mut String, decls: &[Decl<'_>]) {
     }
     out.push_str("] } }\n");
 
-    out.push_str("impl crate::Driver {\n");
+    let _ = writeln!(out, "impl {} {{", spec.owner);
+    let error = spec.error;
+    let short = error.rsplit("::").next().unwrap_or(error);
+    let loaded = spec.loaded;
     for d in decls {
+        let missing = spec.missing.replace("{name}", d.name);
         let _ = write!(
             out,
-            "/// `{0}`, or [`MissingSymbol`](crate::MissingSymbol) when the loaded driver lacks it.\n\
-             #[inline] pub fn {0}(&self) -> Result<PFN_{0}, crate::MissingSymbol> {{ \
-             match self.fns.{0} {{ Some(f) => Ok(f), None => Err(crate::MissingSymbol {{ name: \"{0}\" }}) }} }}\n",
+            "/// `{0}`, or [`{short}`]({error}) when the loaded {loaded} lacks it.\n\
+             #[inline] pub fn {0}(&self) -> Result<PFN_{0}, {error}> {{ \
+             match self.fns.{0} {{ Some(f) => Ok(f), None => Err({missing}) }} }}\n",
             d.name
         );
     }
     out.push_str("}\n");
 }
 
-fn emit_status_names(out: &mut String, statuses: &[(&str, u64)]) {
-    out.push_str(
-        "impl cudaError_enum {\n\
-         /// The constant's name (`\"CUDA_ERROR_INVALID_VALUE\"`), or `None` for a \
+fn emit_status_names(out: &mut String, ty: &str, statuses: &[(&str, u64)]) {
+    let example = statuses.get(1).map_or("", |&(name, _)| name);
+    let _ = write!(
+        out,
+        "impl {ty} {{\n\
+         /// The constant's name (`\"{example}\"`), or `None` for a \
          status this header does not define.\n\
-         pub const fn name(self) -> Option<&'static str> { match self.0 {",
+         pub const fn name(self) -> Option<&'static str> {{ match self.0 {{"
     );
     for (name, value) in statuses {
         let _ = write!(out, "{value} => Some(\"{name}\"),");

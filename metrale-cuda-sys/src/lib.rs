@@ -15,6 +15,11 @@
 //! - Versioned entry points keep the names the header maps them to (`cuMemAlloc_v2`,
 //!   `cuCtxCreate_v4`, ...), and the table resolves exactly those symbols.
 //!
+//! With the `nvrtc` feature, the modules `nvrtc` and `nvjitlink` bind the run-time
+//! compiler and the JIT linker the same way: generated types, a lazily loaded
+//! table each (`nvrtc::nvrtc()`, `nvjitlink::nvjitlink()`), their own
+//! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors.
+//!
 //! ```no_run
 //! use metrale_cuda_sys as sys;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -59,6 +64,15 @@ mod bindings {
 }
 
 pub use bindings::*;
+
+#[cfg(feature = "nvrtc")]
+mod library;
+#[cfg(feature = "nvrtc")]
+pub use library::{LibraryLoadError, LibraryMissingSymbol};
+#[cfg(feature = "nvrtc")]
+pub mod nvjitlink;
+#[cfg(feature = "nvrtc")]
+pub mod nvrtc;
 
 /// Environment variable naming the exact driver library file to load.
 pub const LIBCUDA_PATH_VAR: &str = "METRALE_LIBCUDA_PATH";

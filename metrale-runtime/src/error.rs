@@ -412,6 +412,13 @@ pub enum ErrorKind {
     /// Input the driver would reject (or crash on) was refused before any call.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    // nvrtc feature
+    /// Run-time compilation or linking failed (NVRTC, nvJitLink, the compile
+    /// cache); the data is the `nvrtc` room's.
+    #[cfg(feature = "nvrtc")]
+    #[error(transparent)]
+    Nvrtc(Box<crate::nvrtc::NvrtcError>),
 }
 
 impl fmt::Debug for MetraleError {

@@ -34,6 +34,7 @@
 //! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, the launch path |
 //! | [`registry`] | [`MetraleRegistry`], the seed's facade |
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
+//! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
 //! the calling thread when it is not; every error names the call, the status and
@@ -74,6 +75,8 @@ pub mod host;
 pub mod launch;
 pub mod memory;
 pub mod module;
+#[cfg(feature = "nvrtc")]
+pub mod nvrtc;
 pub mod registry;
 pub mod stream;
 
@@ -98,5 +101,9 @@ pub use memory::{
     PrefetchTarget,
 };
 pub use module::NamedBlob;
+#[cfg(feature = "nvrtc")]
+pub use nvrtc::{
+    CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
+};
 pub use registry::MetraleRegistry;
 pub use stream::{AsStream, CudaEvent, CudaStream, EventOptions, StreamOptions};

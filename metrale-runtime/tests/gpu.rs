@@ -19,6 +19,9 @@ mod graphs;
 mod layout;
 #[path = "gpu/memory.rs"]
 mod memory;
+#[cfg(feature = "nvrtc")]
+#[path = "gpu/nvrtc.rs"]
+mod nvrtc;
 #[path = "gpu/streams.rs"]
 mod streams;
 
@@ -44,6 +47,8 @@ fn main() -> ExitCode {
         memory::tests(),
         graphs::tests(),
         layout::tests(),
+        #[cfg(feature = "nvrtc")]
+        nvrtc::tests(),
     ]
     .into_iter()
     .flatten()

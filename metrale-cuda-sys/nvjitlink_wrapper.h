@@ -1,0 +1,2 @@
+/* The header bindgen reads for the nvrtc feature: the JIT linker. */
+#include <nvJitLink.h>

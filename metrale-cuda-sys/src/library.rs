@@ -1,0 +1,125 @@
+//! What the companion libraries (NVRTC, nvJitLink) share: the typed errors of a
+//! failed load and of a missing symbol, and the search over candidates.
+//!
+//! The pattern is the driver's ([`crate::Driver::load_default`]): an exact file
+//! named by the library's own environment variable (and then only it), else a list
+//! of sonames in order; a failure lists every candidate with the loader's message.
+
+use std::ffi::OsString;
+use std::fmt;
+
+use crate::LoadAttempt;
+
+/// A companion library (NVRTC, nvJitLink) could not be loaded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibraryLoadError {
+    /// Which library (`"NVRTC"`, `"nvJitLink"`).
+    pub library: &'static str,
+    /// The environment variable that names its file (`METRALE_LIBNVRTC_PATH`).
+    pub env_var: &'static str,
+    /// Every candidate tried, in order, with the loader's message.
+    pub attempts: Vec<LoadAttempt>,
+    /// When the library itself loaded but a library it opens by name later did
+    /// not (NVRTC's builtins): that library's name and the loaded file's path.
+    pub companion_of: Option<(String, String)>,
+}
+
+impl fmt::Display for LibraryLoadError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.companion_of {
+            Some((companion, path)) => write!(
+                f,
+                "{} at `{path}` loaded, but not {companion}, which it opens by name when it \
+                 compiles; tried ",
+                self.library
+            )?,
+            None => write!(f, "could not load the {} library; tried ", self.library)?,
+        }
+        for (i, attempt) in self.attempts.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            write!(f, "`{}`: {}", attempt.candidate, attempt.message)?;
+        }
+        match &self.companion_of {
+            Some((companion, _)) => write!(
+                f,
+                ". Put {companion} beside the library (a wheel's lib folder has both)"
+            ),
+            None => write!(
+                f,
+                ". Install it, or set {} to the library file",
+                self.env_var
+            ),
+        }
+    }
+}
+
+impl std::error::Error for LibraryLoadError {}
+
+/// A function of a companion header that the loaded library does not export.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LibraryMissingSymbol {
+    /// Which library (`"NVRTC"`, `"nvJitLink"`).
+    pub library: &'static str,
+    /// The symbol (`nvrtcGetLTOIR`, `__nvJitLinkCreate_13_0`).
+    pub name: &'static str,
+    /// The loaded library's version (major, minor), when it could say.
+    pub version: Option<(u32, u32)>,
+}
+
+impl fmt::Display for LibraryMissingSymbol {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the loaded {} library does not export `{}`",
+            self.library, self.name
+        )?;
+        match self.version {
+            Some((major, minor)) => write!(f, " (it is version {major}.{minor})"),
+            None => f.write_str(" (its version is unknown: it does not say)"),
+        }
+    }
+}
+
+impl std::error::Error for LibraryMissingSymbol {}
+
+/// The candidates for a library: the file `env_var` names when it is set and not
+/// empty (and then only it), else `names` in order.
+pub(crate) fn candidates(env_var: &str, names: &[&str]) -> Vec<OsString> {
+    match std::env::var_os(env_var) {
+        Some(path) if !path.is_empty() => vec![path],
+        _ => names.iter().map(Into::into).collect(),
+    }
+}
+
+/// Open `path` with the loader's default flags; the failure as an attempt.
+pub(crate) fn open(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAttempt> {
+    // SAFETY: opening a library runs its initialisers; NVIDIA's compiler and linker
+    // libraries (the only ones asked for here) are safe to initialise in any
+    // process, which is the premise of loading them at all.
+    unsafe { libloading::Library::new(path) }.map_err(|e| LoadAttempt {
+        candidate: path.to_string_lossy().into_owned(),
+        message: crate::loader_message(&e),
+    })
+}
+
+/// Open `path` with `RTLD_NOW | RTLD_GLOBAL` (Unix), so a later `dlopen` of its
+/// soname by another library finds it already loaded.
+#[cfg(unix)]
+pub(crate) fn open_global(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAttempt> {
+    use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
+    // SAFETY: as in `open`: a library of NVIDIA's compiler, safe to initialise.
+    unsafe { Library::open(Some(path), RTLD_NOW | RTLD_GLOBAL) }
+        .map(Into::into)
+        .map_err(|e| LoadAttempt {
+            candidate: path.to_string_lossy().into_owned(),
+            message: crate::loader_message(&e),
+        })
+}
+
+/// Elsewhere there is no global namespace to put it in: open it as usual.
+#[cfg(not(unix))]
+pub(crate) fn open_global(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAttempt> {
+    open(path)
+}
