@@ -124,8 +124,11 @@ fn run() -> Result<(), MetraleError> {
     let hits = if quick { 200 } else { 2_000 };
     let disk_hits = if quick { 50 } else { 500 };
 
-    let lib = rtc::nvrtc()
-        .map_err(|e| MetraleError::InvalidArgument(format!("NVRTC is not available: {e}")))?;
+    let lib = rtc::nvrtc().map_err(|e| {
+        MetraleError::from(metrale_runtime::ErrorKind::InvalidArgument(format!(
+            "NVRTC is not available: {e}"
+        )))
+    })?;
     let text = source();
     let lines = text.lines().count();
     let program = Program::new("bench.cu", text.clone());

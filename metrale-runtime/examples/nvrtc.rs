@@ -56,9 +56,11 @@ where
     let got = s.to_vec(&dy)?;
     let wrong = (0..N).filter(|&i| got[i] != a * x[i] + y[i]).count();
     if wrong > 0 {
-        return Err(MetraleError::InvalidArgument(format!(
-            "{kernel}: {wrong} of {N} elements wrong"
-        )));
+        return Err(MetraleError::from(
+            metrale_runtime::ErrorKind::InvalidArgument(format!(
+                "{kernel}: {wrong} of {N} elements wrong"
+            )),
+        ));
     }
     println!("  {kernel}: all {N} elements verified");
     Ok(())
@@ -96,10 +98,11 @@ fn run() -> Result<(), MetraleError> {
 
     let reg = MetraleRegistry::load_into(host, [&*compiled])?;
     let lowered = |e: &str| {
-        compiled
-            .lowered_name(e)
-            .map(str::to_owned)
-            .ok_or_else(|| MetraleError::InvalidArgument(format!("no lowered name for {e}")))
+        compiled.lowered_name(e).map(str::to_owned).ok_or_else(|| {
+            MetraleError::from(metrale_runtime::ErrorKind::InvalidArgument(format!(
+                "no lowered name for {e}"
+            )))
+        })
     };
     run_axpy(&reg, &lowered("axpy<float>")?, 1.5f32, |i| i as f32)?;
     run_axpy(&reg, &lowered("axpy<double>")?, -0.25f64, |i| i as f64)?;

@@ -8,6 +8,7 @@ use metrale_cuda_sys::nvjitlink::nvJitLinkResult;
 use metrale_cuda_sys::nvrtc::nvrtcResult;
 use metrale_cuda_sys::{self as sys};
 
+use crate::error::ErrorKind;
 use crate::error::MetraleError;
 
 use super::Target;
@@ -181,15 +182,15 @@ impl NvrtcError {
 /// The one constructor of the crate's error from this room's.
 #[cold]
 pub(crate) fn into_error(e: NvrtcError) -> MetraleError {
-    MetraleError::Nvrtc(Box::new(e))
+    ErrorKind::Nvrtc(Box::new(e)).into()
 }
 
 impl MetraleError {
     /// This error's NVRTC / nvJitLink data, when it came from run-time
     /// compilation (feature `nvrtc`).
     pub fn as_nvrtc(&self) -> Option<&NvrtcError> {
-        match self {
-            MetraleError::Nvrtc(e) => Some(e),
+        match self.kind() {
+            ErrorKind::Nvrtc(e) => Some(e),
             _ => None,
         }
     }
