@@ -22,6 +22,8 @@ mod memory;
 #[cfg(feature = "nvrtc")]
 #[path = "gpu/nvrtc.rs"]
 mod nvrtc;
+#[path = "gpu/soundness.rs"]
+mod soundness;
 #[path = "gpu/streams.rs"]
 mod streams;
 
@@ -47,6 +49,7 @@ fn main() -> ExitCode {
         memory::tests(),
         graphs::tests(),
         layout::tests(),
+        soundness::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
     ]

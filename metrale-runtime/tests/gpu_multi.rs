@@ -171,8 +171,60 @@ fn two_threads_each_launch_100000_kernels_on_their_device() {
     }
 }
 
+/// Soundness item 1: a stream-ordered buffer of device 0 read by a peer copy on a
+/// stream of device 1, then dropped: the free waits for device 1's stream, so the
+/// pool cannot hand the memory out again under the copy. A new allocation that
+/// could reuse the address is filled at once; the copy's result must be the
+/// original data.
+fn a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read() {
+    let (h0, h1) = (host(0).unwrap(), host(1).unwrap());
+    let (s0, s1) = (CudaStream::new(&h0).unwrap(), CudaStream::new(&h1).unwrap());
+    let n = 64 << 20;
+    let values: Vec<u32> = (0..n as u32).map(|i| i ^ 0x5a5a_5a5a).collect();
+    for round in 0..4 {
+        let mut src = s0.alloc::<u32>(n).unwrap();
+        s0.copy_h2d(&values, &mut src).unwrap();
+        let mut dst = DeviceBuffer::<u32>::alloc(&h1, n).unwrap();
+        s1.copy_peer(&src, &mut dst).unwrap();
+        drop(src);
+        let mut reuse = s0.alloc::<u32>(n).unwrap();
+        s0.memset_u32(&mut reuse, 0xdead_beef).unwrap();
+        let got = s1.to_vec(&dst).unwrap();
+        assert!(
+            got == values,
+            "round {round}: the peer copy read freed memory"
+        );
+        drop(reuse);
+    }
+}
+
+/// Soundness item 2: `host_slice` of a managed buffer written by a peer copy on
+/// device 1's stream sees the copy's data (it waited for that stream).
+fn managed_host_slice_waits_for_a_peer_copy() {
+    let (h0, h1) = (host(0).unwrap(), host(1).unwrap());
+    let s1 = CudaStream::new(&h1).unwrap();
+    let n = 32 << 20;
+    let values: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(7)).collect();
+    let src = DeviceBuffer::from_host(&s1, &values).unwrap();
+    let mut m = ManagedBuffer::<u32>::zeroed(&h0, n).unwrap();
+    s1.copy_peer(&src, &mut m).unwrap();
+    let host = m.host_slice().unwrap();
+    assert!(
+        host == &values[..],
+        "host_slice returned before the peer copy landed"
+    );
+}
+
 fn main() -> ExitCode {
     let tests = [
+        Test {
+            name: "multi::a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read",
+            run: a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read,
+        },
+        Test {
+            name: "multi::managed_host_slice_waits_for_a_peer_copy",
+            run: managed_host_slice_waits_for_a_peer_copy,
+        },
         Test {
             name: "multi::one_model_loaded_once_runs_on_both_devices",
             run: one_model_loaded_once_runs_on_both_devices,
