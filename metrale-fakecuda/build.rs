@@ -1,5 +1,10 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added.
+//!
+//! Without a working C compiler the build still succeeds (with a warning) and no
+//! library is made: examples and anything else that only links this crate as a
+//! dev-dependency build on such a machine, and the fault-injection suite, which
+//! needs the library, fails at run time saying it is missing.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -34,8 +39,11 @@ fn main() {
         match status {
             Ok(s) if s.success() => {}
             other => {
-                eprintln!("metrale-fakecuda: building {file} failed: {other:?}");
-                std::process::exit(1);
+                println!(
+                    "cargo:warning=metrale-fakecuda: the stand-in driver {file} was not built \
+                     (C compiler: {other:?}); the fault-injection suite will report it missing"
+                );
+                let _ = std::fs::remove_file(out.join(file));
             }
         }
     }

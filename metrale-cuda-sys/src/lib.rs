@@ -31,6 +31,8 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 use std::ffi::OsStr;
 use std::fmt;
 use std::sync::OnceLock;
@@ -68,10 +70,13 @@ pub use bindings::*;
 #[cfg(feature = "nvrtc")]
 mod library;
 #[cfg(feature = "nvrtc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub use library::{LibraryLoadError, LibraryMissingSymbol};
 #[cfg(feature = "nvrtc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvjitlink;
 #[cfg(feature = "nvrtc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
 
 /// Environment variable naming the exact driver library file to load.

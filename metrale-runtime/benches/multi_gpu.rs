@@ -165,7 +165,7 @@ fn run() -> Result<(), MetraleError> {
             rows[i + 1].push(
                 time(|| {
                     for o in [0, 1] {
-                        let r = MetraleRegistry::load(o, &[("kernels", blob)]).unwrap();
+                        let r = MetraleRegistry::load(o, [("kernels", blob)]).unwrap();
                         r.function("kernels", "vec_add").unwrap();
                     }
                 }) * 1e3,

@@ -48,7 +48,7 @@ where
     let y: Vec<T> = (0..N).map(|i| to_t(N - i)).collect();
     let dx = DeviceBuffer::from_host(s, &x)?;
     let mut dy = DeviceBuffer::from_host(s, &y)?;
-    let cfg = LaunchConfig::for_num_elems(N as u32, 256)?;
+    let cfg = LaunchConfig::for_num_elems(N, 256)?;
     // SAFETY: axpy<T>(T, const T*, T*, unsigned) over N elements of buffers that
     // outlive the kernel (to_vec waits for it); sizes are checked against the
     // kernel's parameters before the driver is called.

@@ -32,6 +32,7 @@ const BUNDLE_MAGIC: &[u8] = b"__CLANG_OFFLOAD_BUNDLE__";
 
 /// What a kernel blob is, judged by its first bytes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum BlobKind {
     /// PTX assembly text (anything that is not one of the binary formats).
     Ptx,

@@ -37,6 +37,7 @@ use crate::error::{
 /// The limits and capabilities of a device that launches and allocations check,
 /// read once per context.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct DeviceLimits {
     /// Threads in one block.
     pub max_threads_per_block: u32,

@@ -24,16 +24,18 @@ use crate::error::{cu, invalid_arg, CallError, Result};
 /// # fn main() -> metrale_runtime::Result<()> {
 /// for d in Device::all()? {
 ///     let (free, total) = d.memory_info()?;
-///     println!("{}: {} (sm_{}{}), {free} of {total} bytes free", d.ordinal(), d.name()?,
+///     println!("{}: {} (sm_{}{}), {free} of {total} bytes free", d.ordinal(), d.name(),
 ///              d.compute_capability()?.0, d.compute_capability()?.1);
 /// }
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub struct Device {
     ordinal: usize,
     raw: CUdevice,
     driver: &'static sys::Driver,
+    /// Read once when the device is looked up.
+    name: Arc<str>,
 }
 
 impl fmt::Debug for Device {
@@ -47,6 +49,7 @@ impl fmt::Debug for Device {
 /// What the driver reports about the link from one device to another
 /// (`cuDeviceGetP2PAttribute`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct PeerLink {
     /// Whether the first device can access the second's memory.
     pub access_supported: bool,
@@ -67,10 +70,13 @@ impl Device {
     pub fn get(ordinal: usize) -> Result<Device> {
         let (d, _) = init_driver()?;
         let raw = context::device_handle(d, ordinal)?;
+        let name =
+            context::device_name(d, raw).map_err(|e| e.about(format_args!("device {ordinal}")))?;
         Ok(Device {
             ordinal,
             raw,
             driver: d,
+            name: Arc::from(name),
         })
     }
 
@@ -97,11 +103,9 @@ impl Device {
     }
 
     /// The device's name (`NVIDIA H200`).
-    ///
-    /// # Errors
-    /// `cuDeviceGetName`'s status.
-    pub fn name(&self) -> Result<String> {
-        context::device_name(self.driver, self.raw).map_err(|e| e.about(self.subject()))
+    /// (read once by [`Device::get`], as [`CudaContext::device_name`] is).
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     /// The device's UUID (16 bytes, as `nvidia-smi -L` prints them after `GPU-`).

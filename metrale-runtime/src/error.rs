@@ -93,6 +93,7 @@ pub(crate) fn loaded_driver_version() -> Option<i32> {
 
 /// What a name lookup was looking for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum NameKind {
     /// A module of the registry.
     Module,
@@ -114,6 +115,7 @@ impl NameKind {
 
 /// The shape of a launch, as an error reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct LaunchShape {
     /// Blocks in the grid (x, y, z).
     pub grid: [u32; 3],
@@ -139,6 +141,7 @@ impl fmt::Display for LaunchShape {
 
 /// Why a launch did not happen.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum LaunchFailure {
     /// A driver call (the launch itself, or the shared-memory opt-in) failed.
     Driver {
@@ -575,6 +578,7 @@ impl MetraleError {
 
 /// A failed driver call before context is attached: cheap to make and to pass up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum CallError {
     /// The call returned a status other than success.
     Status {

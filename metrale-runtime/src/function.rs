@@ -496,6 +496,7 @@ impl SideCache {
 
 /// A kernel's attributes, as `cuFuncGetAttribute` reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct FunctionAttributes {
     /// Registers per thread.
     pub num_regs: i32,

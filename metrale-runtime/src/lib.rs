@@ -63,6 +63,8 @@
 //! # Ok(()) }
 //! ```
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
 pub use metrale_cuda_sys as sys;
 
 pub mod blob;
@@ -76,9 +78,19 @@ pub mod launch;
 pub mod memory;
 pub mod module;
 #[cfg(feature = "nvrtc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
 pub mod registry;
 pub mod stream;
+
+/// The names most programs use: `use metrale_runtime::prelude::*;`.
+pub mod prelude {
+    pub use crate::{
+        AsContext, AsStream, CudaEvent, CudaFunction, CudaGraph, CudaGraphExec, CudaStream,
+        DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, ErrorKind,
+        LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, PinnedBuffer, Result,
+    };
+}
 
 pub use blob::BlobKind;
 pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
@@ -102,6 +114,7 @@ pub use memory::{
 };
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub use nvrtc::{
     CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
 };

@@ -23,7 +23,7 @@ use crate::context::{self, AsContext, CudaContext};
 use crate::error::{cu, invalid_arg, Result};
 use crate::function::{CudaFunction, KernelTable, RawCudaFunc, SideCache};
 use crate::host::{host, CudaHost};
-use crate::launch::{launch_kernel, KernelArgs, LaunchAttributes, LaunchConfig};
+use crate::launch::{launch_kernel, KernelArgs, LaunchConfig};
 use crate::memory::{DeviceRepr, DeviceSymbol};
 use crate::module::{ModuleSet, NamedBlob};
 use crate::stream::CudaStream;
@@ -70,6 +70,10 @@ impl MetraleRegistry {
     /// Load this model's kernel modules (PTX, cubin, fatbin or clang offload bundle,
     /// each named) into device `ordinal`'s primary context.
     ///
+    /// Names and blobs may be borrowed or owned ([`NamedBlob`]): the registry API's
+    /// `&[("kernels", PTX)]` with statics, `(String, Vec<u8>)` read from disk, or
+    /// NVRTC's outputs; nothing is kept after loading.
+    ///
     /// Each call loads a fresh, independent set of modules; only the [`CudaHost`]
     /// (context and stream) is shared with other registries of the device.
     ///
@@ -81,7 +85,7 @@ impl MetraleRegistry {
     /// the modules loaded before it are unloaded again.
     pub fn load(
         ordinal: usize,
-        kernel_blobs: &[(&'static str, &'static [u8])],
+        kernel_blobs: impl IntoIterator<Item = impl NamedBlob>,
     ) -> Result<Arc<Self>> {
         Ok(Arc::new(Self::load_into(host(ordinal)?, kernel_blobs)?))
     }
@@ -459,7 +463,6 @@ impl MetraleRegistry {
                 info,
                 &cfg,
                 None,
-                None,
                 kernel_params.as_mut_ptr(),
             )
         }
@@ -493,72 +496,6 @@ impl MetraleRegistry {
                     &self.table,
                     info,
                     &cfg,
-                    None,
-                    Some(A::SIZES),
-                    p.as_mut_ptr(),
-                )
-            }
-        })
-    }
-
-    /// Launch through `cuLaunchKernelEx` (CUDA 12.0+) with [`LaunchAttributes`]:
-    /// thread-block clusters, cooperative launch, programmatic dependent launch.
-    ///
-    /// # Safety
-    /// As [`MetraleRegistry::launch_on_stream`].
-    ///
-    /// # Errors
-    /// As [`MetraleRegistry::launch_on_stream`]; a driver without
-    /// `cuLaunchKernelEx` gives a missing-symbol error naming it.
-    pub unsafe fn launch_ex_on_stream(
-        &self,
-        raw_func: RawCudaFunc,
-        cfg: LaunchConfig,
-        attrs: &LaunchAttributes,
-        stream: &CudaStream,
-        kernel_params: &mut [*mut c_void],
-    ) -> Result<()> {
-        let info = self.table.resolve(raw_func)?;
-        // SAFETY: the caller's contract; the handle is this registry's.
-        unsafe {
-            launch_kernel(
-                stream,
-                &self.table,
-                info,
-                &cfg,
-                Some(attrs),
-                None,
-                kernel_params.as_mut_ptr(),
-            )
-        }
-    }
-
-    /// [`MetraleRegistry::launch_ex_on_stream`] with typed arguments, checked as
-    /// [`MetraleRegistry::launch`].
-    ///
-    /// # Safety
-    /// As [`CudaStream::launch`].
-    ///
-    /// # Errors
-    /// As [`MetraleRegistry::launch_ex_on_stream`] and [`MetraleRegistry::launch`].
-    pub unsafe fn launch_ex<A: KernelArgs>(
-        &self,
-        func: RawCudaFunc,
-        cfg: LaunchConfig,
-        attrs: &LaunchAttributes,
-        stream: &CudaStream,
-        args: A,
-    ) -> Result<()> {
-        let info = self.table.resolve(func)?;
-        args.with_params(|p| {
-            // SAFETY: as for `launch`.
-            unsafe {
-                launch_kernel(
-                    stream,
-                    &self.table,
-                    info,
-                    &cfg,
-                    Some(attrs),
                     Some(A::SIZES),
                     p.as_mut_ptr(),
                 )

@@ -25,6 +25,7 @@ use crate::error::{cu, invalid_arg, CallError, Result};
 
 /// How a stream is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct StreamOptions {
     /// Whether the stream does not synchronise with the legacy default stream
     /// (`CU_STREAM_NON_BLOCKING`). Default: `true`.
@@ -40,6 +41,22 @@ impl Default for StreamOptions {
             non_blocking: true,
             priority: None,
         }
+    }
+}
+
+impl StreamOptions {
+    /// These options with `priority` (see [`CudaContext::stream_priority_range`]).
+    #[must_use]
+    pub fn with_priority(mut self, priority: i32) -> StreamOptions {
+        self.priority = Some(priority);
+        self
+    }
+
+    /// These options with the non-blocking flag set or cleared.
+    #[must_use]
+    pub fn with_non_blocking(mut self, on: bool) -> StreamOptions {
+        self.non_blocking = on;
+        self
     }
 }
 
@@ -615,6 +632,7 @@ impl AsContext for CudaStream {
 
 /// How an event is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct EventOptions {
     /// Record timestamps, for [`CudaEvent::elapsed_ms`]. Default: off.
     pub timing: bool,
@@ -623,12 +641,29 @@ pub struct EventOptions {
     pub blocking_sync: bool,
 }
 
+impl EventOptions {
+    /// These options with timing on or off.
+    #[must_use]
+    pub fn with_timing(mut self, on: bool) -> EventOptions {
+        self.timing = on;
+        self
+    }
+
+    /// These options with blocking synchronisation on or off.
+    #[must_use]
+    pub fn with_blocking_sync(mut self, on: bool) -> EventOptions {
+        self.blocking_sync = on;
+        self
+    }
+}
+
 /// A CUDA event: a marker recorded on a stream, to wait for, query, or time.
 ///
 /// Events are created **without timing** by default ([`CudaEvent::new`]): the
 /// driver documents that such events give the best performance with
 /// `cuStreamWaitEvent` and `cuEventQuery`, and ordering streams is what most
 /// events are for. Use [`CudaEvent::timed`] for events you measure with.
+#[must_use = "dropping it destroys it"]
 pub struct CudaEvent {
     raw: CUevent,
     ctx: Arc<CudaContext>,

@@ -43,7 +43,7 @@ fn one_model_loaded_once_runs_on_both_devices() {
         unsafe {
             s.launch(
                 &f,
-                LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+                LaunchConfig::for_num_elems(n, 256).unwrap(),
                 (&da, &db, &mut dc, n as u32),
             )
         }
@@ -83,13 +83,13 @@ fn peer_copy_round_trip_of_1_gib() {
     let n = (1usize << 30) / 4;
     let mut src = DeviceBuffer::<u32>::alloc(&h0, n).unwrap();
     // A pattern that differs per word: fill_index on device 0.
-    let reg0 = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
+    let reg0 = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
     let f = reg0.function("kernels", "fill_index").unwrap();
     // SAFETY: fill_index(unsigned*, unsigned, unsigned) over n elements.
     unsafe {
         h0.stream().launch(
             &f,
-            LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+            LaunchConfig::for_num_elems(n, 256).unwrap(),
             (&mut src, n as u32, 12345u32),
         )
     }
@@ -131,7 +131,7 @@ fn a_kernel_on_device_1_reads_device_0_memory() {
     unsafe {
         s.launch(
             &f,
-            LaunchConfig::for_num_elems(n as u32, 256).unwrap(),
+            LaunchConfig::for_num_elems(n, 256).unwrap(),
             (on0.device_ptr(), &mut on1, n as u32),
         )
     }

@@ -15,6 +15,7 @@ use crate::stream::CudaStream;
 
 /// How [`CudaGraph::instantiate`] prepares the executable graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct InstantiateOptions {
     /// Free stream-ordered allocations the graph made but did not free, before each
     /// launch (`CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH`).
@@ -27,8 +28,32 @@ pub struct InstantiateOptions {
     pub use_node_priority: bool,
 }
 
+impl InstantiateOptions {
+    /// These options with auto-free on launch on or off.
+    #[must_use]
+    pub fn with_auto_free_on_launch(mut self, on: bool) -> InstantiateOptions {
+        self.auto_free_on_launch = on;
+        self
+    }
+
+    /// These options with device launch on or off.
+    #[must_use]
+    pub fn with_device_launch(mut self, on: bool) -> InstantiateOptions {
+        self.device_launch = on;
+        self
+    }
+
+    /// These options with node priorities used or not.
+    #[must_use]
+    pub fn with_node_priority(mut self, on: bool) -> InstantiateOptions {
+        self.use_node_priority = on;
+        self
+    }
+}
+
 /// An executable graph: replayed with [`CudaGraphExec::launch`] for a fraction of
 /// the cost of launching its kernels one by one, updated in place.
+#[must_use = "dropping it destroys it"]
 pub struct CudaGraphExec {
     pub(super) raw: CUgraphExec,
     pub(super) ctx: Arc<CudaContext>,
@@ -205,7 +230,8 @@ impl CudaGraphExec {
             )));
         }
         self.ctx.bind()?;
-        prepare(&self.ctx, f.info(), &cfg, None, Some(A::SIZES))?;
+        super::refuse_attributes(&cfg, f.name())?;
+        prepare(&self.ctx, f.info(), &cfg, Some(A::SIZES))?;
         let (e, n) = (self.raw, node.node.raw);
         args.with_params(|p| {
             let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());

@@ -52,6 +52,7 @@ fn keep(list: &KeepAlive, table: &Arc<KernelTable>) {
 
 /// What a graph node does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum GraphNodeKind {
     /// A kernel launch.
     Kernel,
@@ -156,6 +157,7 @@ fn raw_deps(deps: &[GraphNode], graph: u64, device: usize) -> Result<Vec<CUgraph
 
 /// A kernel node of a graph, with the kernel and the shape it launches.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct KernelNode {
     /// The node.
     pub node: GraphNode,
@@ -215,6 +217,7 @@ unsafe impl DevicePod for ConditionalHandle {}
 /// unsafe { exec.launch(s)? };
 /// # Ok(()) }
 /// ```
+#[must_use = "dropping it destroys it"]
 pub struct CudaGraph {
     raw: CUgraph,
     pub(super) ctx: Arc<CudaContext>,
@@ -378,6 +381,7 @@ impl CudaGraph {
             grid_dim: (p.gridDimX, p.gridDimY, p.gridDimZ),
             block_dim: (p.blockDimX, p.blockDimY, p.blockDimZ),
             shared_mem_bytes: p.sharedMemBytes,
+            attributes: crate::launch::LaunchAttributes::default(),
         };
         Ok((p.func, config))
     }
@@ -617,7 +621,8 @@ unsafe fn add_kernel<A: KernelArgs>(
         "the graph",
     )?;
     ctx.bind()?;
-    prepare(ctx, f.info(), cfg, None, Some(A::SIZES))?;
+    refuse_attributes(cfg, f.name())?;
+    prepare(ctx, f.info(), cfg, Some(A::SIZES))?;
     let raw_deps = raw_deps(deps, graph_id, ctx.ordinal())?;
     let mut node: CUgraphNode = std::ptr::null_mut();
     args.with_params(|p| {
@@ -645,6 +650,18 @@ unsafe fn add_kernel<A: KernelArgs>(
         kind: GraphNodeKind::Kernel,
         graph: graph_id,
     })
+}
+
+/// Kernel nodes take no launch attributes (clusters, cooperative, PDL) yet.
+pub(super) fn refuse_attributes(cfg: &LaunchConfig, kernel: &str) -> Result<()> {
+    match cfg.attributes {
+        a if a == crate::launch::LaunchAttributes::default() => Ok(()),
+        a => Err(invalid_arg(format!(
+            "kernel '{kernel}': a graph kernel node cannot carry launch attributes ({}); \
+             capture a launch with them instead",
+            a.to_string().trim()
+        ))),
+    }
 }
 
 pub(super) fn node_params(

@@ -62,6 +62,11 @@ pointer_arg!(
 /// # Safety
 /// `with_params` must pass `f` an array holding one valid [`KernelArg::param_ptr`]
 /// per element, in order, and `SIZES` must list each element's `SIZE`.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a kernel argument list",
+    label = "expected a tuple of kernel arguments",
+    note = "pass a tuple of up to 16 arguments: values (`DeviceRepr`), `&buf`, `&mut buf`, or slices: `(&a, &mut b, n)`; one argument is `(x,)`"
+)]
 pub unsafe trait KernelArgs {
     /// Each argument's size in bytes, in order.
     const SIZES: &'static [usize];

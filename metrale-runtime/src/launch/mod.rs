@@ -50,6 +50,7 @@ pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
 /// # Ok::<(), metrale_runtime::MetraleError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct LaunchConfig {
     /// Blocks in the grid (x, y, z).
     pub grid_dim: (u32, u32, u32),
@@ -58,6 +59,10 @@ pub struct LaunchConfig {
     /// Dynamic shared memory per block, in bytes. Above 48 KiB the launch opts the
     /// kernel in first (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
     pub shared_mem_bytes: u32,
+    /// Thread-block clusters, cooperative launch, programmatic dependent launch:
+    /// when any is set the launch goes through `cuLaunchKernelEx` (CUDA 12.0+),
+    /// else through `cuLaunchKernel`. One configuration, one launch path.
+    pub attributes: LaunchAttributes,
 }
 
 impl LaunchConfig {
@@ -75,6 +80,7 @@ impl LaunchConfig {
             grid_dim,
             block_dim,
             shared_mem_bytes,
+            attributes: LaunchAttributes::default(),
         };
         cfg.check_shape()
             .map_err(|why| invalid_arg(format!("{why} {cfg}")))?;
@@ -82,16 +88,65 @@ impl LaunchConfig {
     }
 
     /// One dimension: `ceil(n / block)` blocks of `block` threads (`block` must be
-    /// 1..=1024). For element-wise kernels.
+    /// 1..=1024), for element-wise kernels over `n` elements.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`] for `n == 0` or a bad block size.
-    pub fn for_num_elems(n: u32, block: u32) -> Result<LaunchConfig> {
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for
+    /// `n == 0`, a bad block size, or more blocks than a grid's x dimension holds.
+    pub fn for_num_elems(n: usize, block: u32) -> Result<LaunchConfig> {
         if n == 0 {
-            return Err(invalid_arg("launch for 0 elements".to_owned()));
+            return Err(invalid_arg("launch for 0 elements"));
         }
-        let block_count = n.div_ceil(block.max(1));
+        let blocks = n.div_ceil(block.max(1) as usize);
+        let Ok(block_count) = u32::try_from(blocks) else {
+            return Err(invalid_arg(format!(
+                "launch for {n} elements in blocks of {block}: {blocks} blocks do not fit a grid"
+            )));
+        };
         LaunchConfig::new((block_count, 1, 1), (block, 1, 1), 0)
+    }
+
+    /// This configuration with `bytes` of dynamic shared memory per block (checked
+    /// against the device at launch; above 48 KiB the kernel is opted in).
+    #[must_use]
+    pub fn with_shared_mem(mut self, bytes: u32) -> LaunchConfig {
+        self.shared_mem_bytes = bytes;
+        self
+    }
+
+    /// This configuration launched in thread-block clusters of `x * y * z` blocks
+    /// (compute capability 9.0+; each must divide the grid's dimension).
+    #[must_use]
+    pub fn with_cluster(mut self, x: u32, y: u32, z: u32) -> LaunchConfig {
+        self.attributes.cluster_dim = Some((x, y, z));
+        self
+    }
+
+    /// This configuration as a cooperative launch (all blocks co-resident).
+    #[must_use]
+    pub fn with_cooperative(mut self, on: bool) -> LaunchConfig {
+        self.attributes.cooperative = on;
+        self
+    }
+
+    /// This configuration with programmatic dependent launch allowed.
+    #[must_use]
+    pub fn with_programmatic_serialization(mut self, on: bool) -> LaunchConfig {
+        self.attributes.programmatic_stream_serialization = on;
+        self
+    }
+
+    /// This configuration with `attributes`.
+    #[must_use]
+    pub fn with_attributes(mut self, attributes: LaunchAttributes) -> LaunchConfig {
+        self.attributes = attributes;
+        self
+    }
+
+    /// The attributes, when any is set (the launch then needs `cuLaunchKernelEx`).
+    #[inline]
+    pub(crate) fn extended(&self) -> Option<&LaunchAttributes> {
+        (self.attributes != LaunchAttributes::default()).then_some(&self.attributes)
     }
 
     /// Threads in one block.
@@ -176,9 +231,10 @@ impl fmt::Display for LaunchConfig {
 /// Portable maximum of blocks in one thread-block cluster.
 pub const MAX_PORTABLE_CLUSTER_SIZE: u64 = 8;
 
-/// Launch attributes for `cuLaunchKernelEx` (CUDA 12.0+):
-/// [`MetraleRegistry::launch_ex`](crate::MetraleRegistry::launch_ex).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// Launch attributes for `cuLaunchKernelEx` (CUDA 12.0+), part of a
+/// [`LaunchConfig`] ([`LaunchConfig::with_cluster`], ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
+#[non_exhaustive]
 pub struct LaunchAttributes {
     /// Thread-block cluster dimensions (compute capability 9.0+). Each must divide
     /// the grid's, and the cluster may hold at most 8 blocks.
@@ -195,6 +251,14 @@ impl LaunchAttributes {
     pub fn cluster(x: u32, y: u32, z: u32) -> LaunchAttributes {
         LaunchAttributes {
             cluster_dim: Some((x, y, z)),
+            ..LaunchAttributes::default()
+        }
+    }
+
+    /// Attributes with only the cooperative flag.
+    pub fn cooperative() -> LaunchAttributes {
+        LaunchAttributes {
+            cooperative: true,
             ..LaunchAttributes::default()
         }
     }
@@ -361,9 +425,9 @@ pub(crate) fn prepare(
     ctx: &CudaContext,
     info: &KernelInfo,
     cfg: &LaunchConfig,
-    attrs: Option<&LaunchAttributes>,
     sizes: Option<&[usize]>,
 ) -> Result<()> {
+    let attrs = cfg.extended();
     let limits = ctx.limits();
     if let Err(why) = cfg.check_limits(limits) {
         return Err(refused(info, cfg, attrs, why));
@@ -395,10 +459,10 @@ pub(crate) unsafe fn launch_kernel(
     table: &Arc<KernelTable>,
     info: &KernelInfo,
     cfg: &LaunchConfig,
-    attrs: Option<&LaunchAttributes>,
     sizes: Option<&[usize]>,
     params: *mut *mut c_void,
 ) -> Result<()> {
+    let attrs = cfg.extended();
     let ctx = stream.context();
     if !Arc::ptr_eq(ctx, table.ctx()) {
         return Err(wrong_device(info, table.ctx(), stream));
@@ -411,7 +475,7 @@ pub(crate) unsafe fn launch_kernel(
     if let Err(e) = ctx.bind_fast() {
         return Err(e.launch(&info.name, shape(cfg, attrs)));
     }
-    prepare(ctx, info, cfg, attrs, sizes)?;
+    prepare(ctx, info, cfg, sizes)?;
     let d = ctx.driver();
     let (g, b) = (cfg.grid_dim, cfg.block_dim);
     let launched = match attrs {
@@ -508,41 +572,6 @@ impl CudaStream {
                     f.table(),
                     f.info(),
                     &cfg,
-                    None,
-                    Some(A::SIZES),
-                    p.as_mut_ptr(),
-                )
-            }
-        })
-    }
-
-    /// As [`CudaStream::launch`], through `cuLaunchKernelEx` (CUDA 12.0+) with
-    /// [`LaunchAttributes`]: thread-block clusters, cooperative launch,
-    /// programmatic dependent launch. The cluster shape is checked first too.
-    ///
-    /// # Safety
-    /// As [`CudaStream::launch`].
-    ///
-    /// # Errors
-    /// As [`CudaStream::launch`]; a driver without `cuLaunchKernelEx` gives a
-    /// missing-symbol error naming it.
-    #[inline]
-    pub unsafe fn launch_ex<A: KernelArgs>(
-        &self,
-        f: &CudaFunction,
-        cfg: LaunchConfig,
-        attrs: &LaunchAttributes,
-        args: A,
-    ) -> Result<()> {
-        args.with_params(|p| {
-            // SAFETY: as for `launch`.
-            unsafe {
-                launch_kernel(
-                    self,
-                    f.table(),
-                    f.info(),
-                    &cfg,
-                    Some(attrs),
                     Some(A::SIZES),
                     p.as_mut_ptr(),
                 )
@@ -568,17 +597,7 @@ impl CudaStream {
         params: &mut [*mut c_void],
     ) -> Result<()> {
         // SAFETY: the caller's contract.
-        unsafe {
-            launch_kernel(
-                self,
-                f.table(),
-                f.info(),
-                &cfg,
-                None,
-                None,
-                params.as_mut_ptr(),
-            )
-        }
+        unsafe { launch_kernel(self, f.table(), f.info(), &cfg, None, params.as_mut_ptr()) }
     }
 }
 

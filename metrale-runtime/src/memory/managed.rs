@@ -16,6 +16,7 @@ use crate::stream::CudaStream;
 
 /// Where [`CudaStream::prefetch`] moves managed memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum PrefetchTarget {
     /// The device of the stream.
     Device,

@@ -62,6 +62,11 @@ pub use symbol::DeviceSymbol;
 /// # Safety
 /// Implement only for `Copy` types without padding whose layout matches the
 /// kernel-side type (`#[repr(C)]` or `#[repr(transparent)]` for structs).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be passed to the device",
+    label = "not a `DeviceRepr` type",
+    note = "for your own `#[repr(C)]` type without padding write `unsafe impl metrale_runtime::DeviceRepr for {Self} {{}}` (and `DevicePod` if every bit pattern is valid)"
+)]
 pub unsafe trait DeviceRepr: Copy + Send + Sync + 'static {}
 
 /// A [`DeviceRepr`] type for which every bit pattern is a valid value, so it can be
@@ -70,6 +75,11 @@ pub unsafe trait DeviceRepr: Copy + Send + Sync + 'static {}
 /// # Safety
 /// As [`DeviceRepr`], and every bit pattern of `size_of::<Self>()` bytes must be a
 /// valid value (no `bool`, `char`, enums, references or `NonZero*`).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` cannot be read back from the device",
+    label = "not a `DevicePod` type (some bit patterns are invalid, or it is not `DeviceRepr`)",
+    note = "read-back needs every bit pattern to be valid: `unsafe impl metrale_runtime::DevicePod for {Self} {{}}` for a `#[repr(C)]` type of plain numbers"
+)]
 pub unsafe trait DevicePod: DeviceRepr {}
 
 macro_rules! pod {

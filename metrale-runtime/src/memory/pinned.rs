@@ -79,6 +79,16 @@ impl<T: DevicePod> PinnedBuffer<T> {
         Ok(buf)
     }
 
+    /// A pinned copy of `data`.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::zeroed`].
+    pub fn from_slice(ctx: &impl AsContext, data: &[T]) -> Result<PinnedBuffer<T>> {
+        let mut buf = PinnedBuffer::zeroed(ctx, data.len())?;
+        buf.copy_from_slice(data);
+        Ok(buf)
+    }
+
     /// Raw pointer to the first element.
     pub fn as_ptr(&self) -> *const T {
         self.ptr

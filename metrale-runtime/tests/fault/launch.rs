@@ -41,10 +41,7 @@ fn large_shared_memory_opts_in_once_per_kernel_and_size() {
         "set once, not per launch"
     );
     assert_eq!(fake().last_launch().shared, 48 * 1024);
-    let larger = LaunchConfig {
-        shared_mem_bytes: 200 * 1024,
-        ..large
-    };
+    let larger = large.with_shared_mem(200 * 1024);
     // SAFETY: as above.
     unsafe { s.launch(&f, larger, args) }.unwrap();
     assert_eq!(
@@ -53,10 +50,7 @@ fn large_shared_memory_opts_in_once_per_kernel_and_size() {
         "a larger size opts in again"
     );
     // Beyond the device's opt-in limit: refused before the driver, naming the limit.
-    let too_large = LaunchConfig {
-        shared_mem_bytes: 240 * 1024,
-        ..large
-    };
+    let too_large = large.with_shared_mem(240 * 1024);
     // SAFETY: refused before any driver call.
     let e = unsafe { s.launch(&f, too_large, args) }.unwrap_err();
     assert_eq!(
@@ -239,13 +233,10 @@ fn extended_launch_passes_cluster_and_cooperative() {
     let s = reg.stream();
     let buf = DeviceBuffer::<f32>::alloc(s, 64).unwrap();
     let cfg = LaunchConfig::new((8, 2, 1), (64, 1, 1), 0).unwrap();
-    let attrs = LaunchAttributes {
-        cluster_dim: Some((4, 2, 1)),
-        cooperative: true,
-        programmatic_stream_serialization: false,
-    };
+    let mut attrs = LaunchAttributes::cluster(4, 2, 1);
+    attrs.cooperative = true;
     // SAFETY: the stand-in only records the arguments.
-    unsafe { s.launch_ex(&f, cfg, &attrs, (&buf, &buf, &buf, 64u32)) }.unwrap();
+    unsafe { s.launch(&f, cfg.with_attributes(attrs), (&buf, &buf, &buf, 64u32)) }.unwrap();
     let l = fake().last_launch();
     assert_eq!(
         (l.grid, l.cluster, l.cooperative),
@@ -254,7 +245,15 @@ fn extended_launch_passes_cluster_and_cooperative() {
     assert_eq!(fake().last_param(3), 64);
     let bad = LaunchAttributes::cluster(3, 1, 1);
     // SAFETY: refused before any driver call.
-    let e = unsafe { reg.launch_ex(f.raw(), cfg, &bad, s, (&buf, &buf, &buf, 64u32)) }.unwrap_err();
+    let e = unsafe {
+        reg.launch(
+            f.raw(),
+            cfg.with_attributes(bad),
+            s,
+            (&buf, &buf, &buf, 64u32),
+        )
+    }
+    .unwrap_err();
     assert_eq!(
         e.to_string(),
         "kernel 'kernels::vec_add': launch not attempted, cluster x dimension 3 does not divide grid x \

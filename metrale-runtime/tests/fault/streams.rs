@@ -27,23 +27,9 @@ fn streams_are_created_queried_and_destroyed() {
 
     // Priorities: the device's range, checked before the driver.
     assert_eq!(ctx.stream_priority_range().unwrap(), (0, -5));
-    let high = CudaStream::with_options(
-        ctx,
-        StreamOptions {
-            priority: Some(-5),
-            ..StreamOptions::default()
-        },
-    )
-    .unwrap();
+    let high = CudaStream::with_options(ctx, StreamOptions::default().with_priority(-5)).unwrap();
     assert_eq!(high.priority().unwrap(), -5);
-    let e = CudaStream::with_options(
-        ctx,
-        StreamOptions {
-            priority: Some(3),
-            ..StreamOptions::default()
-        },
-    )
-    .unwrap_err();
+    let e = CudaStream::with_options(ctx, StreamOptions::default().with_priority(3)).unwrap_err();
     assert_eq!(
         e.to_string(),
         "invalid argument: stream priority 3 is outside device 0's range -5 (greatest) ..= 0 (least)"

@@ -185,7 +185,8 @@ fn child_old_driver() {
     let cfg = LaunchConfig::new((2, 1, 1), (8, 1, 1), 0).unwrap();
     let attrs = LaunchAttributes::cluster(2, 1, 1);
     // SAFETY: the call fails before the launch.
-    let e = unsafe { s.launch_ex(&f, cfg, &attrs, (&buf, &buf, &buf, 16u32)) }.unwrap_err();
+    let e =
+        unsafe { s.launch(&f, cfg.with_attributes(attrs), (&buf, &buf, &buf, 16u32)) }.unwrap_err();
     assert_eq!(
         e.to_string(),
         "kernel 'kernels::vec_add': cuLaunchKernelEx is not exported by the loaded CUDA driver \
@@ -410,7 +411,7 @@ fn an_old_driver_reports_missing_symbols_and_keeps_working() {
 fn cached_handles_under_threads() {
     static CACHE: OnceLock<RawCudaFunc> = OnceLock::new();
     let a = setup();
-    let b = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
+    let b = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
     let threads: Vec<_> = (0..8)
         .map(|t| {
             let r = if t % 2 == 0 {

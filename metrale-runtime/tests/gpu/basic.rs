@@ -11,7 +11,7 @@ use crate::harness::{run_child, Child, Test};
 
 fn ptx_cubin_and_fatbin_each_run_vec_add() {
     let reg =
-        MetraleRegistry::load(0, &[("ptx", PTX), ("cubin", CUBIN), ("fatbin", FATBIN)]).unwrap();
+        MetraleRegistry::load(0, [("ptx", PTX), ("cubin", CUBIN), ("fatbin", FATBIN)]).unwrap();
     assert_eq!(reg.module_kind("ptx"), Some(BlobKind::Ptx));
     assert_eq!(reg.module_kind("cubin"), Some(BlobKind::Cubin));
     assert_eq!(reg.module_kind("fatbin"), Some(BlobKind::Fatbin));
@@ -162,19 +162,19 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     let check = |what: &str| check_vec_add(&reg, "kernels", 4096, what.len() as u32);
 
     let garbage: &[u8] = &[0x13, 0x37, 0xff, 0x00, 0x42, 0x99, 0x10, 0x20];
-    let e = MetraleRegistry::load(0, &[("garbage", garbage)]).unwrap_err();
+    let e = MetraleRegistry::load(0, [("garbage", garbage)]).unwrap_err();
     assert!(
         e.to_string().starts_with("garbage: PTX is not valid UTF-8"),
         "{e}"
     );
     check("garbage");
 
-    let e = MetraleRegistry::load(0, &[("half", &CUBIN[..CUBIN.len() / 2])]).unwrap_err();
+    let e = MetraleRegistry::load(0, [("half", &CUBIN[..CUBIN.len() / 2])]).unwrap_err();
     assert!(e.to_string().starts_with("half: malformed cubin:"), "{e}");
     check("truncated");
 
     let broken = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry k() { bogus_instruction; }\n";
-    let e = MetraleRegistry::load(0, &[("broken", broken)]).unwrap_err();
+    let e = MetraleRegistry::load(0, [("broken", broken)]).unwrap_err();
     let text = e.to_string();
     assert!(
         text.starts_with("broken: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): "),
@@ -187,7 +187,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     eprintln!("    JIT error text: {}", text.replace('\n', "\n    | "));
     check("syntax");
 
-    let e = MetraleRegistry::load(0, &[("latin1", b".version 8.0 // caf\xe9\n")]).unwrap_err();
+    let e = MetraleRegistry::load(0, [("latin1", b".version 8.0 // caf\xe9\n")]).unwrap_err();
     assert!(
         e.to_string().starts_with("latin1: PTX is not valid UTF-8"),
         "{e}"
@@ -228,11 +228,8 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     );
     let f = reg.function("kernels", "vec_add").unwrap();
     let out = DeviceBuffer::<f32>::alloc(reg.stream(), 4).unwrap();
-    let impossible = LaunchConfig {
-        grid_dim: (1, 1, 1),
-        block_dim: (2048, 1, 1),
-        shared_mem_bytes: 0,
-    };
+    let mut impossible = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0).unwrap();
+    impossible.block_dim = (2048, 1, 1);
     // SAFETY: refused before the driver.
     let e = unsafe {
         reg.stream()
@@ -254,7 +251,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
 
 fn two_registries_share_one_host() {
     let a = registry();
-    let b = MetraleRegistry::load(0, &[("other", CUBIN)]).unwrap();
+    let b = MetraleRegistry::load(0, [("other", CUBIN)]).unwrap();
     assert!(Arc::ptr_eq(a.host(), b.host()));
     assert!(Arc::ptr_eq(a.host(), &host(0).unwrap()));
     check_vec_add(&a, "kernels", 10_000, 1);
@@ -281,7 +278,7 @@ fn eight_threads_at_once() {
                     let da = DeviceBuffer::from_host(s, &a).unwrap();
                     let db = DeviceBuffer::from_host(s, &b).unwrap();
                     let mut dc = DeviceBuffer::<f32>::alloc(s, n).unwrap();
-                    let cfg = LaunchConfig::for_num_elems(n as u32, 128).unwrap();
+                    let cfg = LaunchConfig::for_num_elems(n, 128).unwrap();
                     // SAFETY: vec_add over n elements of live buffers.
                     unsafe { reg.launch(f, cfg, s, (&da, &db, &mut dc, n as u32)) }.unwrap();
                     let c = s.to_vec(&dc).unwrap();
@@ -308,26 +305,21 @@ fn cluster_launch_with_distributed_shared_memory() {
     let cfg = LaunchConfig::new((blocks, 1, 1), (32, 1, 1), 0).unwrap();
     let attrs = LaunchAttributes::cluster(4, 1, 1);
     // SAFETY: cluster_ranks(unsigned*) writes out[0..blocks].
-    unsafe { s.launch_ex(&f, cfg, &attrs, (&mut out,)) }.unwrap();
+    unsafe { s.launch(&f, cfg.with_attributes(attrs), (&mut out,)) }.unwrap();
     let got = s.to_vec(&out).unwrap();
     for (b, v) in got.iter().enumerate() {
         let rank = b as u32 % 4;
         assert_eq!(*v, rank | ((rank + 1) % 4) << 8 | 4 << 16, "block {b}");
     }
     // SAFETY: refused before any driver call.
-    let e = unsafe { s.launch_ex(&f, cfg, &LaunchAttributes::cluster(3, 1, 1), (&mut out,)) }
-        .unwrap_err();
+    let e = unsafe { s.launch(&f, cfg.with_cluster(3, 1, 1), (&mut out,)) }.unwrap_err();
     assert!(
         e.to_string()
             .contains("cluster x dimension 3 does not divide grid x dimension 16"),
         "{e}"
     );
     // Cooperative and programmatic launches of an ordinary kernel.
-    let coop = LaunchAttributes {
-        cooperative: true,
-        programmatic_stream_serialization: true,
-        ..LaunchAttributes::default()
-    };
+    let coop = LaunchAttributes::cooperative();
     let vec_add = reg.function("kernels", "vec_add").unwrap().raw();
     let n = 4096u32;
     let (a, b) = (data(n as usize, 1), data(n as usize, 2));
@@ -336,9 +328,18 @@ fn cluster_launch_with_distributed_shared_memory() {
         DeviceBuffer::from_host(s, &b).unwrap(),
     );
     let mut dc = DeviceBuffer::<f32>::alloc(s, n as usize).unwrap();
-    let cfg = LaunchConfig::for_num_elems(n, 256).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n as usize, 256).unwrap();
     // SAFETY: vec_add over n elements.
-    unsafe { reg.launch_ex(vec_add, cfg, &coop, s, (&da, &db, &mut dc, n)) }.unwrap();
+    unsafe {
+        reg.launch(
+            vec_add,
+            cfg.with_attributes(coop)
+                .with_programmatic_serialization(true),
+            s,
+            (&da, &db, &mut dc, n),
+        )
+    }
+    .unwrap();
     let c = s.to_vec(&dc).unwrap();
     assert!((0..n as usize).all(|i| c[i] == a[i] + b[i]));
 }
@@ -386,7 +387,7 @@ fn kernel_attributes_occupancy_and_listing() {
 
 fn vec_add_cubin_via_raw_params() {
     // The seed's raw path: a hand-built void* array.
-    let reg = MetraleRegistry::load(0, &[("cubin", CUBIN)]).unwrap();
+    let reg = MetraleRegistry::load(0, [("cubin", CUBIN)]).unwrap();
     let s = reg.stream();
     let n = 1000usize;
     let (a, b) = (data(n, 9), data(n, 10));
@@ -404,7 +405,7 @@ fn vec_add_cubin_via_raw_params() {
     ];
     let cache = OnceLock::new();
     let f = reg.raw_function_cached(&cache, "cubin", "vec_add").unwrap();
-    let cfg = LaunchConfig::for_num_elems(nn, 128).unwrap();
+    let cfg = LaunchConfig::for_num_elems(nn as usize, 128).unwrap();
     // SAFETY: params match vec_add's signature and outlive the call.
     unsafe { reg.launch_on_stream(f, cfg, s, &mut params) }.unwrap();
     reg.stream_synchronize(s).unwrap();
@@ -440,6 +441,24 @@ fn child_illegal_address() {
     }
     // The context is unusable now; leave without tearing it down.
     std::process::exit(0);
+}
+
+/// The quickstart's shipped kernel (hand-written PTX 7.0 for sm_50) loads on this
+/// GPU and driver through the JIT, and computes exactly.
+fn the_quickstart_blob_loads_and_runs() {
+    static QUICKSTART: &[u8] = include_bytes!("../../examples/kernels/vec_add.ptx");
+    let reg = MetraleRegistry::load(0, [("quickstart", QUICKSTART)]).unwrap();
+    assert_eq!(reg.module_kind("quickstart"), Some(BlobKind::Ptx));
+    let f = reg.function("quickstart", "vec_add").unwrap();
+    let attrs = f.attributes().unwrap();
+    eprintln!(
+        "    quickstart vec_add: PTX version {}, binary version {}",
+        attrs.ptx_version, attrs.binary_version
+    );
+    assert_eq!(attrs.ptx_version, 50, "the PTX targets sm_50");
+    for n in [1, 1000, 1 << 20] {
+        check_vec_add(&reg, "quickstart", n, n as u32);
+    }
 }
 
 /// After the driver's exit everything is silent; after an outside reset the
@@ -591,6 +610,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "basic::illegal_address_is_reported_in_a_child_without_hanging",
             run: illegal_address_is_reported_in_a_child_without_hanging,
+        },
+        Test {
+            name: "basic::the_quickstart_blob_loads_and_runs",
+            run: the_quickstart_blob_loads_and_runs,
         },
         Test {
             name: "basic::dropping_after_the_context_is_gone_is_silent",

@@ -17,7 +17,7 @@ pub const SCALE: &str = "_ZN7tq_plus14d_innerq_scaleE";
 pub const SEED: &str = "_ZN12metrale_test4seedE";
 
 pub fn registry() -> Arc<MetraleRegistry> {
-    MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap()
+    MetraleRegistry::load(0, [("kernels", PTX)]).unwrap()
 }
 
 /// Deterministic, non-trivial floats (never zeros).
@@ -40,7 +40,7 @@ pub fn check_vec_add_on(reg: &MetraleRegistry, s: &CudaStream, module: &str, n: 
     // Poison the output so an unwritten element cannot pass.
     s.memset_u32(&mut dc, f32::NAN.to_bits()).unwrap();
     let f = reg.function(module, "vec_add").unwrap();
-    let cfg = LaunchConfig::for_num_elems(n as u32, 256).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n, 256).unwrap();
     // SAFETY: vec_add(const float*, const float*, float*, unsigned) over n elements.
     unsafe { s.launch(&f, cfg, (&da, &db, &mut dc, n as u32)) }.unwrap();
     let c = s.to_vec(&dc).unwrap();

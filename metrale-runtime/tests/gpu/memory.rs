@@ -80,7 +80,7 @@ fn managed_buffer_written_by_a_kernel_read_on_the_host() {
     }
     s.prefetch(&m, PrefetchTarget::Device).unwrap();
     let f = reg.function("kernels", "add_scalar").unwrap();
-    let cfg = LaunchConfig::for_num_elems(n as u32, 256).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n, 256).unwrap();
     // SAFETY: add_scalar(float*, unsigned, float) over n elements.
     unsafe { s.launch(&f, cfg, (&m, n as u32, 0.5f32)) }.unwrap();
     s.prefetch(&m, PrefetchTarget::Host).unwrap();
@@ -106,7 +106,7 @@ fn typed_symbols_round_trip_with_a_namespace_array() {
     let n = 1000usize;
     let x: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let mut dx = DeviceBuffer::from_host(s, &x).unwrap();
-    let cfg = LaunchConfig::for_num_elems(n as u32, 128).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n, 128).unwrap();
     // SAFETY: apply_scale(float*, unsigned) over n elements.
     unsafe { s.launch(&f, cfg, (&mut dx, n as u32)) }.unwrap();
     let got = s.to_vec(&dx).unwrap();
@@ -192,12 +192,12 @@ fn device_information() {
     let (free, total) = d.memory_info().unwrap();
     eprintln!(
         "    {} (sm_{}{}), uuid {:02x?}, {free} of {total} bytes free",
-        d.name().unwrap(),
+        d.name(),
         d.compute_capability().unwrap().0,
         d.compute_capability().unwrap().1,
         d.uuid().unwrap()
     );
-    assert!(d.name().unwrap().contains("H200") || !d.name().unwrap().is_empty());
+    assert!(d.name().contains("H200") || !d.name().is_empty());
     assert_eq!(d.total_memory().unwrap(), total);
     assert!(free <= total && free > 0);
     assert_eq!(d.compute_capability().unwrap(), (9, 0));

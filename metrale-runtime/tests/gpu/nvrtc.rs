@@ -55,7 +55,7 @@ fn template_compiled_for_the_device_runs() {
     assert_eq!(reg.module_kind("scale_add.cu"), Some(BlobKind::Cubin));
     let s = reg.stream();
     let n = 10_000u32;
-    let cfg = LaunchConfig::for_num_elems(n, 256).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n as usize, 256).unwrap();
 
     let f32_name = out.lowered_name("scale_add<float>").unwrap();
     let k = reg.function("scale_add.cu", f32_name).unwrap();
@@ -123,7 +123,7 @@ fn run_fill(reg: &MetraleRegistry, module: &str) {
     let k = reg.function(module, "fill").unwrap();
     let n = 4096u32;
     let mut x = DeviceBuffer::<u32>::zeroed(s, n as usize).unwrap();
-    let cfg = LaunchConfig::for_num_elems(n, 128).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n as usize, 128).unwrap();
     // SAFETY: fill(unsigned*, unsigned, unsigned) over n elements of x.
     unsafe { s.launch(&k, cfg, (&mut x, 7u32, n)) }.unwrap();
     let back = s.to_vec(&x).unwrap();
@@ -165,7 +165,7 @@ fn lto_linked_kernel_runs() {
     let n = 5000u32;
     let host_x: Vec<f32> = (0..n).map(|i| i as f32 - 100.0).collect();
     let mut x = DeviceBuffer::from_host(s, &host_x).unwrap();
-    let cfg = LaunchConfig::for_num_elems(n, 256).unwrap();
+    let cfg = LaunchConfig::for_num_elems(n as usize, 256).unwrap();
     // SAFETY: twice_all(float*, unsigned) over n elements of x.
     unsafe { s.launch(&k, cfg, (&mut x, n)) }.unwrap();
     let back = s.to_vec(&x).unwrap();

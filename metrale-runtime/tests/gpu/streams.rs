@@ -118,22 +118,13 @@ fn priorities_read_back() {
     eprintln!("    priority range: least {least}, greatest {greatest}");
     assert!(greatest < least);
     for p in [least, greatest, (least + greatest) / 2] {
-        let s = CudaStream::with_options(
-            reg.ctx(),
-            StreamOptions {
-                priority: Some(p),
-                ..StreamOptions::default()
-            },
-        )
-        .unwrap();
+        let s =
+            CudaStream::with_options(reg.ctx(), StreamOptions::default().with_priority(p)).unwrap();
         assert_eq!(s.priority().unwrap(), p);
     }
     let e = CudaStream::with_options(
         reg.ctx(),
-        StreamOptions {
-            priority: Some(greatest - 1),
-            ..StreamOptions::default()
-        },
+        StreamOptions::default().with_priority(greatest - 1),
     )
     .unwrap_err();
     assert!(e.to_string().contains("is outside device 0's range"), "{e}");
