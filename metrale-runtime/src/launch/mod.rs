@@ -91,7 +91,7 @@ impl LaunchConfig {
     /// 1..=1024), for element-wise kernels over `n` elements.
     ///
     /// # Errors
-    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) for
+    /// [`ErrorKind::InvalidArgument`] for
     /// `n == 0`, a bad block size, or more blocks than a grid's x dimension holds.
     pub fn for_num_elems(n: usize, block: u32) -> Result<LaunchConfig> {
         if n == 0 {
