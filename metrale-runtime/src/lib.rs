@@ -120,8 +120,3 @@ pub use nvrtc::{
 };
 pub use registry::MetraleRegistry;
 pub use stream::{AsStream, CudaEvent, CudaStream, EventOptions, StreamOptions};
-
-/// The README's code blocks, compiled as doctests so they cannot rot.
-#[cfg(doctest)]
-#[doc = include_str!("../../README.md")]
-mod readme_doctests {}
