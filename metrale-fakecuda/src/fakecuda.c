@@ -1972,6 +1972,8 @@ static struct graph *graph_ok(void *graph) {
 static CUresult do_graph_nodes(void *graph, void **nodes, size_t *n) {
     struct graph *g = graph_ok(graph);
     if (!g || !n) return INVALID_VALUE;
+    /* As the driver (seen on CUDA 13.0): an array with room for no node is refused. */
+    if (nodes && *n == 0) return INVALID_VALUE;
     if (nodes) {
         size_t k = *n < (size_t)g->n ? *n : (size_t)g->n;
         for (size_t i = 0; i < k; i++) nodes[i] = g->nodes[i];

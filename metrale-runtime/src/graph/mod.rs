@@ -307,6 +307,10 @@ impl CudaGraph {
             let mut n = 0usize;
             // SAFETY: with a null array the driver writes only the count.
             unsafe { cu!(d, cuGraphGetNodes(g, std::ptr::null_mut(), &mut n)) }?;
+            if n == 0 {
+                // An empty graph: the driver refuses a second call with an array.
+                return Ok(Vec::new());
+            }
             let mut raw: Vec<CUgraphNode> = vec![std::ptr::null_mut(); n];
             // SAFETY: the array has room for `n` nodes.
             unsafe { cu!(d, cuGraphGetNodes(g, raw.as_mut_ptr(), &mut n)) }?;
@@ -350,6 +354,9 @@ impl CudaGraph {
                     )
                 )
             }?;
+            if n == 0 {
+                return Ok((Vec::new(), Vec::new()));
+            }
             let mut from: Vec<CUgraphNode> = vec![null; n];
             let mut to: Vec<CUgraphNode> = vec![null; n];
             // SAFETY: both arrays have room for `n` edges; no edge data is asked for.

@@ -73,6 +73,14 @@ fn captures_on_a_shared_stream_never_catch_a_copy_or_a_free() {
         });
         let captures = &captures;
         t.spawn(move || {
+            /// Stops the copying thread however this one ends.
+            struct Stop<'a>(&'a AtomicBool);
+            impl Drop for Stop<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Relaxed);
+                }
+            }
+            let _stop = Stop(stop);
             for _ in 0..300 {
                 let g = s
                     .capture(|_| -> metrale_runtime::Result<()> {
