@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use metrale_cuda_sys::CUdeviceptr;
 
-use super::free::{FreeJob, Kind};
+use super::free::{release, Kind};
 use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, Uses};
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
@@ -242,14 +242,7 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        FreeJob {
-            ptr: self.ptr,
-            kind: Kind::Device,
-            ctx: Arc::clone(&self.ctx),
-            made: self.made,
-            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
-        }
-        .release();
+        release(self.ptr, Kind::Device, &self.ctx, self.made, &mut self.uses);
     }
 }
 

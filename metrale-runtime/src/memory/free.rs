@@ -41,6 +41,9 @@ pub(crate) struct FreeJob {
     pub(crate) uses: Uses,
 }
 
+/// A free that must wait for a capture to end.
+struct Deferred;
+
 /// Frees that waited for a capture to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
 
@@ -70,11 +73,20 @@ impl FreeJob {
 
     /// Free, or hand the job back when it must wait for a capture to end.
     fn try_free(self) -> Option<FreeJob> {
-        let foreign: Vec<CudaStream> = if self
+        let any_foreign = self
             .uses
             .any_foreign
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
+            .load(std::sync::atomic::Ordering::Acquire);
+        if !any_foreign {
+            if let Some(own) = &self.uses.own {
+                // The hot path: a stream-ordered buffer only its own stream used.
+                return match self.free_on_own(own) {
+                    Ok(()) => None,
+                    Err(Deferred) => Some(self),
+                };
+            }
+        }
+        let foreign: Vec<CudaStream> = if any_foreign {
             self.uses
                 .foreign
                 .lock()
@@ -87,6 +99,11 @@ impl FreeJob {
             Some(own) => self.free_ordered(&own, &foreign),
             None => self.free_now(&foreign),
         }
+    }
+
+    /// The stream-ordered free of a buffer no other stream used.
+    fn free_on_own(&self, own: &CudaStream) -> Result<(), Deferred> {
+        free_on_own(self.ptr, &self.ctx, self.made, own)
     }
 
     /// A stream-ordered free on `own`, after the work of every foreign stream.
@@ -202,6 +219,85 @@ impl FreeJob {
                 }
             });
         None
+    }
+}
+
+/// The stream-ordered free of a buffer no other stream used: one section, one
+/// context check, the free; no allocation, text made only on failure.
+#[inline]
+fn free_on_own(
+    ptr: CUdeviceptr,
+    ctx: &CudaContext,
+    made: Generation,
+    own: &CudaStream,
+) -> Result<(), Deferred> {
+    let what = || {
+        format!(
+            "freeing stream-ordered buffer {ptr:#x} on device {}",
+            ctx.ordinal()
+        )
+    };
+    let section = own.section();
+    match own.capturing_now(&section) {
+        Ok(false) => {}
+        Ok(true) => return Err(Deferred),
+        Err(e) => {
+            report_line(format_args!(
+                "{}: leaked, the capture state of its stream could not be read: {e}",
+                what()
+            ));
+            return Ok(());
+        }
+    }
+    if !ctx.may_release(made, format_args!("{}", Lazy(&what))) {
+        return Ok(());
+    }
+    let s = own.raw();
+    // SAFETY: this allocation's own stream-ordered free, once, on the stream it was
+    // allocated on (alive: `own` holds it); no other stream used it, and the
+    // stream is not being captured (checked in this section).
+    let freed = ctx.call_on_stream(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+    if let Err(e) = freed {
+        crate::error::report_drop_failures(format_args!("{}", what()), &[e]);
+    }
+    drop(section);
+    Ok(())
+}
+
+/// Free a device allocation whose owner is dropping: the hot path (stream-ordered,
+/// used on its own stream only) by reference, everything else as a [`FreeJob`].
+#[inline]
+pub(crate) fn release(
+    ptr: CUdeviceptr,
+    kind: Kind,
+    ctx: &Arc<CudaContext>,
+    made: Generation,
+    uses: &mut Uses,
+) {
+    if kind == Kind::Device && !uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
+        if let Some(own) = &uses.own {
+            match free_on_own(ptr, ctx, made, own) {
+                Ok(()) => return,
+                Err(Deferred) => {}
+            }
+        }
+    }
+    FreeJob {
+        ptr,
+        kind,
+        ctx: Arc::clone(ctx),
+        made,
+        uses: std::mem::replace(uses, Uses::new(None)),
+    }
+    .release();
+}
+
+/// Formats a closure's text only when written.
+struct Lazy<'a, F: Fn() -> String>(&'a F);
+
+impl<F: Fn() -> String> std::fmt::Display for Lazy<'_, F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&(self.0)())
     }
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
 use super::device::check_alignment;
-use super::free::{FreeJob, Kind};
+use super::free::{release, Kind};
 use super::{byte_len, check_stream, sealed, DeviceMemory, DeviceMemoryMut, DevicePod, Uses};
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
@@ -211,14 +211,13 @@ impl<T: DevicePod> Drop for ManagedBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        FreeJob {
-            ptr: self.ptr,
-            kind: Kind::Managed,
-            ctx: Arc::clone(&self.ctx),
-            made: self.made,
-            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
-        }
-        .release();
+        release(
+            self.ptr,
+            Kind::Managed,
+            &self.ctx,
+            self.made,
+            &mut self.uses,
+        );
     }
 }
 
