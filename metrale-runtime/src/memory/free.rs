@@ -276,9 +276,8 @@ pub(crate) fn release(
 ) {
     if kind == Kind::Device && !uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
         if let Some(own) = &uses.own {
-            match free_on_own(ptr, ctx, made, own) {
-                Ok(()) => return,
-                Err(Deferred) => {}
+            if free_on_own(ptr, ctx, made, own).is_ok() {
+                return;
             }
         }
     }
