@@ -360,6 +360,11 @@ impl CudaStream {
 
     /// The driver's answer to "is the stream being captured".
     fn capturing_driver(&self) -> Result<bool, CallError> {
+        Ok(self.capture_status_raw()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    /// `cuStreamGetCaptureInfo_v3`'s status of the stream.
+    pub(crate) fn capture_status_raw(&self) -> Result<sys::CUstreamCaptureStatus, CallError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
         let raw = self.inner.raw;
         self.inner.ctx.with(|d| {
@@ -379,7 +384,7 @@ impl CudaStream {
                 )
             }
         })?;
-        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+        Ok(status)
     }
 
     /// Refuse, inside `section`, an operation that cannot be captured (a copy that

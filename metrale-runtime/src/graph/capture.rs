@@ -73,23 +73,8 @@ impl CudaStream {
 
     /// The capture status of the stream.
     fn capture_status(&self) -> Result<sys::CUstreamCaptureStatus> {
-        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-        // SAFETY: writes the status only; every other output is optional (null).
-        self.call("capture status", |d, s| unsafe {
-            cu!(
-                d,
-                cuStreamGetCaptureInfo_v3(
-                    s,
-                    &mut status,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut()
-                )
-            )
-        })?;
-        Ok(status)
+        self.capture_status_raw()
+            .map_err(|e| e.about(self.subject("capture status")))
     }
 
     /// Whether the stream is being captured.

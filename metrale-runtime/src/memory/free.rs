@@ -44,6 +44,35 @@ pub(crate) struct FreeJob {
 /// A free that must wait for a capture to end.
 struct Deferred;
 
+/// What a capture check inside a free says to do.
+enum Check {
+    /// Go on: not captured.
+    Free,
+    /// Hand the job back: captured.
+    Defer,
+    /// Give up (reported): the state could not be read.
+    Leak,
+}
+
+/// Check `stream`, inside `section`, for a free described by `what`.
+fn check_capture(
+    stream: &CudaStream,
+    section: &crate::stream::Section<'_>,
+    what: &str,
+    whose: &str,
+) -> Check {
+    match stream.capturing_now(section) {
+        Ok(false) => Check::Free,
+        Ok(true) => Check::Defer,
+        Err(e) => {
+            report_line(format_args!(
+                "{what}: leaked, the capture state of {whose} could not be read: {e}"
+            ));
+            Check::Leak
+        }
+    }
+}
+
 /// Frees that waited for a capture to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
 
@@ -111,15 +140,10 @@ impl FreeJob {
         let what = self.what();
         // Sections of two streams are never held at once (a capture start holds its
         // stream's lock while it waits for that stream's sections).
-        match own.capturing_now(&own.section()) {
-            Ok(false) => {}
-            Ok(true) => return Some(self),
-            Err(e) => {
-                report_line(format_args!(
-                    "{what}: leaked, the capture state of its stream could not be read: {e}"
-                ));
-                return None;
-            }
+        match check_capture(own, &own.section(), &what, "its stream") {
+            Check::Free => {}
+            Check::Defer => return Some(self),
+            Check::Leak => return None,
         }
         if !self.ctx.may_release(self.made, format_args!("{what}")) {
             return None;
@@ -128,15 +152,10 @@ impl FreeJob {
         let mut after = Vec::with_capacity(foreign.len());
         for f in foreign {
             let f_section = f.section();
-            match f.capturing_now(&f_section) {
-                Ok(false) => {}
-                Ok(true) => return Some(self),
-                Err(e) => {
-                    report_line(format_args!(
-                        "{what}: leaked, the capture state of a stream that used it could not be read: {e}"
-                    ));
-                    return None;
-                }
+            match check_capture(f, &f_section, &what, "a stream that used it") {
+                Check::Free => {}
+                Check::Defer => return Some(self),
+                Check::Leak => return None,
             }
             match CudaEvent::new(f).and_then(|ev| ev.record(f).map(|()| ev)) {
                 Ok(ev) => after.push(ev),
@@ -155,15 +174,10 @@ impl FreeJob {
             }
         }
         let section = own.section();
-        match own.capturing_now(&section) {
-            Ok(false) => {}
-            Ok(true) => return Some(self),
-            Err(e) => {
-                report_line(format_args!(
-                    "{what}: leaked, the capture state of its stream could not be read: {e}"
-                ));
-                return None;
-            }
+        match check_capture(own, &section, &what, "its stream") {
+            Check::Free => {}
+            Check::Defer => return Some(self),
+            Check::Leak => return None,
         }
         for ev in &after {
             if let Err(e) = own.wait_unmarked(ev) {
@@ -192,13 +206,10 @@ impl FreeJob {
         let what = self.what();
         for f in foreign {
             let f_section = f.section();
-            match f.capturing_now(&f_section) {
-                Ok(false) => {}
-                Ok(true) => return Some(self),
-                Err(e) => {
-                    report_line(format_args!("{what}: leaked, the capture state of a stream that used it could not be read: {e}"));
-                    return None;
-                }
+            match check_capture(f, &f_section, &what, "a stream that used it") {
+                Check::Free => {}
+                Check::Defer => return Some(self),
+                Check::Leak => return None,
             }
             drop(f_section);
             if let Err(e) = f.synchronize() {
