@@ -293,8 +293,12 @@ impl CudaContext {
     }
 
     /// [`CudaContext::bind`] without building an error: the launch path's check.
+    /// Refused inside a host function (one thread-local load).
     #[inline]
     pub(crate) fn bind_fast(&self) -> Result<(), CallError> {
+        if in_host_function() {
+            return Err(CallError::InHostFunction);
+        }
         let mut current: CUcontext = std::ptr::null_mut();
         // SAFETY: writes one CUcontext.
         unsafe { cu!(self.driver, cuCtxGetCurrent(&mut current)) }?;
@@ -417,6 +421,9 @@ impl CudaContext {
         &self,
         f: impl Fn(&'static sys::Driver) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
+        if in_host_function() {
+            return Err(CallError::InHostFunction);
+        }
         match f(self.driver) {
             Err(CallError::Status { status, .. })
                 if status == crate::error::CUDA_ERROR_INVALID_CONTEXT =>
@@ -462,6 +469,13 @@ impl CudaContext {
         what: fmt::Arguments<'_>,
         free: impl FnOnce(&'static sys::Driver, &mut Vec<CallError>),
     ) {
+        if in_host_function() {
+            crate::error::report_line(format_args!(
+                "{what}: leaked: dropped inside a host function, where the driver may not \
+                 be called (drop metrale handles after the host function instead)"
+            ));
+            return;
+        }
         let mut failures = Vec::new();
         match self.bind_for_release(made) {
             Ok(ReleaseState::Gone) => return,
@@ -674,5 +688,38 @@ impl fmt::Debug for ContextGuard {
         f.debug_struct("ContextGuard")
             .field("saved", &self.saved)
             .finish()
+    }
+}
+
+thread_local! {
+    /// Whether this thread is running a host function metrale queued (the
+    /// driver's thread, inside [`crate::CudaStream::launch_host_fn`]'s closure).
+    static IN_HOST_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is inside a host function (one thread-local load).
+#[inline]
+pub(crate) fn in_host_function() -> bool {
+    IN_HOST_FUNCTION.with(std::cell::Cell::get)
+}
+
+/// Marks the thread as running a host function until dropped (also on unwind).
+pub(crate) struct HostFunctionScope {
+    was: bool,
+}
+
+impl HostFunctionScope {
+    /// Enter a host function on this thread.
+    pub(crate) fn enter() -> HostFunctionScope {
+        HostFunctionScope {
+            was: IN_HOST_FUNCTION.with(|c| c.replace(true)),
+        }
+    }
+}
+
+impl Drop for HostFunctionScope {
+    fn drop(&mut self) {
+        let was = self.was;
+        IN_HOST_FUNCTION.with(|c| c.set(was));
     }
 }

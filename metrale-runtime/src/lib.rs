@@ -106,4 +106,7 @@ pub use nvrtc::{
     CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
 };
 pub use registry::MetraleRegistry;
-pub use stream::{AsStream, CudaEvent, CudaStream, EventOptions, StreamOptions};
+pub use stream::{
+    host_function_panics, AsStream, CudaEvent, CudaStream, EventDone, EventOptions, HostFn,
+    StreamDone, StreamOptions,
+};

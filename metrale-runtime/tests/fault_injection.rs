@@ -13,6 +13,8 @@ mod harness;
 mod common;
 #[path = "fault/errors.rs"]
 mod errors;
+#[path = "fault/futures.rs"]
+mod futures;
 #[path = "fault/graph.rs"]
 mod graph;
 #[path = "fault/launch.rs"]
@@ -48,6 +50,7 @@ fn main() -> ExitCode {
         errors::tests(),
         registry::tests(),
         streams::tests(),
+        futures::tests(),
         memory::tests(),
         launch::tests(),
         graph::tests(),

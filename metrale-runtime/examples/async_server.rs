@@ -1,0 +1,3 @@
+//! Placeholder until the async server example lands.
+
+fn main() {}
