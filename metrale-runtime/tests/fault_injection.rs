@@ -25,6 +25,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/signals.rs"]
+mod signals;
 #[path = "fault/soundness.rs"]
 mod soundness;
 #[path = "fault/streams.rs"]
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
         registry::tests(),
         streams::tests(),
         futures::tests(),
+        signals::tests(),
         memory::tests(),
         launch::tests(),
         graph::tests(),
