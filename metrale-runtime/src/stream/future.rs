@@ -149,6 +149,11 @@ impl Future for StreamDone {
             }
             .about(this.stream.subject("done (the work it waited for failed)"))));
         }
+        if crate::context::in_host_function() {
+            // Polled from a waker that runs the task inline, on the driver's
+            // thread: no CUDA call there; the callback's status is the answer.
+            return Poll::Ready(Ok(()));
+        }
         // Work queued after `done` may still run (NOT_READY): what this future
         // waited for has finished; a failure shows as an error status.
         Poll::Ready(this.stream.query().map(|_| ()))
@@ -200,6 +205,10 @@ impl Future for EventDone<'_> {
                 this.event.ctx.ordinal(),
                 this.event.raw
             ))));
+        }
+        if crate::context::in_host_function() {
+            // As for `StreamDone`: no CUDA call on the driver's thread.
+            return Poll::Ready(Ok(()));
         }
         Poll::Ready(this.event.query().map(|_| ()))
     }

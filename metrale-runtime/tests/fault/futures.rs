@@ -148,6 +148,73 @@ fn metrale_calls_inside_a_host_function_are_refused() {
     );
     // Afterwards the thread is no longer marked: the same call works here.
     assert!(s.query().unwrap());
+
+    // A future polled on the driver's thread (a waker that runs tasks inline)
+    // resolves from the callback's status, with no CUDA call.
+    let fired = s.done();
+    s.synchronize().unwrap();
+    let (tx, rx) = mpsc::channel();
+    s.launch_host_fn(move || {
+        let (_c, waker) = counting();
+        let mut cx = Context::from_waker(&waker);
+        let mut fired = pin!(fired);
+        let _ = tx.send(matches!(fired.as_mut().poll(&mut cx), Poll::Ready(Ok(()))));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert!(rx.recv().unwrap());
+}
+
+fn a_handle_dropped_inside_a_host_function_is_leaked_not_deadlocked() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let buf = DeviceBuffer::<u32>::alloc(reg.ctx(), 16).unwrap();
+    let ptr = buf.device_ptr();
+    let live = fake().live(Live::DeviceMemory);
+    let frees = fake().calls("cuMemFree_v2");
+    s.launch_host_fn(move || drop(buf)).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(
+        fake().calls("cuMemFree_v2"),
+        frees,
+        "no driver call in the host function"
+    );
+    assert_eq!(
+        fake().live(Live::DeviceMemory),
+        live,
+        "leaked, with a line on stderr"
+    );
+    // Free the leak by hand, so later tests find the stand-in clean.
+    reg.ctx().bind().unwrap();
+    // SAFETY: the leaked allocation, freed once; its buffer is gone.
+    let st = unsafe { (sys::driver().unwrap().cuMemFree_v2().unwrap())(ptr) };
+    assert!(st.is_success());
+}
+
+fn futures_on_two_devices_and_many_streams() {
+    let reg = setup();
+    let other = context(1).unwrap();
+    let streams: Vec<_> = (0..8)
+        .map(|i| {
+            if i % 2 == 0 {
+                CudaStream::new(reg.ctx()).unwrap()
+            } else {
+                CudaStream::new(&other).unwrap()
+            }
+        })
+        .collect();
+    let gates: Vec<_> = streams.iter().map(gate).collect();
+    let futures: Vec<_> = (0..800).map(|i| streams[i % 8].done()).collect();
+    for g in gates {
+        g.send(()).unwrap();
+    }
+    let (out, _) = block_on(async {
+        for f in futures {
+            f.await?;
+        }
+        Ok::<(), MetraleError>(())
+    });
+    out.unwrap();
 }
 
 fn once_host_functions_are_refused_in_a_capture_and_repeatable_ones_replay() {
@@ -362,6 +429,14 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "futures::metrale_calls_inside_a_host_function_are_refused",
             run: metrale_calls_inside_a_host_function_are_refused,
+        },
+        Test {
+            name: "futures::a_handle_dropped_inside_a_host_function_is_leaked",
+            run: a_handle_dropped_inside_a_host_function_is_leaked_not_deadlocked,
+        },
+        Test {
+            name: "futures::on_two_devices_and_many_streams",
+            run: futures_on_two_devices_and_many_streams,
         },
         Test {
             name: "futures::once_refused_in_capture_repeatable_replays",
