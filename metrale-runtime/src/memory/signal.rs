@@ -22,6 +22,7 @@ use crate::stream::CudaStream;
 
 /// What a stream wait compares the word with (`CU_STREAM_WAIT_VALUE_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum WaitCondition {
     /// `(signed)(word - value) >= 0`: the word has reached `value` (a counter).
     Geq,
@@ -36,6 +37,7 @@ pub enum WaitCondition {
 /// How a stream waits on a word: the condition, and whether remote writes are
 /// flushed before the work after the wait (`CU_STREAM_WAIT_VALUE_FLUSH`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct WaitFlags {
     /// The comparison.
     pub condition: WaitCondition,
@@ -87,6 +89,7 @@ impl WaitFlags {
 
 /// How a stream writes a word (`CU_STREAM_WRITE_VALUE_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub struct WriteFlags {
     /// Skip the memory barrier before the write
     /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`): earlier writes of the stream
@@ -95,6 +98,15 @@ pub struct WriteFlags {
 }
 
 impl WriteFlags {
+    /// A write after a memory barrier (the default).
+    pub const DEFAULT: WriteFlags = WriteFlags {
+        no_memory_barrier: false,
+    };
+    /// A write without the memory barrier before it.
+    pub const NO_MEMORY_BARRIER: WriteFlags = WriteFlags {
+        no_memory_barrier: true,
+    };
+
     fn to_driver(self) -> u32 {
         if self.no_memory_barrier {
             sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
@@ -266,6 +278,7 @@ fn require(
 
 /// One operation of a [`CudaStream::batch_mem_ops`] batch.
 #[derive(Debug)]
+#[non_exhaustive]
 pub enum MemOp<'w, 'a> {
     /// Wait on a 32-bit word.
     Wait32(&'w SignalWord<'a, u32>, u32, WaitFlags),

@@ -128,7 +128,18 @@ impl CudaStream {
     /// `f` is dropped here).
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
         let section = self.section();
-        self.refuse_if_capturing(&section, "a once-only host function (launch_host_fn)")?;
+        match self.capturing_now(&section) {
+            Ok(false) => {}
+            Ok(true) => {
+                return Err(invalid_arg(format!(
+                    "{}: launch_host_fn while the stream is being captured: every replay \
+                     of the graph would run the once-only closure; use \
+                     launch_host_fn_repeat",
+                    self.subject("")
+                )))
+            }
+            Err(e) => return Err(e.about(self.subject("capture status"))),
+        }
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         let queued = self.call("launching a host function", |d, s| {
             // SAFETY: `run_once::<F>` takes back the box `data` points to, once.
