@@ -109,6 +109,11 @@ enum State {
 /// Works with any executor (plain [`Waker`]s); woken from a driver callback,
 /// with no polling thread. Dropping it before it resolves is safe and leaves the
 /// queued work alone. Polling it again after it resolved gives `Ok(())`.
+///
+/// The driver calls back also when the work failed (the future then resolves to
+/// that error), but not after the context was destroyed or reset, nor once the
+/// process is tearing the driver down: such a future stays pending. Put a
+/// timeout around it where that can happen.
 #[must_use = "a future does nothing unless awaited or polled"]
 pub struct StreamDone {
     state: State,
