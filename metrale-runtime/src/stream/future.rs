@@ -72,6 +72,12 @@ unsafe extern "C" fn wake(_stream: CUstream, status: CUresult, data: *mut c_void
     });
 }
 
+/// `wake` as a host function (drivers without `cuStreamAddCallback`).
+unsafe extern "C" fn wake_host(data: *mut c_void) {
+    // SAFETY: as for `wake`: the one share leaked for this call.
+    unsafe { wake(std::ptr::null_mut(), CUresult::CUDA_SUCCESS, data) }
+}
+
 /// Queue the wake-up callback on `stream`, outside any capture.
 fn queue_wake(stream: &CudaStream) -> Result<Arc<Shared>> {
     let shared = Arc::new(Shared {
@@ -86,7 +92,15 @@ fn queue_wake(stream: &CudaStream) -> Result<Arc<Shared>> {
         .cast::<c_void>();
     let queued = stream.call("queueing a future's wake-up", |d, s| {
         // SAFETY: `wake` takes back the share `data` is, once; flags must be 0.
-        unsafe { cu!(d, cuStreamAddCallback(s, Some(wake), data, 0)) }
+        match unsafe { cu!(d, cuStreamAddCallback(s, Some(wake), data, 0)) } {
+            // A driver without stream callbacks: a host function (not called
+            // after an error of the context, so such a future may stay pending).
+            // SAFETY: `wake_host` takes back the share, once.
+            Err(CallError::Missing(_)) => unsafe {
+                cu!(d, cuLaunchHostFunc(s, Some(wake_host), data))
+            },
+            other => other,
+        }
     });
     drop(section);
     if let Err(e) = queued {
