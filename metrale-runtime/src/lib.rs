@@ -97,8 +97,9 @@ pub use host::{host, release, CudaHost};
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
 pub use memory::{
     deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
-    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MemOp, MemPool, PendingCopy,
-    PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
+    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,
+    PendingCopy, PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, WaitCondition, WaitFlags,
+    WriteFlags,
 };
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]

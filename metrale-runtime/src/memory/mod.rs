@@ -10,7 +10,7 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
-//! | `signal.rs` | [`SignalWord`], stream memory operations (wait/write value, batches) |
+//! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
 //! - Every allocation holds the [`CudaContext`] it lives in; its address and
@@ -55,7 +55,9 @@ pub(crate) use free::retry_deferred as retry_deferred_frees;
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;
-pub use signal::{MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags};
+pub use signal::{
+    MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
+};
 pub use symbol::DeviceSymbol;
 
 /// A type that can be copied to the device and passed to kernels by value: `Copy`,

@@ -3,7 +3,6 @@
 
 use std::ffi::c_void;
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUevent};
@@ -56,14 +55,12 @@ impl<T: DevicePod> PinnedBuffer<T> {
     }
 
     /// Allocate `len` zeroed elements of page-locked memory **mapped for the
-    /// device** (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`): kernels and
-    /// stream memory operations reach it at [`PinnedBuffer::device_ptr`], for
-    /// signals between host and device ([`CudaStream::wait_value32`] on
-    /// [`SignalWord::mapped`](crate::SignalWord::mapped)).
-    ///
-    /// While device work may touch the memory, read and write the words the
-    /// device shares through [`PinnedBuffer::atomic_u32`] /
-    /// [`PinnedBuffer::atomic_u64`], not through the slice.
+    /// device** (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`): kernels reach
+    /// it at [`PinnedBuffer::device_ptr`] (zero-copy reads of host data). A kernel
+    /// that writes it is, like every launch, the caller's contract: the host must
+    /// not read the slice meanwhile. For words that host and device signal
+    /// through while both run, use [`MappedWords`](crate::MappedWords) (atomic on
+    /// the host, no slice).
     ///
     /// # Errors
     /// [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) when the device
@@ -71,7 +68,11 @@ impl<T: DevicePod> PinnedBuffer<T> {
     /// [`PinnedBuffer::zeroed`], with `cuMemHostAlloc` and
     /// `cuMemHostGetDevicePointer_v2`; `InvalidArgument` for an empty buffer.
     pub fn mapped(ctx: &impl AsContext, len: usize) -> Result<PinnedBuffer<T>> {
-        let ctx = ctx.context();
+        PinnedBuffer::alloc_mapped(ctx.context(), len)
+    }
+
+    /// [`PinnedBuffer::mapped`] for a context.
+    pub(crate) fn alloc_mapped(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedBuffer<T>> {
         if len == 0 || std::mem::size_of::<T>() == 0 {
             return Err(invalid_arg(format!(
                 "device {}: a mapped pinned buffer needs at least one byte",
@@ -176,32 +177,6 @@ impl<T: DevicePod> PinnedBuffer<T> {
     /// [`PinnedBuffer::mapped`]; `None` otherwise.
     pub fn device_ptr(&self) -> Option<CUdeviceptr> {
         (self.device_ptr != 0).then_some(self.device_ptr)
-    }
-}
-
-impl PinnedBuffer<u32> {
-    /// Element `index` as an atomic, for a word the device may read or write
-    /// meanwhile (a signal); `None` past the end.
-    pub fn atomic_u32(&self, index: usize) -> Option<&AtomicU32> {
-        if index >= self.len {
-            return None;
-        }
-        // SAFETY: in bounds; `AtomicU32` has the size and alignment of `u32`, and
-        // every access the host makes to shared words goes through atomics.
-        Some(unsafe { AtomicU32::from_ptr(self.ptr.add(index)) })
-    }
-}
-
-impl PinnedBuffer<u64> {
-    /// Element `index` as an atomic, for a word the device may read or write
-    /// meanwhile (a signal); `None` past the end.
-    pub fn atomic_u64(&self, index: usize) -> Option<&AtomicU64> {
-        if index >= self.len {
-            return None;
-        }
-        // SAFETY: in bounds; the allocation is page-aligned and every element is
-        // 8-aligned (checked at allocation), as `AtomicU64` needs.
-        Some(unsafe { AtomicU64::from_ptr(self.ptr.add(index)) })
     }
 }
 

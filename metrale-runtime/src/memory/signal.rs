@@ -4,19 +4,22 @@
 //! Invariants:
 //! - A word is a [`SignalWord`]: an element of device memory (borrowed, and noted
 //!   as used by the stream, so freeing it waits for the operation), or an element
-//!   of a [`PinnedBuffer`] mapped for the device (shared: each operation queues a
-//!   host function after itself that holds the buffer until the operation is
-//!   done, so the host memory is never freed under it).
+//!   of [`MappedWords`], host memory mapped for the device (shared: each
+//!   operation queues a host function after itself that holds the words until the
+//!   operation is done, so the host memory is never freed under it).
+//! - The host reaches [`MappedWords`] only through atomics (no slice), so its
+//!   accesses never race with each other; the device's are outside the program.
 //! - Flags are typed ([`WaitCondition`], [`WaitFlags`], [`WriteFlags`]); what the
 //!   device cannot do (64-bit operations, the NOR condition) is refused before
 //!   the driver with the device attribute named.
 
+use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::sync::Arc;
 
 use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
 use super::{note_use, DeviceMemory, DeviceMemoryMut, PinnedBuffer};
-use crate::context::{device_attribute, CudaContext};
+use crate::context::{device_attribute, AsContext, CudaContext};
 use crate::error::{cu, invalid_arg, ErrorKind, Result};
 use crate::stream::CudaStream;
 
@@ -151,7 +154,7 @@ pub struct SignalWord<'a, T: SignalValue> {
     addr: CUdeviceptr,
     ctx: &'a Arc<CudaContext>,
     device: Option<&'a dyn DeviceMemory<T>>,
-    mapped: Option<Arc<PinnedBuffer<T>>>,
+    mapped: Option<Arc<MappedWords<T>>>,
 }
 
 impl<T: SignalValue> std::fmt::Debug for SignalWord<'_, T> {
@@ -183,31 +186,23 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
         })
     }
 
-    /// Element `index` of a pinned buffer mapped for the device
-    /// ([`PinnedBuffer::mapped`]); every operation on it holds the buffer until
-    /// the operation is done. The host reads and writes the word through
-    /// [`PinnedBuffer::atomic_u32`] / [`PinnedBuffer::atomic_u64`].
+    /// Element `index` of host words mapped for the device ([`MappedWords`]);
+    /// every operation on it holds the words until the operation is done.
     ///
     /// # Errors
-    /// `InvalidArgument` for a buffer that is not mapped, or past the end.
-    pub fn mapped(buffer: &'a Arc<PinnedBuffer<T>>, index: usize) -> Result<Self> {
-        let Some(base) = buffer.device_ptr() else {
-            return Err(invalid_arg(
-                "signal word of a pinned buffer that is not mapped for the device \
-                 (allocate it with PinnedBuffer::mapped)",
-            ));
-        };
-        if index >= buffer.len() {
+    /// `InvalidArgument` past the end.
+    pub fn mapped(words: &'a Arc<MappedWords<T>>, index: usize) -> Result<Self> {
+        if index >= words.len() {
             return Err(invalid_arg(format!(
-                "signal word {index} of a mapped pinned buffer of {} elements: past the end",
-                buffer.len()
+                "signal word {index} of {} mapped words: past the end",
+                words.len()
             )));
         }
         Ok(SignalWord {
-            addr: base + (index * std::mem::size_of::<T>()) as CUdeviceptr,
-            ctx: buffer.context(),
+            addr: words.device_ptr() + (index * std::mem::size_of::<T>()) as CUdeviceptr,
+            ctx: words.buffer.context(),
             device: None,
-            mapped: Some(Arc::clone(buffer)),
+            mapped: Some(Arc::clone(words)),
         })
     }
 
@@ -237,7 +232,7 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
         Ok(())
     }
 
-    /// After an operation was queued: a mapped buffer is held until it is done.
+    /// After an operation was queued: mapped words are held until it is done.
     fn hold(&self, stream: &CudaStream) -> Result<()> {
         if let Some(buffer) = &self.mapped {
             let held = Arc::clone(buffer);
@@ -250,6 +245,94 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
             }
         }
         Ok(())
+    }
+}
+
+/// Words of page-locked host memory mapped for the device
+/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`), zeroed: signals between
+/// the host and the device. Stream operations reach them through
+/// [`SignalWord::mapped`] (share them in an `Arc`); the host reads and writes them
+/// only as atomics ([`MappedWords::atomic`]), never as a slice, so host accesses
+/// never race.
+///
+/// ```no_run
+/// use std::sync::{atomic::Ordering, Arc};
+/// use metrale_runtime::{context, CudaStream, MappedWords, SignalWord, WaitFlags};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = context(0)?;
+/// let s = CudaStream::new(&ctx)?;
+/// let go = Arc::new(MappedWords::<u32>::new(&ctx, 1)?);
+/// s.wait_value32(&SignalWord::mapped(&go, 0)?, 1, WaitFlags::EQ)?;
+/// // ... queue work on s: it waits ...
+/// go.atomic(0).unwrap().store(1, Ordering::Release); // released by the host
+/// # Ok(()) }
+/// ```
+pub struct MappedWords<T: SignalValue> {
+    buffer: PinnedBuffer<T>,
+    device_ptr: CUdeviceptr,
+}
+
+impl<T: SignalValue> std::fmt::Debug for MappedWords<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedWords")
+            .field("len", &self.buffer.len())
+            .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
+            .finish()
+    }
+}
+
+impl<T: SignalValue> MappedWords<T> {
+    /// `len` zeroed words on `ctx`'s device.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::mapped`]: [`ErrorKind::Unsupported`] when the device
+    /// cannot map host memory, `InvalidArgument` for no words, the driver's status.
+    pub fn new(ctx: &impl AsContext, len: usize) -> Result<MappedWords<T>> {
+        let buffer = PinnedBuffer::alloc_mapped(ctx.context(), len)?;
+        let Some(device_ptr) = buffer.device_ptr() else {
+            return Err(invalid_arg("mapped words without a device address"));
+        };
+        Ok(MappedWords { buffer, device_ptr })
+    }
+
+    /// Number of words.
+    pub fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Whether there are no words (never: `new` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.buffer.is_empty()
+    }
+
+    /// The device's address of the first word.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+}
+
+impl MappedWords<u32> {
+    /// Word `index` as an atomic; `None` past the end.
+    pub fn atomic(&self, index: usize) -> Option<&AtomicU32> {
+        if index >= self.buffer.len() {
+            return None;
+        }
+        // SAFETY: in bounds of a live, zeroed allocation aligned for u32; the host
+        // reaches these words only through atomics (no slice is ever handed out),
+        // and `AtomicU32` has the size and alignment of `u32`.
+        Some(unsafe { AtomicU32::from_ptr(self.buffer.as_ptr().add(index).cast_mut()) })
+    }
+}
+
+impl MappedWords<u64> {
+    /// Word `index` as an atomic; `None` past the end.
+    pub fn atomic(&self, index: usize) -> Option<&AtomicU64> {
+        if index >= self.buffer.len() {
+            return None;
+        }
+        // SAFETY: as for `MappedWords<u32>`; the allocation is page-aligned, so
+        // every word is 8-aligned, as `AtomicU64` needs.
+        Some(unsafe { AtomicU64::from_ptr(self.buffer.as_ptr().add(index).cast_mut()) })
     }
 }
 

@@ -52,8 +52,8 @@ fn a_wait_is_released_by_a_write_from_another_stream() {
 fn the_host_releases_a_wait_through_mapped_memory() {
     let reg = setup();
     let s = CudaStream::new(reg.ctx()).unwrap();
-    let mapped = Arc::new(PinnedBuffer::<u32>::mapped(reg.ctx(), 2).unwrap());
-    assert!(mapped.device_ptr().is_some());
+    let mapped = Arc::new(MappedWords::<u32>::new(reg.ctx(), 2).unwrap());
+    assert_ne!(mapped.device_ptr(), 0);
     let word = SignalWord::mapped(&mapped, 1).unwrap();
     s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
     s.write_value32(
@@ -65,20 +65,22 @@ fn the_host_releases_a_wait_through_mapped_memory() {
     drop(word);
     std::thread::sleep(Duration::from_millis(10));
     assert!(!s.query().unwrap());
-    assert_eq!(mapped.atomic_u32(0).unwrap().load(Ordering::SeqCst), 0);
+    assert_eq!(mapped.atomic(0).unwrap().load(Ordering::SeqCst), 0);
     // The operations hold the buffer until they are done.
     assert!(Arc::strong_count(&mapped) > 1);
-    mapped.atomic_u32(1).unwrap().store(1, Ordering::SeqCst);
+    mapped.atomic(1).unwrap().store(1, Ordering::SeqCst);
     s.synchronize().unwrap();
-    assert_eq!(mapped.atomic_u32(0).unwrap().load(Ordering::SeqCst), 9);
+    assert_eq!(mapped.atomic(0).unwrap().load(Ordering::SeqCst), 9);
     assert_eq!(Arc::strong_count(&mapped), 1);
-    assert!(mapped.atomic_u32(2).is_none());
+    assert!(mapped.atomic(2).is_none());
 
-    // A buffer that is not mapped is no signal word.
-    let plain = Arc::new(PinnedBuffer::<u32>::zeroed(reg.ctx(), 1).unwrap());
+    // A pinned buffer mapped for kernels (not a signal word: no atomics, a slice).
+    let pinned = PinnedBuffer::<u32>::mapped(reg.ctx(), 4).unwrap();
+    assert!(pinned.device_ptr().is_some());
+    assert_eq!(&pinned[..], [0, 0, 0, 0]);
+    let plain = PinnedBuffer::<u32>::zeroed(reg.ctx(), 1).unwrap();
     assert!(plain.device_ptr().is_none());
-    let e = SignalWord::mapped(&plain, 0).unwrap_err();
-    assert!(e.to_string().contains("not mapped"), "{e}");
+    assert!(PinnedBuffer::<u32>::mapped(reg.ctx(), 0).is_err());
     let e = SignalWord::mapped(&mapped, 5).unwrap_err();
     assert!(e.to_string().contains("past the end"), "{e}");
 }

@@ -53,9 +53,7 @@ fn a_host_function_sees_the_result_of_the_kernel_before_it() {
         let out = Arc::clone(&out);
         let tx = tx.clone();
         s.launch_host_fn(move || {
-            let ok = (0..n).all(|i| {
-                out.atomic_u32(i).unwrap().load(Ordering::Acquire) == i as u32 + round * 100
-            });
+            let ok = (0..n).all(|i| out[i] == i as u32 + round * 100);
             let _ = tx.send((round, ok));
         })
         .unwrap();
@@ -212,13 +210,13 @@ fn a_wait_value_is_released_by_another_stream_and_by_the_host() {
     b.write_value32(&word, 1, WriteFlags::default()).unwrap();
     after.synchronize().unwrap();
 
-    let mapped = Arc::new(PinnedBuffer::<u32>::mapped(reg.ctx(), 1).unwrap());
+    let mapped = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
     let host_word = SignalWord::mapped(&mapped, 0).unwrap();
     a.wait_value32(&host_word, 3, WaitFlags::EQ).unwrap();
     after.record(&a).unwrap();
     std::thread::sleep(Duration::from_millis(5));
     assert!(!after.query().unwrap(), "a waits on mapped memory");
-    mapped.atomic_u32(0).unwrap().store(3, Ordering::Release);
+    mapped.atomic(0).unwrap().store(3, Ordering::Release);
     after.synchronize().unwrap();
 
     // 64-bit words where the device has them.
