@@ -293,12 +293,9 @@ impl CudaContext {
     }
 
     /// [`CudaContext::bind`] without building an error: the launch path's check.
-    /// Refused inside a host function (one thread-local load).
+    /// Refused inside a host function, like every `cu!` call.
     #[inline]
     pub(crate) fn bind_fast(&self) -> Result<(), CallError> {
-        if in_host_function() {
-            return Err(CallError::InHostFunction);
-        }
         let mut current: CUcontext = std::ptr::null_mut();
         // SAFETY: writes one CUcontext.
         unsafe { cu!(self.driver, cuCtxGetCurrent(&mut current)) }?;
@@ -353,6 +350,10 @@ impl CudaContext {
     /// for one created anew since. Without it, whether the primary context is
     /// active.
     fn state(&self, made: Generation) -> Result<ReleaseState, CallError> {
+        if in_host_function() {
+            // No driver call on the driver's thread: the caller leaks and says so.
+            return Err(CallError::InHostFunction);
+        }
         let d = self.driver;
         let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
         if let Some(made) = made.0.or(self.id) {
@@ -421,9 +422,6 @@ impl CudaContext {
         &self,
         f: impl Fn(&'static sys::Driver) -> Result<R, CallError>,
     ) -> Result<R, CallError> {
-        if in_host_function() {
-            return Err(CallError::InHostFunction);
-        }
         match f(self.driver) {
             Err(CallError::Status { status, .. })
                 if status == crate::error::CUDA_ERROR_INVALID_CONTEXT =>

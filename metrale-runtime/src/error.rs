@@ -717,19 +717,25 @@ impl From<sys::MissingSymbol> for CallError {
 /// `cu!(driver, cuCtxSetCurrent(ctx))` is a `Result<(), CallError>`.
 ///
 /// The macro expands to an `unsafe` call; each use site carries the `// SAFETY:`
-/// reasoning for its arguments.
+/// reasoning for its arguments. On a thread running a host function it returns
+/// [`CallError::InHostFunction`] without calling (one thread-local load).
 macro_rules! cu {
     ($driver:expr, $func:ident ( $($arg:expr),* $(,)? )) => {
-        match $driver.$func() {
-            Ok(f) => {
-                let status = f($($arg),*);
-                if status.is_success() {
-                    Ok(())
-                } else {
-                    Err($crate::error::CallError::Status { call: stringify!($func), status })
+        if $crate::context::in_host_function() {
+            // The driver forbids CUDA calls in host functions: refuse, never call.
+            Err($crate::error::CallError::InHostFunction)
+        } else {
+            match $driver.$func() {
+                Ok(f) => {
+                    let status = f($($arg),*);
+                    if status.is_success() {
+                        Ok(())
+                    } else {
+                        Err($crate::error::CallError::Status { call: stringify!($func), status })
+                    }
                 }
+                Err(missing) => Err($crate::error::CallError::Missing(missing)),
             }
-            Err(missing) => Err($crate::error::CallError::Missing(missing)),
         }
     };
 }

@@ -141,6 +141,27 @@ fn metrale_calls_inside_a_host_function_are_refused() {
         e.contains("refused inside a host function") && e.contains("stream"),
         "{e}"
     );
+    // Every other call too: creating handles, allocating, loading.
+    let (tx, rx) = mpsc::channel();
+    let ctx = Arc::clone(reg.ctx());
+    s.launch_host_fn(move || {
+        let results = [
+            CudaStream::new(&ctx).map(drop),
+            DeviceBuffer::<u32>::alloc(&ctx, 4).map(drop),
+            CudaEvent::new(&ctx).map(drop),
+            MetraleRegistry::load(0, &[("k", PTX)]).map(drop),
+            ctx.synchronize(),
+        ];
+        let _ = tx.send(results.iter().all(|r| {
+            matches!(
+                r.as_ref().map_err(|e| e.kind()),
+                Err(ErrorKind::InHostFunction { .. })
+            )
+        }));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert!(rx.recv().unwrap(), "every call refused");
     assert_eq!(
         fake().calls("cuStreamQuery"),
         calls_before,
