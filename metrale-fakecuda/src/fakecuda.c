@@ -17,6 +17,13 @@
  *    `.global .TYPE NAME;` declares a global; an image containing "syntax error"
  *    fails to JIT with a log; an ELF or fatbin image is accepted as an empty module;
  *    a library (cuLibraryLoadData) is the same text, made per device on demand;
+ *  - host functions (cuLaunchHostFunc) and stream memory operations (wait/write
+ *    value, batches) are jobs of a FIFO per stream, run by a worker thread of
+ *    that stream (made on first use), as the driver runs them: in order, after
+ *    the work queued before them, never under the caller's call. A stream with
+ *    jobs left is not idle (query says NOT_READY, synchronize waits), an event
+ *    recorded after a job completes when the job has run, and a stream waiting
+ *    on such an event queues a job that waits for it;
  *  - a launch records its configuration and the bytes of each parameter; on a
  *    capturing stream it becomes a graph node instead; replaying an executable
  *    graph records each kernel node as a launch.
@@ -31,7 +38,9 @@
  *
  * Not thread-safe beyond one big lock: every entry point takes it.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -372,8 +381,14 @@ struct op {
 struct graph;
 struct node;
 #define MAX_TAILS 8
+struct job;
 struct stream {
     struct ctx *ctx;
+    /* Jobs (host functions, memory operations) in FIFO order, run by `worker`. */
+    struct job *head, *tail;
+    long enq, done; /* jobs queued and run so far */
+    int has_worker;
+    int closing;    /* destroyed: the worker ends once the FIFO is empty */
     unsigned flags;
     int priority;
     struct op pending[MAX_PENDING];
@@ -388,12 +403,29 @@ struct event {
     unsigned flags;
     int recorded;
     struct stream *stream; /* where it was last recorded (outside a capture) */
+    struct stream *job_stream; /* the FIFO whose job `ticket` it waits for */
+    long ticket;
     long stamp;
     struct graph *cap_graph;
     struct node *cap_tails[MAX_TAILS];
     int cap_ntails;
 };
-enum { NODE_KERNEL = 0, NODE_EMPTY = 5, NODE_CONDITIONAL = 13 };
+enum { NODE_KERNEL = 0, NODE_HOST = 3, NODE_EMPTY = 5, NODE_MEM_OP = 12, NODE_CONDITIONAL = 13 };
+enum { JOB_HOST = 1, JOB_WAIT_VALUE, JOB_WRITE_VALUE, JOB_WAIT_JOB, JOB_CALLBACK };
+struct job {
+    int type;
+    void (*fn)(void *);
+    void (*callback)(void *stream, CUresult status, void *data);
+    void *stream;
+    void *data;
+    CUdeviceptr addr;
+    unsigned long long value;
+    unsigned flags;
+    int wide;               /* 64-bit memory operation */
+    struct stream *on;      /* JOB_WAIT_JOB: the stream and ticket waited for */
+    long ticket;
+    struct job *next;
+};
 struct node {
     int type;
     struct func *f;
@@ -402,6 +434,7 @@ struct node {
     unsigned char params[MAX_PARAMS][PARAM_BYTES];
     struct graph *body;
     unsigned long long cond;
+    struct job job; /* host and memory-operation nodes: what a replay queues */
 };
 #define MAX_NODES 256
 #define MAX_EDGES 512
@@ -431,6 +464,117 @@ static void run_all_pending(int dev) {
     for (int i = 0; i < TABLE; i++)
         if (handles[i].kind == K_STREAM && (dev < 0 || handles[i].dev == dev))
             run_pending(handles[i].p);
+}
+
+/* ---- the per-stream job FIFO ------------------------------------------------ */
+
+static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
+static struct stream legacy_stream; /* jobs queued on the null stream */
+
+static struct stream *job_stream(void *s) { return s ? (struct stream *)s : &legacy_stream; }
+
+static int wait_met(const struct job *j) {
+    unsigned long long v = j->wide ? *(volatile unsigned long long *)(uintptr_t)j->addr
+                                   : *(volatile unsigned *)(uintptr_t)j->addr;
+    unsigned long long want = j->wide ? j->value : (unsigned)j->value;
+    switch (j->flags & 3) {
+    case 0: return j->wide ? (long long)(v - want) >= 0 : (int)((unsigned)v - (unsigned)want) >= 0;
+    case 1: return v == want;
+    case 2: return (v & want) != 0;
+    default: return j->wide ? ~(v | want) != 0 : (unsigned)~(v | want) != 0;
+    }
+}
+
+static void *worker_main(void *arg) {
+    struct stream *st = arg;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        while (!st->head && !st->closing) pthread_cond_wait(&progress, &lock);
+        struct job *j = st->head;
+        if (!j) break;
+        switch (j->type) {
+        case JOB_HOST:
+            pthread_mutex_unlock(&lock);
+            j->fn(j->data);
+            pthread_mutex_lock(&lock);
+            break;
+        case JOB_CALLBACK:
+            pthread_mutex_unlock(&lock);
+            j->callback(j->stream, SUCCESS, j->data);
+            pthread_mutex_lock(&lock);
+            break;
+        case JOB_WAIT_VALUE:
+            while (!wait_met(j)) {
+                /* The host may write the word with no call: poll. */
+                struct timespec t;
+                clock_gettime(CLOCK_REALTIME, &t);
+                t.tv_nsec += 50000;
+                if (t.tv_nsec >= 1000000000) { t.tv_sec++; t.tv_nsec -= 1000000000; }
+                pthread_cond_timedwait(&progress, &lock, &t);
+            }
+            break;
+        case JOB_WRITE_VALUE:
+            if (j->wide) *(volatile unsigned long long *)(uintptr_t)j->addr = j->value;
+            else *(volatile unsigned *)(uintptr_t)j->addr = (unsigned)j->value;
+            break;
+        case JOB_WAIT_JOB:
+            while (j->on->done < j->ticket) pthread_cond_wait(&progress, &lock);
+            break;
+        }
+        st->head = j->next;
+        if (!st->head) st->tail = NULL;
+        st->done++;
+        free(j);
+        pthread_cond_broadcast(&progress);
+    }
+    st->has_worker = 0;
+    pthread_mutex_unlock(&lock);
+    return NULL;
+}
+
+/* Queue a copy of `proto` on the stream's FIFO (null: the legacy stream); work
+ * queued before it (deferred copies) is done first, as on a GPU. */
+static CUresult enqueue(void *s, const struct job *proto) {
+    struct stream *st = job_stream(s);
+    if (s) run_pending(s);
+    struct job *j = malloc(sizeof *j);
+    if (!j) return OUT_OF_MEMORY;
+    *j = *proto;
+    j->next = NULL;
+    if (!st->has_worker) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, worker_main, st)) {
+            free(j);
+            return OUT_OF_MEMORY;
+        }
+        pthread_detach(t);
+        st->has_worker = 1;
+    }
+    if (st->tail) st->tail->next = j;
+    else st->head = j;
+    st->tail = j;
+    st->enq++;
+    pthread_cond_broadcast(&progress);
+    return SUCCESS;
+}
+
+/* Wait (the lock released meanwhile) until the stream's jobs queued so far ran. */
+static void drain(struct stream *st) {
+    long t = st->enq;
+    while (st->done < t) pthread_cond_wait(&progress, &lock);
+}
+
+/* Destroy a stream's storage: one with a worker is left to it (the worker runs
+ * what is queued, as the driver does after cuStreamDestroy, and the storage is
+ * kept, since waits of other streams may still read its counters). */
+static void free_stream(struct stream *st) {
+    if (st->has_worker || st->head) {
+        st->closing = 1;
+        pthread_cond_broadcast(&progress);
+        return;
+    }
+    if (st->enq) return; /* counters may be read by other streams' waits */
+    free(st);
 }
 
 /* The stream handle, checked: null is the legacy stream; others must be live and
@@ -504,7 +648,8 @@ static void free_all_handles(int dev) {
         if (dev >= 0) bury(p);
         switch (h->kind) {
         case K_MODULE: untrack(h); free_module(p); break;
-        case K_STREAM: case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
+        case K_STREAM: untrack(h); free_stream(p); break;
+        case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
             untrack(h); free(p); break;
         case K_GRAPH: untrack(h); free_graph(p); break;
         case K_EXEC: untrack(h); free_graph(((struct gexec *)p)->g); free(p); break;
@@ -746,6 +891,7 @@ static int attribute(int dev, int a) {
     case 10: return 32;          /* warp size */
     case 12: return 65536;       /* registers per block */
     case 16: return 132;         /* multiprocessors */
+    case 19: return 1;           /* can map host memory */
     case 75: return 9;           /* compute capability */
     case 76: return 0;
     case 81: return 233472;      /* shared memory per multiprocessor */
@@ -757,6 +903,8 @@ static int attribute(int dev, int a) {
     case 115: return 1;          /* memory pools */
 #endif
     case 120: return 1;          /* cluster launch */
+    case 122: return 1;          /* 64-bit stream memory operations */
+    case 123: return 1;          /* stream wait value NOR */
     default: return 0;
     }
 }
@@ -894,6 +1042,10 @@ EXPORT CUresult cuCtxSetCurrent(void *ctx) { LOCKED(do_set_current(ctx)); }
 static CUresult do_ctx_sync(void) {
     NEED_CTX();
     run_all_pending(current->dev);
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && handles[i].dev == current->dev)
+            drain(handles[i].p);
+    drain(&legacy_stream);
     return SUCCESS;
 }
 EXPORT CUresult cuCtxSynchronize(void) { LOCKED(do_ctx_sync()); }
@@ -957,7 +1109,7 @@ static CUresult do_stream_destroy(void *s) {
     if (!h) return INVALID_HANDLE;
     run_pending(s);
     untrack(h);
-    free(s);
+    free_stream(s);
     return SUCCESS;
 }
 EXPORT CUresult cuStreamDestroy_v2(void *s) { LOCKED(do_stream_destroy(s)); }
@@ -976,6 +1128,7 @@ static CUresult do_stream_sync(void *s) {
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
     if (s) run_pending(s);
+    drain(job_stream(s));
     return SUCCESS;
 }
 EXPORT CUresult cuStreamSynchronize(void *s) { LOCKED(do_stream_sync(s)); }
@@ -985,6 +1138,7 @@ static CUresult do_stream_query(void *s) {
     CUresult r = stream_ok(s);
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
+    if (job_stream(s)->done < job_stream(s)->enq) return NOT_READY;
     if (s) run_pending(s);
     return SUCCESS;
 }
@@ -1032,6 +1186,8 @@ static CUresult do_event_record(void *e, void *s) {
     /* Work queued before the record (deferred copies) completes when the event
      * is waited for or queried, as on a GPU. */
     ev->stream = st;
+    ev->job_stream = job_stream(st);
+    ev->ticket = job_stream(st)->enq;
     ev->recorded = 1;
     ev->stamp = ++event_clock;
     return SUCCESS;
@@ -1042,11 +1198,24 @@ static CUresult do_event_query(void *e) {
     NEED_CTX();
     struct event *ev = e;
     if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    if (ev->job_stream && ev->job_stream->done < ev->ticket) return NOT_READY;
+    if (ev->stream && find(ev->stream, K_STREAM)) run_pending(ev->stream);
+    return SUCCESS;
+}
+static CUresult do_event_sync(void *e) {
+    NEED_CTX();
+    struct event *ev = e;
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    if (ev->job_stream) {
+        struct stream *js = ev->job_stream;
+        long t = ev->ticket;
+        while (js->done < t) pthread_cond_wait(&progress, &lock);
+    }
     if (ev->stream && find(ev->stream, K_STREAM)) run_pending(ev->stream);
     return SUCCESS;
 }
 EXPORT CUresult cuEventQuery(void *e) { LOCKED(do_event_query(e)); }
-EXPORT CUresult cuEventSynchronize(void *e) { LOCKED(do_event_query(e)); }
+EXPORT CUresult cuEventSynchronize(void *e) { LOCKED(do_event_sync(e)); }
 
 static CUresult do_elapsed(float *ms, void *a, void *b) {
     NEED_CTX();
@@ -1083,6 +1252,11 @@ static CUresult do_stream_wait(void *s, void *e, unsigned flags) {
                 if (!seen) st->tails[st->ntails++] = ev->cap_tails[i];
             }
         }
+    }
+    if (!ev->cap_graph && ev->job_stream && ev->job_stream != job_stream(st) &&
+        ev->job_stream->done < ev->ticket && !(st && st->capture)) {
+        struct job j = {.type = JOB_WAIT_JOB, .on = ev->job_stream, .ticket = ev->ticket};
+        return enqueue(st, &j);
     }
     return SUCCESS;
 }
@@ -2106,6 +2280,10 @@ static CUresult do_graph_launch(void *exec, void *stream) {
         struct node *n = e->g->nodes[i];
         if (n->type == NODE_KERNEL)
             record(n->f, n->grid, n->block, n->shared, stream, n->nparams, n->params);
+        else if (n->type == NODE_HOST || n->type == NODE_MEM_OP) {
+            r = enqueue(stream, &n->job);
+            if (r) return r;
+        }
     }
     return SUCCESS;
 }
@@ -2252,3 +2430,173 @@ EXPORT CUresult cuGraphAddNode_v2(void **node, void *graph, void *const *deps, c
     LOCKED(do_add_node(node, graph, deps, data, ndeps, p));
 }
 #endif
+
+/* ---- host functions and stream memory operations --------------------------- */
+
+/* Queue `j` on the stream, or add it to the graph the stream is capturing. */
+static CUresult queue_job(void *s, const struct job *j, int node_type) {
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    struct stream *st = s;
+    if (st && st->capture) {
+        struct node n;
+        memset(&n, 0, sizeof n);
+        n.type = node_type;
+        n.job = *j;
+        struct node *added = add_node(st->capture, &n, st->tails, st->ntails);
+        if (!added) return OUT_OF_MEMORY;
+        st->tails[0] = added;
+        st->ntails = 1;
+        return SUCCESS;
+    }
+    return enqueue(s, j);
+}
+
+static CUresult do_host_func(void *s, void (*fn)(void *), void *data) {
+    NEED_CTX();
+    if (!fn) return INVALID_VALUE;
+    struct job j = {.type = JOB_HOST, .fn = fn, .data = data};
+    return queue_job(s, &j, NODE_HOST);
+}
+EXPORT CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *data) {
+    LOCKED(do_host_func(s, fn, data));
+}
+
+/* A device word for a memory operation: non-null and aligned. */
+static CUresult mem_op(void *s, int type, CUdeviceptr addr, unsigned long long value,
+                       unsigned flags, int wide) {
+    NEED_CTX();
+    if (!addr || addr % (wide ? 8 : 4)) return INVALID_VALUE;
+    if (type == JOB_WAIT_VALUE && (flags & ~(3u | (1u << 30)))) return INVALID_VALUE;
+    if (type == JOB_WRITE_VALUE && (flags & ~1u)) return INVALID_VALUE;
+    struct job j = {.type = type, .addr = addr, .value = value, .flags = flags, .wide = wide};
+    return queue_job(s, &j, NODE_MEM_OP);
+}
+EXPORT CUresult cuStreamWaitValue32_v2(void *s, CUdeviceptr addr, unsigned value, unsigned flags) {
+    LOCKED(mem_op(s, JOB_WAIT_VALUE, addr, value, flags, 0));
+}
+EXPORT CUresult cuStreamWaitValue64_v2(void *s, CUdeviceptr addr, unsigned long long value,
+                                       unsigned flags) {
+    LOCKED(mem_op(s, JOB_WAIT_VALUE, addr, value, flags, 1));
+}
+EXPORT CUresult cuStreamWriteValue32_v2(void *s, CUdeviceptr addr, unsigned value, unsigned flags) {
+    LOCKED(mem_op(s, JOB_WRITE_VALUE, addr, value, flags, 0));
+}
+EXPORT CUresult cuStreamWriteValue64_v2(void *s, CUdeviceptr addr, unsigned long long value,
+                                        unsigned flags) {
+    LOCKED(mem_op(s, JOB_WRITE_VALUE, addr, value, flags, 1));
+}
+
+/* CUstreamBatchMemOpParams: 48 bytes; operation at 0, address at 8, value at 16,
+ * flags at 24 (for a flush or barrier: flags at 4). */
+struct batch_op {
+    unsigned operation;
+    unsigned flags4;
+    CUdeviceptr address;
+    unsigned long long value;
+    unsigned flags;
+    unsigned pad0;
+    CUdeviceptr alias;
+    unsigned long long pad1;
+};
+static CUresult do_batch(void *s, unsigned count, const struct batch_op *ops, unsigned flags) {
+    NEED_CTX();
+    if (flags || (count && !ops) || count > 256) return INVALID_VALUE;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    /* Check every operation before queueing any, as the driver does. */
+    for (unsigned i = 0; i < count; i++) {
+        switch (ops[i].operation) {
+        case 1: case 2: if (!ops[i].address || ops[i].address % 4) return INVALID_VALUE; break;
+        case 4: case 5: if (!ops[i].address || ops[i].address % 8) return INVALID_VALUE; break;
+        case 3: case 6: break;
+        default: return INVALID_VALUE;
+        }
+    }
+    for (unsigned i = 0; i < count; i++) {
+        unsigned op = ops[i].operation;
+        if (op == 3 || op == 6) continue; /* flush, barrier: nothing to model */
+        int wide = op == 4 || op == 5;
+        int type = op == 1 || op == 4 ? JOB_WAIT_VALUE : JOB_WRITE_VALUE;
+        unsigned long long v = wide ? ops[i].value : (unsigned)ops[i].value;
+        struct job j = {.type = type, .addr = ops[i].address, .value = v,
+                        .flags = ops[i].flags, .wide = wide};
+        if ((r = queue_job(s, &j, NODE_MEM_OP))) return r;
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuStreamBatchMemOp_v2(void *s, unsigned count, const void *ops, unsigned flags) {
+    LOCKED(do_batch(s, count, ops, flags));
+}
+
+static CUresult do_host_alloc(void **p, size_t bytes, unsigned flags) {
+    NEED_CTX();
+    if (!p || !bytes || (flags & ~7u)) return INVALID_VALUE;
+    *p = calloc(1, bytes);
+    if (!*p) return OUT_OF_MEMORY;
+    track(*p, K_HOSTMEM, bytes, current->dev);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemHostAlloc(void **p, size_t bytes, unsigned flags) {
+    LOCKED(do_host_alloc(p, bytes, flags));
+}
+
+/* Mapped host memory has the same address on the "device". */
+static CUresult do_host_device_ptr(CUdeviceptr *d, void *p, unsigned flags) {
+    NEED_CTX();
+    if (!d || flags) return INVALID_VALUE;
+    struct handle *h = NULL;
+    for (int i = 0; i < TABLE && !h; i++)
+        if (handles[i].kind == K_HOSTMEM && (char *)p >= (char *)handles[i].p &&
+            (char *)p < (char *)handles[i].p + handles[i].bytes)
+            h = &handles[i];
+    if (!h) return INVALID_VALUE;
+    *d = (CUdeviceptr)(uintptr_t)p;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned flags) {
+    LOCKED(do_host_device_ptr(d, p, flags));
+}
+
+/* Jobs (host functions, memory operations) queued on the stream and not yet run. */
+EXPORT long fakecuda_jobs_pending(void *s) {
+    pthread_mutex_lock(&lock);
+    struct stream *st = job_stream(s);
+    long n = st->enq - st->done;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+static CUresult do_add_callback(void *s, void (*cb)(void *, CUresult, void *), void *data,
+                                unsigned flags) {
+    NEED_CTX();
+    if (!cb || flags) return INVALID_VALUE;
+    CUresult r = stream_ok(s);
+    if (r) return r;
+    if (s && ((struct stream *)s)->capture) {
+        ((struct stream *)s)->capture->invalid = 1;
+        return STREAM_CAPTURE_UNSUPPORTED;
+    }
+    struct job j = {.type = JOB_CALLBACK, .callback = cb, .data = data, .stream = s};
+    return enqueue(s, &j);
+}
+EXPORT CUresult cuStreamAddCallback(void *s, void (*cb)(void *, CUresult, void *), void *data,
+                                    unsigned flags) {
+    LOCKED(do_add_callback(s, cb, data, flags));
+}
+
+struct host_params {
+    void (*fn)(void *);
+    void *data;
+};
+static CUresult do_host_node_params(void *node, struct host_params *p) {
+    NEED_CTX();
+    struct node *n = find(node, K_NODE) ? node : NULL;
+    if (!n || !p || n->type != NODE_HOST) return INVALID_VALUE;
+    p->fn = n->job.fn;
+    p->data = n->job.data;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphHostNodeGetParams(void *node, struct host_params *p) {
+    LOCKED(do_host_node_params(node, p));
+}

@@ -233,6 +233,17 @@ impl Fake {
         )
     }
 
+    /// Host functions and memory operations queued on `stream` (null: the legacy
+    /// stream) that its worker thread has not run yet.
+    pub fn jobs_pending(&self, stream: *mut c_void) -> i64 {
+        call!(
+            self,
+            "fakecuda_jobs_pending",
+            unsafe extern "C" fn(*mut c_void) -> c_long,
+            stream
+        ) as i64
+    }
+
     /// The stream of the last `cuMemFreeAsync`.
     pub fn last_free_stream(&self) -> *mut c_void {
         call!(

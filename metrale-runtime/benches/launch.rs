@@ -7,11 +7,18 @@
 //! cell is the median over the rounds, with the spread (min..max); "vs raw" is the
 //! median of the per-round ratios (each round compares neighbours in time).
 //!
+//! The last rows (`launch/async_rows.rs`) compare a future's wake-up after an
+//! empty kernel with `cuStreamSynchronize`, process CPU time with wall time while
+//! 1,000 futures wait on 1 ms kernels, and the submit cost of `launch_host_fn`,
+//! `write_value32` and `wait_value32` with the raw calls.
+//!
 //! Options (after `--`): `--rounds N` (default 31), `--quick` (fewer, smaller).
 //! Without a driver it exits with status 2 and the loader's message.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "launch/async_rows.rs"]
+mod async_rows;
 mod common;
 
 use std::ffi::c_void;
@@ -429,6 +436,8 @@ fn run() -> Result<(), MetraleError> {
     // SAFETY: the raw event is destroyed once, after its last use.
     unsafe { (d.cuEventDestroy_v2().unwrap())(raw_event) };
     drop(buf);
+    // Issue 22: futures, host functions, stream memory operations.
+    async_rows::run(&reg, rounds.min(11), quick)?;
     Ok(())
 }
 

@@ -294,6 +294,7 @@ impl CudaContext {
     }
 
     /// [`CudaContext::bind`] without building an error: the launch path's check.
+    /// Refused inside a host function, like every `cu!` call.
     #[inline]
     pub(crate) fn bind_fast(&self) -> Result<(), CallError> {
         let mut current: CUcontext = std::ptr::null_mut();
@@ -350,6 +351,10 @@ impl CudaContext {
     /// for one created anew since. Without it, whether the primary context is
     /// active.
     fn state(&self, made: Generation) -> Result<ReleaseState, CallError> {
+        if in_host_function() {
+            // No driver call on the driver's thread: the caller leaks and says so.
+            return Err(CallError::InHostFunction);
+        }
         let d = self.driver;
         let gone = |e: CallError| e.status().is_some_and(is_teardown_noop);
         if let Some(made) = made.0.or(self.id) {
@@ -463,6 +468,13 @@ impl CudaContext {
         what: fmt::Arguments<'_>,
         free: impl FnOnce(&'static sys::Driver, &mut Vec<CallError>),
     ) {
+        if in_host_function() {
+            crate::error::report_line(format_args!(
+                "{what}: leaked: dropped inside a host function, where the driver may not \
+                 be called (drop metrale handles after the host function instead)"
+            ));
+            return;
+        }
         let mut failures = Vec::new();
         match self.bind_for_release(made) {
             Ok(ReleaseState::Gone) => return,
@@ -675,5 +687,38 @@ impl fmt::Debug for ContextGuard {
         f.debug_struct("ContextGuard")
             .field("saved", &self.saved)
             .finish()
+    }
+}
+
+thread_local! {
+    /// Whether this thread is running a host function metrale queued (the
+    /// driver's thread, inside [`crate::CudaStream::launch_host_fn`]'s closure).
+    static IN_HOST_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether the calling thread is inside a host function (one thread-local load).
+#[inline]
+pub(crate) fn in_host_function() -> bool {
+    IN_HOST_FUNCTION.with(std::cell::Cell::get)
+}
+
+/// Marks the thread as running a host function until dropped (also on unwind).
+pub(crate) struct HostFunctionScope {
+    was: bool,
+}
+
+impl HostFunctionScope {
+    /// Enter a host function on this thread.
+    pub(crate) fn enter() -> HostFunctionScope {
+        HostFunctionScope {
+            was: IN_HOST_FUNCTION.with(|c| c.replace(true)),
+        }
+    }
+}
+
+impl Drop for HostFunctionScope {
+    fn drop(&mut self) {
+        let was = self.was;
+        IN_HOST_FUNCTION.with(|c| c.set(was));
     }
 }

@@ -416,6 +416,32 @@ pub enum ErrorKind {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A metrale call made from inside a host function
+    /// ([`CudaStream::launch_host_fn`](crate::CudaStream::launch_host_fn)), where
+    /// the driver forbids CUDA calls (they may deadlock): refused before the
+    /// driver.
+    #[error(
+        "{subject}: refused inside a host function: the driver forbids CUDA calls from \
+         host functions (they may deadlock); do the work after the host function, on \
+         another thread"
+    )]
+    InHostFunction {
+        /// What was being done.
+        subject: String,
+    },
+
+    /// A stream operation the device does not support (the attribute that says so
+    /// is named).
+    #[error("{subject}: not supported by device {device} ({attribute} is 0)")]
+    Unsupported {
+        /// What was asked for (`device 0 stream 0x..: wait_value64`).
+        subject: String,
+        /// The device.
+        device: usize,
+        /// The device attribute that answered no.
+        attribute: &'static str,
+    },
+
     // nvrtc feature
     /// Run-time compilation or linking failed (NVRTC, nvJitLink, the compile
     /// cache); the data is the `nvrtc` room's.
@@ -589,6 +615,8 @@ pub enum CallError {
     },
     /// The driver does not export the function.
     Missing(sys::MissingSymbol),
+    /// Refused without calling the driver: the thread is running a host function.
+    InHostFunction,
 }
 
 impl fmt::Display for CallError {
@@ -604,6 +632,9 @@ impl fmt::Display for CallError {
                 m.name,
                 version_suffix(loaded_driver_version())
             ),
+            CallError::InHostFunction => {
+                f.write_str("CUDA call refused inside a host function (the driver forbids it)")
+            }
         }
     }
 }
@@ -615,7 +646,7 @@ impl CallError {
     pub fn status(self) -> Option<CUresult> {
         match self {
             CallError::Status { status, .. } => Some(status),
-            CallError::Missing(_) => None,
+            CallError::Missing(_) | CallError::InHostFunction => None,
         }
     }
 
@@ -632,6 +663,10 @@ impl CallError {
             CallError::Missing(m) => ErrorKind::MissingSymbol {
                 symbol: m.name,
                 driver_version: loaded_driver_version(),
+                subject: subject.to_string(),
+            }
+            .into(),
+            CallError::InHostFunction => ErrorKind::InHostFunction {
                 subject: subject.to_string(),
             }
             .into(),
@@ -663,7 +698,9 @@ impl CallError {
     #[cold]
     pub(crate) fn launch(self, kernel: &str, shape: LaunchShape) -> MetraleError {
         match self {
-            CallError::Missing(_) => self.about(format_args!("kernel '{kernel}'")),
+            CallError::Missing(_) | CallError::InHostFunction => {
+                self.about(format_args!("kernel '{kernel}'"))
+            }
             CallError::Status { call, status } => ErrorKind::KernelLaunch {
                 kernel: kernel.to_owned(),
                 shape,
@@ -684,19 +721,25 @@ impl From<sys::MissingSymbol> for CallError {
 /// `cu!(driver, cuCtxSetCurrent(ctx))` is a `Result<(), CallError>`.
 ///
 /// The macro expands to an `unsafe` call; each use site carries the `// SAFETY:`
-/// reasoning for its arguments.
+/// reasoning for its arguments. On a thread running a host function it returns
+/// [`CallError::InHostFunction`] without calling (one thread-local load).
 macro_rules! cu {
     ($driver:expr, $func:ident ( $($arg:expr),* $(,)? )) => {
-        match $driver.$func() {
-            Ok(f) => {
-                let status = f($($arg),*);
-                if status.is_success() {
-                    Ok(())
-                } else {
-                    Err($crate::error::CallError::Status { call: stringify!($func), status })
+        if $crate::context::in_host_function() {
+            // The driver forbids CUDA calls in host functions: refuse, never call.
+            Err($crate::error::CallError::InHostFunction)
+        } else {
+            match $driver.$func() {
+                Ok(f) => {
+                    let status = f($($arg),*);
+                    if status.is_success() {
+                        Ok(())
+                    } else {
+                        Err($crate::error::CallError::Status { call: stringify!($func), status })
+                    }
                 }
+                Err(missing) => Err($crate::error::CallError::Missing(missing)),
             }
-            Err(missing) => Err($crate::error::CallError::Missing(missing)),
         }
     };
 }

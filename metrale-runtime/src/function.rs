@@ -168,6 +168,7 @@ pub(crate) fn capture_finished() {
             let released = std::mem::take(&mut *held);
             drop(held);
             drop(released);
+            crate::stream::release_captured_host_fns();
         }
     }
 }

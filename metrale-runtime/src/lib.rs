@@ -109,8 +109,9 @@ pub use host::{host, release, CudaHost};
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
 pub use memory::{
     deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
-    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MemPool, PendingCopy, PinnedBuffer,
-    PrefetchTarget,
+    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,
+    PendingCopy, PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, WaitCondition, WaitFlags,
+    WriteFlags,
 };
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]
@@ -119,4 +120,7 @@ pub use nvrtc::{
     CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
 };
 pub use registry::MetraleRegistry;
-pub use stream::{AsStream, CudaEvent, CudaStream, EventOptions, StreamOptions};
+pub use stream::{
+    host_function_panics, AsStream, CudaEvent, CudaStream, EventDone, EventOptions, HostFn,
+    StreamDone, StreamOptions,
+};

@@ -13,6 +13,8 @@ mod harness;
 mod common;
 #[path = "fault/errors.rs"]
 mod errors;
+#[path = "fault/futures.rs"]
+mod futures;
 #[path = "fault/graph.rs"]
 mod graph;
 #[path = "fault/launch.rs"]
@@ -23,6 +25,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/signals.rs"]
+mod signals;
 #[path = "fault/soundness.rs"]
 mod soundness;
 #[path = "fault/streams.rs"]
@@ -48,6 +52,8 @@ fn main() -> ExitCode {
         errors::tests(),
         registry::tests(),
         streams::tests(),
+        futures::tests(),
+        signals::tests(),
         memory::tests(),
         launch::tests(),
         graph::tests(),

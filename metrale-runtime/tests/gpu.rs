@@ -13,6 +13,8 @@ mod harness;
 mod basic;
 #[path = "gpu/common.rs"]
 mod common;
+#[path = "gpu/futures.rs"]
+mod futures;
 #[path = "gpu/graphs.rs"]
 mod graphs;
 #[path = "gpu/layout.rs"]
@@ -46,6 +48,7 @@ fn main() -> ExitCode {
     let tests: Vec<harness::Test> = [
         basic::tests(),
         streams::tests(),
+        futures::tests(),
         memory::tests(),
         graphs::tests(),
         layout::tests(),
@@ -59,7 +62,10 @@ fn main() -> ExitCode {
     let require = std::env::var("METRALE_REQUIRE_GPU").is_ok_and(|v| v == "1");
     harness::main(
         &tests,
-        &basic::children(),
+        &basic::children()
+            .into_iter()
+            .chain(futures::children())
+            .collect::<Vec<_>>(),
         gate,
         require.then_some("METRALE_REQUIRE_GPU=1"),
     )

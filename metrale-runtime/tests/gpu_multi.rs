@@ -171,6 +171,46 @@ fn two_threads_each_launch_100000_kernels_on_their_device() {
     }
 }
 
+/// Issue 22: 512 futures of both devices' streams (4 each) in flight at once,
+/// under tokio; each resolves, and every kernel before it ran.
+fn futures_of_two_devices_under_tokio() {
+    let regs = both();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let mut work = Vec::new();
+    for r in &regs {
+        let streams: Vec<_> = (0..4).map(|_| CudaStream::new(r.ctx()).unwrap()).collect();
+        let f = r.function("kernels", "count_launch").unwrap();
+        let counters: Vec<_> = streams
+            .iter()
+            .map(|s| DeviceBuffer::<u64>::zeroed(s, 1).unwrap())
+            .collect();
+        work.push((streams, f, counters));
+    }
+    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
+    rt.block_on(async {
+        let mut waiting = Vec::new();
+        for round in 0..256 {
+            for (streams, f, counters) in &mut work {
+                let i = round % 4;
+                // SAFETY: count_launch(unsigned long long*) on a live counter.
+                unsafe { streams[i].launch(f, cfg, (&mut counters[i],)) }.unwrap();
+                waiting.push(tokio::spawn(streams[i].done()));
+            }
+        }
+        for w in waiting {
+            w.await.unwrap().unwrap();
+        }
+    });
+    for (d, (streams, _, counters)) in work.iter().enumerate() {
+        for (s, c) in streams.iter().zip(counters) {
+            assert_eq!(s.to_vec(c).unwrap(), [64], "device {d}");
+        }
+    }
+}
+
 /// Soundness item 1: a stream-ordered buffer of device 0 read by a peer copy on a
 /// stream of device 1, then dropped: the free waits for device 1's stream, so the
 /// pool cannot hand the memory out again under the copy. A new allocation that
@@ -224,6 +264,10 @@ fn main() -> ExitCode {
         Test {
             name: "multi::managed_host_slice_waits_for_a_peer_copy",
             run: managed_host_slice_waits_for_a_peer_copy,
+        },
+        Test {
+            name: "multi::futures_of_two_devices_under_tokio",
+            run: futures_of_two_devices_under_tokio,
         },
         Test {
             name: "multi::one_model_loaded_once_runs_on_both_devices",

@@ -122,7 +122,7 @@ impl CudaStream {
                 capture_status_word(status)
             ))));
         }
-        let graph = CudaGraph::adopt(raw, self.context());
+        let mut graph = CudaGraph::adopt(raw, self.context());
         // The kernels' code is still held for the capture: take it into the graph
         // before letting go.
         let kept = graph.keep_kernel_code();

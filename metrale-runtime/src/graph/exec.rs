@@ -11,7 +11,7 @@ use crate::context::{CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, ErrorKind, Result};
 use crate::function::{name_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
-use crate::stream::CudaStream;
+use crate::stream::{CudaStream, HostKeep};
 
 /// How [`CudaGraph::instantiate`] prepares the executable graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -62,6 +62,8 @@ pub struct CudaGraphExec {
     /// only its nodes.
     pub(super) source: u64,
     pub(super) keep: Vec<Arc<KernelTable>>,
+    /// The host functions its host nodes run; each replay in flight holds them too.
+    pub(super) host_fns: Arc<Vec<HostKeep>>,
 }
 
 // SAFETY: the handle is written once and used by one thread at a time. The driver
@@ -116,10 +118,27 @@ impl CudaGraphExec {
     #[inline]
     pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
+        if !self.host_fns.is_empty() {
+            // The replay's host nodes may run after this graph is dropped: a host
+            // function queued after the replay holds them until it has run.
+            // (Refused in a capture, before the graph is launched.)
+            stream.refuse_in_capture("replaying a graph with host functions")?;
+        }
         let (g, s) = (self.raw, stream.raw());
         // SAFETY: a live executable graph and a stream of its context; the rest is
         // the caller's contract.
-        self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })
+        self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })?;
+        if !self.host_fns.is_empty() {
+            let held = Arc::clone(&self.host_fns);
+            let keeper = Arc::clone(&held);
+            if let Err(e) = stream.launch_host_fn(move || drop(keeper)) {
+                // The replay is queued: leak its host functions rather than let
+                // them go while it may run them.
+                std::mem::forget(held);
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// Upload the graph's work descriptors to the device ahead of the first launch
@@ -163,6 +182,11 @@ impl CudaGraphExec {
                     if !self.keep.iter().any(|t| Arc::ptr_eq(t, table)) {
                         self.keep.push(Arc::clone(table));
                     }
+                }
+                if !graph.host_fns.is_empty() {
+                    let mut all: Vec<HostKeep> = self.host_fns.to_vec();
+                    all.extend(graph.host_fns.iter().cloned());
+                    self.host_fns = Arc::new(all);
                 }
                 Ok(())
             }

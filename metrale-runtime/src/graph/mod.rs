@@ -39,6 +39,7 @@ use crate::error::{cu, invalid_arg, CallError, Result};
 use crate::function::{name_of, owner_of, CudaFunction, KernelTable};
 use crate::launch::{prepare, KernelArgs, LaunchConfig};
 use crate::memory::{DevicePod, DeviceRepr};
+use crate::stream::{take_captured_host_fn, HostKeep};
 
 /// The code the kernels of a graph need, shared by graphs built from one another.
 type KeepAlive = Arc<Mutex<Vec<Arc<KernelTable>>>>;
@@ -225,6 +226,9 @@ pub struct CudaGraph {
     /// This graph's identity, carried by its nodes.
     pub(super) id: u64,
     pub(super) keep: KeepAlive,
+    /// The repeatable host functions its host nodes run (captured through
+    /// `launch_host_fn_repeat`).
+    pub(super) host_fns: Vec<HostKeep>,
 }
 
 // SAFETY: the handle is written once and the graph is used by one thread at a time:
@@ -264,6 +268,7 @@ impl CudaGraph {
             ctx: Arc::clone(ctx),
             id: next_graph_id(),
             keep: Arc::default(),
+            host_fns: Vec::new(),
         }
     }
 
@@ -280,12 +285,28 @@ impl CudaGraph {
 
     /// Hold the code of every kernel the graph launches (found through the
     /// registries that looked the kernels up).
-    pub(super) fn keep_kernel_code(&self) -> Result<()> {
+    /// Also hold the host functions its host nodes run.
+    pub(super) fn keep_kernel_code(&mut self) -> Result<()> {
         for node in self.nodes()? {
             if node.kind == GraphNodeKind::Kernel {
                 let (func, _) = self.kernel_params(node.raw)?;
                 if let Some(table) = owner_of(func) {
                     keep(&self.keep, &table);
+                }
+            } else if node.kind == GraphNodeKind::Host {
+                let mut p = sys::CUDA_HOST_NODE_PARAMS {
+                    fn_: None,
+                    userData: std::ptr::null_mut(),
+                };
+                let n = node.raw;
+                self.call("host node", |d| {
+                    // SAFETY: a host node of this graph; writes its parameters.
+                    unsafe { cu!(d, cuGraphHostNodeGetParams(n, &mut p)) }
+                })?;
+                if let Some(f) = take_captured_host_fn(p.userData) {
+                    if !self.host_fns.iter().any(|k| Arc::ptr_eq(k, &f)) {
+                        self.host_fns.push(f);
+                    }
                 }
             }
         }
@@ -590,6 +611,7 @@ impl CudaGraph {
             ctx: Arc::clone(&self.ctx),
             source: self.id,
             keep,
+            host_fns: Arc::new(self.host_fns.clone()),
         })
     }
 }

@@ -10,6 +10,7 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
+//! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
 //! - Every allocation holds the [`CudaContext`] it lives in; its address and
@@ -45,6 +46,7 @@ mod free;
 mod managed;
 mod pinned;
 mod pool;
+mod signal;
 mod symbol;
 
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
@@ -53,6 +55,9 @@ pub(crate) use free::retry_deferred as retry_deferred_frees;
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;
+pub use signal::{
+    MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
+};
 pub use symbol::DeviceSymbol;
 
 /// A type that can be copied to the device and passed to kernels by value: `Copy`,

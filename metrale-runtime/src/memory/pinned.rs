@@ -5,11 +5,11 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
 
-use metrale_cuda_sys::CUevent;
+use metrale_cuda_sys::{self as sys, CUdeviceptr, CUevent};
 
 use super::{byte_len, DevicePod};
-use crate::context::{AsContext, CudaContext, Generation};
-use crate::error::{cu, invalid_arg, report_line, Result};
+use crate::context::{device_attribute, AsContext, CudaContext, Generation};
+use crate::error::{cu, invalid_arg, report_line, ErrorKind, Result};
 use crate::stream::CudaStream;
 
 /// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
@@ -34,6 +34,9 @@ pub struct PinnedBuffer<T: DevicePod> {
     len: usize,
     ctx: Arc<CudaContext>,
     made: Generation,
+    /// The device's address of the memory when it is mapped for the device
+    /// ([`PinnedBuffer::mapped`]); 0 otherwise.
+    device_ptr: CUdeviceptr,
 }
 
 // SAFETY: the buffer owns its allocation like a Box<[T]>; T is Send + Sync.
@@ -48,22 +51,93 @@ impl<T: DevicePod> PinnedBuffer<T> {
     /// The failing `cuMemAllocHost_v2`, naming the size; `InvalidArgument` when
     /// the driver's address is not aligned enough for `T` (an over-aligned type).
     pub fn zeroed(ctx: &impl AsContext, len: usize) -> Result<PinnedBuffer<T>> {
-        let ctx = ctx.context();
+        PinnedBuffer::alloc(ctx.context(), len, false)
+    }
+
+    /// Allocate `len` zeroed elements of page-locked memory **mapped for the
+    /// device** (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`): kernels reach
+    /// it at [`PinnedBuffer::device_ptr`] (zero-copy reads of host data). A kernel
+    /// that writes it is, like every launch, the caller's contract: the host must
+    /// not read the slice meanwhile. For words that host and device signal
+    /// through while both run, use [`MappedWords`](crate::MappedWords) (atomic on
+    /// the host, no slice).
+    ///
+    /// # Errors
+    /// [`ErrorKind::Unsupported`](crate::ErrorKind::Unsupported) when the device
+    /// cannot map host memory (`CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY`); as
+    /// [`PinnedBuffer::zeroed`], with `cuMemHostAlloc` and
+    /// `cuMemHostGetDevicePointer_v2`; `InvalidArgument` for an empty buffer.
+    pub fn mapped(ctx: &impl AsContext, len: usize) -> Result<PinnedBuffer<T>> {
+        PinnedBuffer::alloc_mapped(ctx.context(), len)
+    }
+
+    /// [`PinnedBuffer::mapped`] for a context.
+    pub(crate) fn alloc_mapped(ctx: &Arc<CudaContext>, len: usize) -> Result<PinnedBuffer<T>> {
+        if len == 0 || std::mem::size_of::<T>() == 0 {
+            return Err(invalid_arg(format!(
+                "device {}: a mapped pinned buffer needs at least one byte",
+                ctx.ordinal()
+            )));
+        }
+        let attr = sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY;
+        let can = ctx.call(
+            || format!("device {}: can map host memory", ctx.ordinal()),
+            |d| device_attribute(d, ctx.device(), attr),
+        )?;
+        if can == 0 {
+            return Err(ErrorKind::Unsupported {
+                subject: format!("mapping pinned memory for device {}", ctx.ordinal()),
+                device: ctx.ordinal(),
+                attribute: "CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY",
+            }
+            .into());
+        }
+        PinnedBuffer::alloc(ctx, len, true)
+    }
+
+    fn alloc(ctx: &Arc<CudaContext>, len: usize, mapped: bool) -> Result<PinnedBuffer<T>> {
         let bytes = byte_len::<T>(len, "pinned buffer")?;
         let mut raw: *mut c_void = std::ptr::NonNull::<T>::dangling().as_ptr().cast();
-        if bytes > 0 {
+        if bytes > 0 && mapped {
+            let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP;
+            ctx.call(
+                || {
+                    format!(
+                        "device {}: pinning {bytes} mapped host bytes",
+                        ctx.ordinal()
+                    )
+                },
+                // SAFETY: writes one pointer; the context is current.
+                |d| unsafe { cu!(d, cuMemHostAlloc(&mut raw, bytes, flags)) },
+            )?;
+        } else if bytes > 0 {
             ctx.call(
                 || format!("device {}: pinning {bytes} host bytes", ctx.ordinal()),
                 // SAFETY: writes one pointer; the context is current.
                 |d| unsafe { cu!(d, cuMemAllocHost_v2(&mut raw, bytes)) },
             )?;
         }
-        let buf = PinnedBuffer {
+        let mut buf = PinnedBuffer {
             ptr: raw.cast::<T>(),
             len,
             made: ctx.generation(),
             ctx: Arc::clone(ctx),
+            device_ptr: 0,
         };
+        if mapped {
+            let mut dptr: CUdeviceptr = 0;
+            ctx.call(
+                || {
+                    format!(
+                        "device {}: device address of mapped memory {raw:p}",
+                        ctx.ordinal()
+                    )
+                },
+                // SAFETY: writes one address for memory allocated just above; flags 0.
+                |d| unsafe { cu!(d, cuMemHostGetDevicePointer_v2(&mut dptr, raw, 0)) },
+            )?;
+            buf.device_ptr = dptr;
+        }
         if bytes > 0 && !(raw as usize).is_multiple_of(std::mem::align_of::<T>()) {
             // Dropping `buf` frees the allocation.
             return Err(invalid_arg(format!(
@@ -107,6 +181,12 @@ impl<T: DevicePod> PinnedBuffer<T> {
     /// The context the memory was pinned in.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.ctx
+    }
+
+    /// The device's address of the memory, for a buffer made with
+    /// [`PinnedBuffer::mapped`]; `None` otherwise.
+    pub fn device_ptr(&self) -> Option<CUdeviceptr> {
+        (self.device_ptr != 0).then_some(self.device_ptr)
     }
 }
 

@@ -12,6 +12,12 @@
 //!   waiting may cross devices (the driver allows it).
 //! - Streams know nothing of hosts or registries: work is queued on them by the
 //!   modules above (launch, memory, graph) through `impl CudaStream` blocks.
+//! - `host_fn.rs`: host functions (`launch_host_fn`, `launch_host_fn_repeat`): a
+//!   closure's state is owned by what the driver calls (a once-run is freed by
+//!   its run; a repeatable one captured into a graph is held by the graph), a
+//!   panic never unwinds into the driver, and metrale calls from inside one are
+//!   refused. `future.rs`: [`StreamDone`] and [`EventDone`], futures woken by a
+//!   stream callback, whose shared state the callback owns a share of.
 
 use std::ffi::{c_int, c_uint};
 use std::fmt;
@@ -22,6 +28,13 @@ use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, Result};
+
+mod future;
+mod host_fn;
+
+pub use future::{EventDone, StreamDone};
+pub use host_fn::{host_function_panics, HostFn};
+pub(crate) use host_fn::{release_captured_host_fns, take_captured_host_fn, HostKeep};
 
 /// How a stream is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -462,8 +475,9 @@ impl CudaStream {
             // SAFETY: a live event of this context.
             unsafe { cu!(d, cuEventSynchronize(event)) }
         });
-        if waited.is_ok() {
-            return Ok(());
+        if waited.is_ok() || crate::context::in_host_function() {
+            // Inside a host function nothing was queued (every call is refused).
+            return waited;
         }
         let d = self.inner.ctx.driver();
         let mut pause = std::time::Duration::from_micros(10);
@@ -674,12 +688,14 @@ pub struct CudaEvent {
     ctx: Arc<CudaContext>,
     made: Generation,
     timing: bool,
+    /// The stream of the last record, for [`CudaEvent::done`]'s wake-up.
+    recorded_on: Mutex<Option<CudaStream>>,
 }
 
 // SAFETY: the handle is written once at creation; the driver lets any thread record,
 // query or wait on an event once its context is bound, which every use does.
 unsafe impl Send for CudaEvent {}
-// SAFETY: as for Send; no interior mutability.
+// SAFETY: as for Send; the only interior mutability is behind a Mutex.
 unsafe impl Sync for CudaEvent {}
 
 impl fmt::Debug for CudaEvent {
@@ -740,6 +756,7 @@ impl CudaEvent {
             made: ctx.generation(),
             ctx: Arc::clone(ctx),
             timing: options.timing,
+            recorded_on: Mutex::new(None),
         })
     }
 
@@ -767,7 +784,15 @@ impl CudaEvent {
         )?;
         let (e, s) = (self.raw, stream.raw());
         // SAFETY: a live event and a live stream of the same, bound context.
-        self.call("record", |d| unsafe { cu!(d, cuEventRecord(e, s)) })
+        self.call("record", |d| unsafe { cu!(d, cuEventRecord(e, s)) })?;
+        let mut on = self
+            .recorded_on
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !on.as_ref().is_some_and(|o| o.same_stream(stream)) {
+            *on = Some(stream.clone());
+        }
+        Ok(())
     }
 
     /// Block until the work before the event's last record has finished.

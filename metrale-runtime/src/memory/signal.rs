@@ -1,0 +1,549 @@
+//! GPU-side signals: stream memory operations on one device word
+//! (`cuStreamWaitValue32/64`, `cuStreamWriteValue32/64`, `cuStreamBatchMemOp`).
+//!
+//! Invariants:
+//! - A word is a [`SignalWord`]: an element of device memory (borrowed, and noted
+//!   as used by the stream, so freeing it waits for the operation), or an element
+//!   of [`MappedWords`], host memory mapped for the device (shared: each
+//!   operation queues a host function after itself that holds the words until the
+//!   operation is done, so the host memory is never freed under it).
+//! - The host reaches [`MappedWords`] only through atomics (no slice), so its
+//!   accesses never race with each other; the device's are outside the program.
+//! - Flags are typed ([`WaitCondition`], [`WaitFlags`], [`WriteFlags`]); what the
+//!   device cannot do (64-bit operations, the NOR condition) is refused before
+//!   the driver with the device attribute named.
+
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::Arc;
+
+use metrale_cuda_sys::{self as sys, CUdeviceptr};
+
+use super::{note_use, DeviceMemory, DeviceMemoryMut, PinnedBuffer};
+use crate::context::{device_attribute, AsContext, CudaContext};
+use crate::error::{cu, invalid_arg, ErrorKind, Result};
+use crate::stream::CudaStream;
+
+/// What a stream wait compares the word with (`CU_STREAM_WAIT_VALUE_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WaitCondition {
+    /// `(signed)(word - value) >= 0`: the word has reached `value` (a counter).
+    Geq,
+    /// `word == value`.
+    Eq,
+    /// `(word & value) != 0`.
+    And,
+    /// `~(word | value) != 0`; needs `CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR`.
+    Nor,
+}
+
+/// How a stream waits on a word: the condition, and whether remote writes are
+/// flushed before the work after the wait (`CU_STREAM_WAIT_VALUE_FLUSH`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct WaitFlags {
+    /// The comparison.
+    pub condition: WaitCondition,
+    /// Flush remote writes (GPUDirect RDMA) before the work after the wait.
+    pub flush: bool,
+}
+
+impl WaitFlags {
+    /// Wait until the word has reached `value` (`>=`, wrapping).
+    pub const GEQ: WaitFlags = WaitFlags::new(WaitCondition::Geq);
+    /// Wait until the word equals `value`.
+    pub const EQ: WaitFlags = WaitFlags::new(WaitCondition::Eq);
+    /// Wait until the word has a bit of `value` set.
+    pub const AND: WaitFlags = WaitFlags::new(WaitCondition::And);
+    /// Wait until `~(word | value)` is non-zero.
+    pub const NOR: WaitFlags = WaitFlags::new(WaitCondition::Nor);
+
+    /// `condition`, without flush.
+    pub const fn new(condition: WaitCondition) -> WaitFlags {
+        WaitFlags {
+            condition,
+            flush: false,
+        }
+    }
+
+    /// The same, flushing remote writes after the wait.
+    pub const fn with_flush(self) -> WaitFlags {
+        WaitFlags {
+            flush: true,
+            ..self
+        }
+    }
+
+    fn to_driver(self) -> u32 {
+        use sys::CUstreamWaitValue_flags as F;
+        let c = match self.condition {
+            WaitCondition::Geq => F::CU_STREAM_WAIT_VALUE_GEQ,
+            WaitCondition::Eq => F::CU_STREAM_WAIT_VALUE_EQ,
+            WaitCondition::And => F::CU_STREAM_WAIT_VALUE_AND,
+            WaitCondition::Nor => F::CU_STREAM_WAIT_VALUE_NOR,
+        };
+        c.0 | if self.flush {
+            F::CU_STREAM_WAIT_VALUE_FLUSH.0
+        } else {
+            0
+        }
+    }
+}
+
+/// How a stream writes a word (`CU_STREAM_WRITE_VALUE_*`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub struct WriteFlags {
+    /// Skip the memory barrier before the write
+    /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`): earlier writes of the stream
+    /// may become visible after this one. Default: off.
+    pub no_memory_barrier: bool,
+}
+
+impl WriteFlags {
+    /// A write after a memory barrier (the default).
+    pub const DEFAULT: WriteFlags = WriteFlags {
+        no_memory_barrier: false,
+    };
+    /// A write without the memory barrier before it.
+    pub const NO_MEMORY_BARRIER: WriteFlags = WriteFlags {
+        no_memory_barrier: true,
+    };
+
+    fn to_driver(self) -> u32 {
+        if self.no_memory_barrier {
+            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
+        } else {
+            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0
+        }
+    }
+}
+
+/// The word types of stream memory operations: `u32` and `u64`.
+pub trait SignalValue: super::DevicePod + sealed::Sealed {
+    #[doc(hidden)]
+    const WIDE: bool;
+    #[doc(hidden)]
+    fn widen(self) -> u64;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for u32 {}
+    impl Sealed for u64 {}
+}
+
+impl SignalValue for u32 {
+    const WIDE: bool = false;
+    fn widen(self) -> u64 {
+        u64::from(self)
+    }
+}
+
+impl SignalValue for u64 {
+    const WIDE: bool = true;
+    fn widen(self) -> u64 {
+        self
+    }
+}
+
+/// One device word that stream memory operations wait on or write: an element
+/// of device memory ([`SignalWord::device`]) or of a pinned buffer mapped for the
+/// device ([`SignalWord::mapped`]).
+pub struct SignalWord<'a, T: SignalValue> {
+    addr: CUdeviceptr,
+    ctx: &'a Arc<CudaContext>,
+    device: Option<&'a dyn DeviceMemory<T>>,
+    mapped: Option<Arc<MappedWords<T>>>,
+}
+
+impl<T: SignalValue> std::fmt::Debug for SignalWord<'_, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SignalWord")
+            .field("addr", &format_args!("{:#x}", self.addr))
+            .field("mapped", &self.mapped.is_some())
+            .finish()
+    }
+}
+
+impl<'a, T: SignalValue> SignalWord<'a, T> {
+    /// Element `index` of device memory, borrowed for as long as the word is.
+    ///
+    /// # Errors
+    /// `InvalidArgument` past the end.
+    pub fn device(mem: &'a (impl DeviceMemoryMut<T> + 'a), index: usize) -> Result<Self> {
+        if index >= mem.len() {
+            return Err(invalid_arg(format!(
+                "signal word {index} of {}: past the end",
+                mem.describe()
+            )));
+        }
+        Ok(SignalWord {
+            addr: mem.device_ptr() + (index * std::mem::size_of::<T>()) as CUdeviceptr,
+            ctx: mem.memory_context(),
+            device: Some(mem),
+            mapped: None,
+        })
+    }
+
+    /// Element `index` of host words mapped for the device ([`MappedWords`]);
+    /// every operation on it holds the words until the operation is done.
+    ///
+    /// # Errors
+    /// `InvalidArgument` past the end.
+    pub fn mapped(words: &'a Arc<MappedWords<T>>, index: usize) -> Result<Self> {
+        if index >= words.len() {
+            return Err(invalid_arg(format!(
+                "signal word {index} of {} mapped words: past the end",
+                words.len()
+            )));
+        }
+        Ok(SignalWord {
+            addr: words.device_ptr() + (index * std::mem::size_of::<T>()) as CUdeviceptr,
+            ctx: words.buffer.context(),
+            device: None,
+            mapped: Some(Arc::clone(words)),
+        })
+    }
+
+    /// The word's device address.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.addr
+    }
+
+    /// Check the word against `stream` and note the use, before queueing.
+    fn prepare(&self, stream: &CudaStream, what: &str) -> Result<()> {
+        stream.context().check_same(
+            self.ctx,
+            || format!("signal word {:#x}", self.addr),
+            "the stream",
+        )?;
+        if T::WIDE {
+            require(
+                stream,
+                what,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS,
+                "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS",
+            )?;
+        }
+        if let Some(mem) = self.device {
+            note_use(mem, stream)?;
+        }
+        Ok(())
+    }
+
+    /// After an operation was queued: mapped words are held until it is done.
+    fn hold(&self, stream: &CudaStream) -> Result<()> {
+        if let Some(buffer) = &self.mapped {
+            let held = Arc::clone(buffer);
+            let keeper = Arc::clone(&held);
+            if let Err(e) = stream.launch_host_fn(move || drop(keeper)) {
+                // The operation is queued: leak the buffer rather than free it
+                // under the operation.
+                std::mem::forget(held);
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Words of page-locked host memory mapped for the device
+/// (`cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP`), zeroed: signals between
+/// the host and the device. Stream operations reach them through
+/// [`SignalWord::mapped`] (share them in an `Arc`); the host reads and writes them
+/// only as atomics ([`MappedWords::atomic`]), never as a slice, so host accesses
+/// never race.
+///
+/// ```no_run
+/// use std::sync::{atomic::Ordering, Arc};
+/// use metrale_runtime::{context, CudaStream, MappedWords, SignalWord, WaitFlags};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = context(0)?;
+/// let s = CudaStream::new(&ctx)?;
+/// let go = Arc::new(MappedWords::<u32>::new(&ctx, 1)?);
+/// s.wait_value32(&SignalWord::mapped(&go, 0)?, 1, WaitFlags::EQ)?;
+/// // ... queue work on s: it waits ...
+/// go.atomic(0).unwrap().store(1, Ordering::Release); // released by the host
+/// # Ok(()) }
+/// ```
+pub struct MappedWords<T: SignalValue> {
+    buffer: PinnedBuffer<T>,
+    device_ptr: CUdeviceptr,
+}
+
+impl<T: SignalValue> std::fmt::Debug for MappedWords<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MappedWords")
+            .field("len", &self.buffer.len())
+            .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
+            .finish()
+    }
+}
+
+impl<T: SignalValue> MappedWords<T> {
+    /// `len` zeroed words on `ctx`'s device.
+    ///
+    /// # Errors
+    /// As [`PinnedBuffer::mapped`]: [`ErrorKind::Unsupported`] when the device
+    /// cannot map host memory, `InvalidArgument` for no words, the driver's status.
+    pub fn new(ctx: &impl AsContext, len: usize) -> Result<MappedWords<T>> {
+        let buffer = PinnedBuffer::alloc_mapped(ctx.context(), len)?;
+        let Some(device_ptr) = buffer.device_ptr() else {
+            return Err(invalid_arg("mapped words without a device address"));
+        };
+        Ok(MappedWords { buffer, device_ptr })
+    }
+
+    /// Number of words.
+    pub fn len(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Whether there are no words (never: `new` refuses that).
+    pub fn is_empty(&self) -> bool {
+        self.buffer.is_empty()
+    }
+
+    /// The device's address of the first word.
+    pub fn device_ptr(&self) -> CUdeviceptr {
+        self.device_ptr
+    }
+}
+
+impl MappedWords<u32> {
+    /// Word `index` as an atomic; `None` past the end.
+    pub fn atomic(&self, index: usize) -> Option<&AtomicU32> {
+        if index >= self.buffer.len() {
+            return None;
+        }
+        // SAFETY: in bounds of a live, zeroed allocation aligned for u32; the host
+        // reaches these words only through atomics (no slice is ever handed out),
+        // and `AtomicU32` has the size and alignment of `u32`.
+        Some(unsafe { AtomicU32::from_ptr(self.buffer.as_ptr().add(index).cast_mut()) })
+    }
+}
+
+impl MappedWords<u64> {
+    /// Word `index` as an atomic; `None` past the end.
+    pub fn atomic(&self, index: usize) -> Option<&AtomicU64> {
+        if index >= self.buffer.len() {
+            return None;
+        }
+        // SAFETY: as for `MappedWords<u32>`; the allocation is page-aligned, so
+        // every word is 8-aligned, as `AtomicU64` needs.
+        Some(unsafe { AtomicU64::from_ptr(self.buffer.as_ptr().add(index).cast_mut()) })
+    }
+}
+
+/// Refuse `what` unless the device's `attr` is non-zero.
+fn require(
+    stream: &CudaStream,
+    what: &str,
+    attr: sys::CUdevice_attribute,
+    name: &'static str,
+) -> Result<()> {
+    let ctx = stream.context();
+    let v = ctx.call(
+        || stream.subject(&format!("{what}: attribute {name}")),
+        |d| device_attribute(d, ctx.device(), attr),
+    )?;
+    if v == 0 {
+        return Err(ErrorKind::Unsupported {
+            subject: stream.subject(what),
+            device: ctx.ordinal(),
+            attribute: name,
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// One operation of a [`CudaStream::batch_mem_ops`] batch.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum MemOp<'w, 'a> {
+    /// Wait on a 32-bit word.
+    Wait32(&'w SignalWord<'a, u32>, u32, WaitFlags),
+    /// Wait on a 64-bit word.
+    Wait64(&'w SignalWord<'a, u64>, u64, WaitFlags),
+    /// Write a 32-bit word.
+    Write32(&'w SignalWord<'a, u32>, u32, WriteFlags),
+    /// Write a 64-bit word.
+    Write64(&'w SignalWord<'a, u64>, u64, WriteFlags),
+}
+
+impl CudaStream {
+    /// Make work queued on this stream from now on wait until `word` meets
+    /// `flags`' condition with `value` (`cuStreamWaitValue32_v2`): a wait on the
+    /// GPU, released by another stream's [`CudaStream::write_value32`], a kernel,
+    /// or the host writing mapped memory.
+    ///
+    /// # Errors
+    /// [`ErrorKind::WrongDevice`] for a word of another context;
+    /// [`ErrorKind::Unsupported`] for [`WaitCondition::Nor`] on a device without
+    /// it; the driver's status.
+    pub fn wait_value32(
+        &self,
+        word: &SignalWord<'_, u32>,
+        value: u32,
+        flags: WaitFlags,
+    ) -> Result<()> {
+        self.wait_checks(word, flags, "wait_value32")?;
+        let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: a live stream; `a` is a word of live memory the stream may use
+        // (noted, or held by `hold`), aligned for u32.
+        self.call("wait_value32", |d, s| unsafe {
+            cu!(d, cuStreamWaitValue32_v2(s, a, value, f))
+        })?;
+        word.hold(self)
+    }
+
+    /// As [`CudaStream::wait_value32`] on a 64-bit word
+    /// (`cuStreamWaitValue64_v2`).
+    ///
+    /// # Errors
+    /// As [`CudaStream::wait_value32`]; [`ErrorKind::Unsupported`] without
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`.
+    pub fn wait_value64(
+        &self,
+        word: &SignalWord<'_, u64>,
+        value: u64,
+        flags: WaitFlags,
+    ) -> Result<()> {
+        self.wait_checks(word, flags, "wait_value64")?;
+        let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value32, aligned for u64.
+        self.call("wait_value64", |d, s| unsafe {
+            cu!(d, cuStreamWaitValue64_v2(s, a, value, f))
+        })?;
+        word.hold(self)
+    }
+
+    /// Write `value` to `word` once the work queued before it on this stream has
+    /// finished (`cuStreamWriteValue32_v2`).
+    ///
+    /// # Errors
+    /// [`ErrorKind::WrongDevice`] for a word of another context; the driver's
+    /// status.
+    pub fn write_value32(
+        &self,
+        word: &SignalWord<'_, u32>,
+        value: u32,
+        flags: WriteFlags,
+    ) -> Result<()> {
+        word.prepare(self, "write_value32")?;
+        let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value32.
+        self.call("write_value32", |d, s| unsafe {
+            cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
+        })?;
+        word.hold(self)
+    }
+
+    /// As [`CudaStream::write_value32`] on a 64-bit word
+    /// (`cuStreamWriteValue64_v2`).
+    ///
+    /// # Errors
+    /// As [`CudaStream::write_value32`]; [`ErrorKind::Unsupported`] without
+    /// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`.
+    pub fn write_value64(
+        &self,
+        word: &SignalWord<'_, u64>,
+        value: u64,
+        flags: WriteFlags,
+    ) -> Result<()> {
+        word.prepare(self, "write_value64")?;
+        let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value64.
+        self.call("write_value64", |d, s| unsafe {
+            cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
+        })?;
+        word.hold(self)
+    }
+
+    /// Queue several waits and writes as one batch (`cuStreamBatchMemOp_v2`), in
+    /// order. Every word is checked before the driver sees any.
+    ///
+    /// # Errors
+    /// As the single operations; `InvalidArgument` for more than 256 operations.
+    pub fn batch_mem_ops(&self, ops: &[MemOp<'_, '_>]) -> Result<()> {
+        if ops.len() > 256 {
+            return Err(invalid_arg(format!(
+                "{}: a batch of {} memory operations (at most 256)",
+                self.subject("batch_mem_ops"),
+                ops.len()
+            )));
+        }
+        if ops.is_empty() {
+            return Ok(());
+        }
+        use sys::CUstreamBatchMemOpType as Op;
+        let mut params: Vec<sys::CUstreamBatchMemOpParams> = Vec::with_capacity(ops.len());
+        for op in ops {
+            // SAFETY: a plain C union of integers, all-zero is a valid value.
+            let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+            match *op {
+                MemOp::Wait32(w, v, f) => {
+                    self.wait_checks(w, f, "batch_mem_ops")?;
+                    p.waitValue.operation = Op::CU_STREAM_MEM_OP_WAIT_VALUE_32;
+                    p.waitValue.address = w.addr;
+                    p.waitValue.__bindgen_anon_1.value = v;
+                    p.waitValue.flags = f.to_driver();
+                }
+                MemOp::Wait64(w, v, f) => {
+                    self.wait_checks(w, f, "batch_mem_ops")?;
+                    p.waitValue.operation = Op::CU_STREAM_MEM_OP_WAIT_VALUE_64;
+                    p.waitValue.address = w.addr;
+                    p.waitValue.__bindgen_anon_1.value64 = v;
+                    p.waitValue.flags = f.to_driver();
+                }
+                MemOp::Write32(w, v, f) => {
+                    w.prepare(self, "batch_mem_ops")?;
+                    p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_32;
+                    p.writeValue.address = w.addr;
+                    p.writeValue.__bindgen_anon_1.value = v;
+                    p.writeValue.flags = f.to_driver();
+                }
+                MemOp::Write64(w, v, f) => {
+                    w.prepare(self, "batch_mem_ops")?;
+                    p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+                    p.writeValue.address = w.addr;
+                    p.writeValue.__bindgen_anon_1.value64 = v;
+                    p.writeValue.flags = f.to_driver();
+                }
+            }
+            params.push(p);
+        }
+        let (n, ptr) = (params.len() as u32, params.as_mut_ptr());
+        // SAFETY: `n` initialised operations on checked words, read during the call.
+        self.call("batch_mem_ops", |d, s| unsafe {
+            cu!(d, cuStreamBatchMemOp_v2(s, n, ptr, 0))
+        })?;
+        for op in ops {
+            match *op {
+                MemOp::Wait32(w, ..) | MemOp::Write32(w, ..) => w.hold(self)?,
+                MemOp::Wait64(w, ..) | MemOp::Write64(w, ..) => w.hold(self)?,
+            }
+        }
+        Ok(())
+    }
+
+    fn wait_checks<T: SignalValue>(
+        &self,
+        word: &SignalWord<'_, T>,
+        flags: WaitFlags,
+        what: &str,
+    ) -> Result<()> {
+        word.prepare(self, what)?;
+        if flags.condition == WaitCondition::Nor {
+            require(
+                self,
+                what,
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR,
+                "CU_DEVICE_ATTRIBUTE_CAN_USE_STREAM_WAIT_VALUE_NOR",
+            )?;
+        }
+        Ok(())
+    }
+}

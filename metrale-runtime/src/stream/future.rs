@@ -1,0 +1,284 @@
+//! Futures for GPU work: [`StreamDone`] ([`CudaStream::done`]) and [`EventDone`]
+//! ([`CudaEvent::done`]), for any executor.
+//!
+//! Invariants:
+//! - A future is woken by a stream callback the driver runs after the work it
+//!   waits for (`cuStreamAddCallback`, which the driver also calls when that work
+//!   failed), never by a polling thread; the callback wakes at most once.
+//! - The state the callback touches is an `Arc` the callback owns a share of, so
+//!   dropping a future before it resolves frees nothing the driver still uses.
+//! - Once woken, the future asks the driver for the stream's (or event's) status
+//!   and resolves to its error when the work failed.
+
+use std::ffi::c_void;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll, Waker};
+
+use metrale_cuda_sys::{CUresult, CUstream};
+
+use super::host_fn::run_guarded;
+use super::{CudaEvent, CudaStream};
+use crate::error::{cu, CallError, MetraleError, Result};
+
+/// What a future and its callback share.
+struct Shared {
+    fired: AtomicBool,
+    /// The status the driver passed the callback.
+    status: AtomicI32,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Shared {
+    fn poll(&self, cx: &Context<'_>) -> Poll<CUresult> {
+        if self.fired.load(Ordering::Acquire) {
+            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
+        }
+        {
+            let mut slot = self.waker.lock().unwrap_or_else(PoisonError::into_inner);
+            match slot.as_mut() {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                _ => *slot = Some(cx.waker().clone()),
+            }
+        }
+        // The callback stores `fired` before it takes the waker: a callback that
+        // ran meanwhile is seen here.
+        if self.fired.load(Ordering::Acquire) {
+            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
+        }
+        Poll::Pending
+    }
+}
+
+/// The driver's callback: record the status, wake the future once.
+unsafe extern "C" fn wake(_stream: CUstream, status: CUresult, data: *mut c_void) {
+    // SAFETY: `data` is the `Arc<Shared>` share `queue_wake` leaked for this one
+    // callback (never queued into a capture), which the driver calls once.
+    let shared = unsafe { Arc::from_raw(data.cast_const().cast::<Shared>()) };
+    run_guarded(move || {
+        shared.status.store(status.0 as i32, Ordering::Release);
+        shared.fired.store(true, Ordering::Release);
+        let waker = shared
+            .waker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        drop(shared);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    });
+}
+
+/// `wake` as a host function (drivers without `cuStreamAddCallback`).
+unsafe extern "C" fn wake_host(data: *mut c_void) {
+    // SAFETY: as for `wake`: the one share leaked for this call.
+    unsafe { wake(std::ptr::null_mut(), CUresult::CUDA_SUCCESS, data) }
+}
+
+/// Queue the wake-up callback on `stream`, outside any capture.
+fn queue_wake(stream: &CudaStream) -> Result<Arc<Shared>> {
+    let shared = Arc::new(Shared {
+        fired: AtomicBool::new(false),
+        status: AtomicI32::new(0),
+        waker: Mutex::new(None),
+    });
+    let section = stream.section();
+    stream.refuse_if_capturing(&section, "a future's wake-up (done)")?;
+    let data = Arc::into_raw(Arc::clone(&shared))
+        .cast_mut()
+        .cast::<c_void>();
+    let queued = stream.call("queueing a future's wake-up", |d, s| {
+        // SAFETY: `wake` takes back the share `data` is, once; flags must be 0.
+        match unsafe { cu!(d, cuStreamAddCallback(s, Some(wake), data, 0)) } {
+            // A driver without stream callbacks: a host function (not called
+            // after an error of the context, so such a future may stay pending).
+            // SAFETY: `wake_host` takes back the share, once.
+            Err(CallError::Missing(_)) => unsafe {
+                cu!(d, cuLaunchHostFunc(s, Some(wake_host), data))
+            },
+            other => other,
+        }
+    });
+    drop(section);
+    if let Err(e) = queued {
+        // SAFETY: the driver refused the call, so it never received `data`.
+        drop(unsafe { Arc::from_raw(data.cast_const().cast::<Shared>()) });
+        return Err(e);
+    }
+    Ok(shared)
+}
+
+enum State {
+    Waiting(Arc<Shared>),
+    Failed(Option<MetraleError>),
+    Done,
+}
+
+/// A future resolving once the work queued on a stream before
+/// [`CudaStream::done`] has finished: `Ok(())`, or the error that work met.
+///
+/// Works with any executor (plain [`Waker`]s); woken from a driver callback,
+/// with no polling thread. Dropping it before it resolves is safe and leaves the
+/// queued work alone. Polling it again after it resolved gives `Ok(())`.
+///
+/// The driver calls back also when the work failed (the future then resolves to
+/// that error), but not after the context was destroyed or reset, nor once the
+/// process is tearing the driver down: such a future stays pending. Put a
+/// timeout around it where that can happen.
+#[must_use = "a future does nothing unless awaited or polled"]
+pub struct StreamDone {
+    state: State,
+    stream: CudaStream,
+}
+
+impl std::fmt::Debug for StreamDone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamDone")
+            .field("stream", &self.stream)
+            .field("pending", &matches!(self.state, State::Waiting(_)))
+            .finish()
+    }
+}
+
+impl Future for StreamDone {
+    type Output = Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = &mut *self;
+        let status = match &mut this.state {
+            State::Done => return Poll::Ready(Ok(())),
+            State::Failed(e) => {
+                let e = e.take();
+                this.state = State::Done;
+                return Poll::Ready(e.map_or(Ok(()), Err));
+            }
+            State::Waiting(shared) => match shared.poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(status) => status,
+            },
+        };
+        this.state = State::Done;
+        if !status.is_success() {
+            return Poll::Ready(Err(CallError::Status {
+                call: "cuStreamAddCallback",
+                status,
+            }
+            .about(this.stream.subject("done (the work it waited for failed)"))));
+        }
+        if crate::context::in_host_function() {
+            // Polled from a waker that runs the task inline, on the driver's
+            // thread: no CUDA call there; the callback's status is the answer.
+            return Poll::Ready(Ok(()));
+        }
+        // Work queued after `done` may still run (NOT_READY): what this future
+        // waited for has finished; a failure shows as an error status.
+        Poll::Ready(this.stream.query().map(|_| ()))
+    }
+}
+
+/// A future resolving once a recorded event has completed: see
+/// [`CudaEvent::done`].
+#[must_use = "a future does nothing unless awaited or polled"]
+pub struct EventDone<'a> {
+    state: State,
+    event: &'a CudaEvent,
+}
+
+impl std::fmt::Debug for EventDone<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EventDone")
+            .field("event", self.event)
+            .field("pending", &matches!(self.state, State::Waiting(_)))
+            .finish()
+    }
+}
+
+impl Future for EventDone<'_> {
+    type Output = Result<()>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Result<()>> {
+        let this = &mut *self;
+        let status = match &mut this.state {
+            State::Done => return Poll::Ready(Ok(())),
+            State::Failed(e) => {
+                let e = e.take();
+                this.state = State::Done;
+                return Poll::Ready(e.map_or(Ok(()), Err));
+            }
+            State::Waiting(shared) => match shared.poll(cx) {
+                Poll::Pending => return Poll::Pending,
+                Poll::Ready(status) => status,
+            },
+        };
+        this.state = State::Done;
+        if !status.is_success() {
+            return Poll::Ready(Err(CallError::Status {
+                call: "cuStreamAddCallback",
+                status,
+            }
+            .about(format_args!(
+                "device {} event {:p} done (the work it waited for failed)",
+                this.event.ctx.ordinal(),
+                this.event.raw
+            ))));
+        }
+        if crate::context::in_host_function() {
+            // As for `StreamDone`: no CUDA call on the driver's thread.
+            return Poll::Ready(Ok(()));
+        }
+        Poll::Ready(this.event.query().map(|_| ()))
+    }
+}
+
+impl CudaStream {
+    /// A future that resolves once all work queued on the stream so far has
+    /// finished, to `Ok(())` or to the error that work met (the stream's status,
+    /// asked once woken). Errors in queueing it (a stream being captured, a
+    /// driver refusal) come out of the future.
+    ///
+    /// ```no_run
+    /// # async fn f(s: &metrale_runtime::CudaStream) -> metrale_runtime::Result<()> {
+    /// // ... queue kernels and copies on s ...
+    /// s.done().await?; // the executor thread is free meanwhile
+    /// # Ok(()) }
+    /// ```
+    pub fn done(&self) -> StreamDone {
+        let state = match queue_wake(self) {
+            Ok(shared) => State::Waiting(shared),
+            Err(e) => State::Failed(Some(e)),
+        };
+        StreamDone {
+            state,
+            stream: self.clone(),
+        }
+    }
+}
+
+impl CudaEvent {
+    /// A future that resolves once the event's last record has completed (at
+    /// once for an event never recorded), to `Ok(())` or to the error the work
+    /// before it met (the event's status, asked once woken).
+    ///
+    /// The wake-up is queued on the stream the event was last recorded on, so
+    /// the future resolves after the work queued on that stream when `done` is
+    /// called: call it right after [`CudaEvent::record`] to wake as the event
+    /// completes.
+    pub fn done(&self) -> EventDone<'_> {
+        let stream = self
+            .recorded_on
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let state = match stream {
+            None => State::Failed(None),
+            Some(s) => match queue_wake(&s) {
+                Ok(shared) => State::Waiting(shared),
+                Err(e) => State::Failed(Some(e)),
+            },
+        };
+        EventDone { state, event: self }
+    }
+}

@@ -1,0 +1,197 @@
+//! Host functions: Rust closures the driver runs on a thread of its own once the
+//! work queued before them on a stream has finished (`cuLaunchHostFunc`).
+//!
+//! Invariants:
+//! - What the driver is handed owns the closure: a once-run closure is a
+//!   `Box` the trampoline takes back and frees; a repeatable closure captured into
+//!   a graph is held (an `Arc`) by the captures in progress and then by the graph
+//!   and its executable graphs, so every replay finds it alive.
+//! - A once-run closure is never queued into a capture (a replay would run it
+//!   again after it was freed): refused inside a metrale capture.
+//! - A panic never unwinds into the driver: it is caught, reported on stderr, and
+//!   the stream goes on with the work after the host function.
+//! - While a host function runs, the thread is marked: metrale calls from it are
+//!   refused with [`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)
+//!   instead of calling the driver (which forbids it and may deadlock).
+
+use std::ffi::c_void;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use super::CudaStream;
+use crate::context::HostFunctionScope;
+use crate::error::{cu, invalid_arg, report_line, Result};
+
+/// A host function that can run more than once: what
+/// [`CudaStream::launch_host_fn_repeat`] takes, so that a graph replaying it can
+/// hold it.
+pub type HostFn = Arc<dyn Fn() + Send + Sync + 'static>;
+
+/// A repeatable host function as a graph holds it (a thin pointer for the
+/// driver's `userData`).
+pub(crate) type HostKeep = Arc<HostFn>;
+
+/// Repeatable host functions queued into captures in progress, held until the
+/// graph takes them (at the end of its capture) or no capture is left.
+static CAPTURED_HOST_FNS: Mutex<Vec<HostKeep>> = Mutex::new(Vec::new());
+
+/// Host function panics caught in this process.
+static PANICS: AtomicU64 = AtomicU64::new(0);
+
+/// The repeatable host function queued into a capture with `user_data` as the
+/// driver's argument, if metrale queued it (for the graph to hold).
+pub(crate) fn take_captured_host_fn(user_data: *mut c_void) -> Option<HostKeep> {
+    let held = CAPTURED_HOST_FNS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    held.iter()
+        .find(|k| Arc::as_ptr(k).cast::<c_void>() == user_data.cast_const())
+        .cloned()
+}
+
+/// No capture is left: the graphs have taken what they replay.
+pub(crate) fn release_captured_host_fns() {
+    let released = std::mem::take(
+        &mut *CAPTURED_HOST_FNS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner),
+    );
+    drop(released);
+}
+
+/// Run `f` as a host function: the thread marked, a panic caught and reported.
+pub(crate) fn run_guarded(f: impl FnOnce()) {
+    let _scope = HostFunctionScope::enter();
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(f)) {
+        PANICS.fetch_add(1, Ordering::Relaxed);
+        let text = payload
+            .downcast_ref::<&str>()
+            .map(|s| (*s).to_owned())
+            .or_else(|| payload.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a non-string payload".to_owned());
+        report_line(format_args!(
+            "a host function panicked ({text}); the panic was caught (it cannot unwind \
+             into the driver) and the stream goes on"
+        ));
+        // Dropping the payload may panic in turn.
+        let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
+    }
+}
+
+/// The driver's entry for a once-run closure `F`.
+unsafe extern "C" fn run_once<F: FnOnce() + Send + 'static>(data: *mut c_void) {
+    // SAFETY: `data` is the `Box<F>` `launch_host_fn` leaked for this one call; it
+    // was queued outside any capture, so the driver calls this exactly once.
+    let f = unsafe { Box::from_raw(data.cast::<F>()) };
+    // The closure's captures are dropped inside the guard too.
+    run_guarded(*f);
+}
+
+/// The driver's entry for a repeatable closure held by a graph.
+unsafe extern "C" fn run_held(data: *mut c_void) {
+    // SAFETY: `data` is `Arc::as_ptr` of a `HostKeep` held by the captures in
+    // progress, then by the graph and every executable graph made from it, and by
+    // each replay in flight (see `CudaGraphExec::launch`).
+    let f = unsafe { &*data.cast_const().cast::<HostFn>() };
+    run_guarded(|| f());
+}
+
+/// Host function panics caught so far in this process (each is also reported on
+/// stderr).
+pub fn host_function_panics() -> u64 {
+    PANICS.load(Ordering::Relaxed)
+}
+
+impl CudaStream {
+    /// Queue `f` to run on a driver thread once the work queued on this stream so
+    /// far has finished; work queued after it waits for it (`cuLaunchHostFunc`).
+    ///
+    /// **The driver forbids CUDA calls inside a host function** (they may
+    /// deadlock): while `f` runs, every metrale call on that thread returns
+    /// [`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction) without
+    /// calling the driver, and a metrale handle dropped there is leaked with a
+    /// line on stderr rather than freed. Do the work `f` unblocks elsewhere (send
+    /// on a channel, wake a future). Host functions of one stream run in order;
+    /// those of different streams in no given order, possibly on one thread, so
+    /// keep them short and never block on other GPU work.
+    ///
+    /// A panic in `f` is caught (it cannot unwind into the driver), reported on
+    /// stderr and counted ([`host_function_panics`]); the stream goes on with the
+    /// work after it. After an error of the context (a faulting kernel) the
+    /// driver no longer calls host functions; `f` is then never run nor freed.
+    ///
+    /// # Errors
+    /// `InvalidArgument` while the stream is being captured through metrale (a
+    /// graph would run a once-only closure on every replay: use
+    /// [`CudaStream::launch_host_fn_repeat`]); `cuLaunchHostFunc`'s status (then
+    /// `f` is dropped here).
+    pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
+        let section = self.section();
+        match self.capturing_now(&section) {
+            Ok(false) => {}
+            Ok(true) => {
+                return Err(invalid_arg(format!(
+                    "{}: launch_host_fn while the stream is being captured: every replay \
+                     of the graph would run the once-only closure; use \
+                     launch_host_fn_repeat",
+                    self.subject("")
+                )))
+            }
+            Err(e) => return Err(e.about(self.subject("capture status"))),
+        }
+        let data = Box::into_raw(Box::new(f)).cast::<c_void>();
+        let queued = self.call("launching a host function", |d, s| {
+            // SAFETY: `run_once::<F>` takes back the box `data` points to, once.
+            unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_once::<F>), data)) }
+        });
+        drop(section);
+        if queued.is_err() {
+            // SAFETY: the driver refused the call, so it never received `data`.
+            drop(unsafe { Box::from_raw(data.cast::<F>()) });
+        }
+        queued
+    }
+
+    /// Queue a host function that may run more than once: as
+    /// [`CudaStream::launch_host_fn`], and also inside a capture, where it becomes
+    /// a host node of the graph that every replay runs. The graph and every
+    /// executable graph made from it hold `f` (and a replay in flight holds it
+    /// until it has run), so `f` lives as long as anything may run it.
+    ///
+    /// # Errors
+    /// As [`CudaStream::launch_host_fn`], less the refusal in a capture.
+    pub fn launch_host_fn_repeat(&self, f: HostFn) -> Result<()> {
+        let section = self.section();
+        let capturing = self
+            .capturing_now(&section)
+            .map_err(|e| e.about(self.subject("capture status")))?;
+        if !capturing {
+            drop(section);
+            return self.launch_host_fn(move || f());
+        }
+        let keep: HostKeep = Arc::new(f);
+        let data = Arc::as_ptr(&keep).cast_mut().cast::<c_void>();
+        CAPTURED_HOST_FNS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(keep);
+        // SAFETY: `run_held` borrows `data`, held by the capture list from now on.
+        self.call("capturing a host function", |d, s| unsafe {
+            cu!(d, cuLaunchHostFunc(s, Some(run_held), data))
+        })
+    }
+
+    /// Refuse an operation that only makes sense outside a capture.
+    pub(crate) fn refuse_in_capture(&self, what: &str) -> Result<()> {
+        let section = self.section();
+        match self.capturing_now(&section) {
+            Ok(false) => Ok(()),
+            Ok(true) => Err(invalid_arg(format!(
+                "{}: {what} is not possible while the stream is being captured",
+                self.subject("")
+            ))),
+            Err(e) => Err(e.about(self.subject("capture status"))),
+        }
+    }
+}
