@@ -64,10 +64,18 @@ impl CudaStream {
         let begun = self.call("begin capture", |d, s| unsafe {
             cu!(d, cuStreamBeginCapture_v2(s, m))
         });
-        drop(locked);
-        if begun.is_err() {
-            self.capture_over();
+        match &begun {
+            Ok(()) => {
+                self.set_capturing();
+                crate::stream::capture_depth_add(1);
+            }
+            Err(_) => {
+                // Undo this attempt's bookkeeping only.
+                self.unmark_capture();
+                capture_finished();
+            }
         }
+        drop(locked);
         begun
     }
 
@@ -85,11 +93,15 @@ impl CudaStream {
         Ok(self.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// The bookkeeping of a capture that is over (ended, or never begun).
+    /// The bookkeeping of a metrale capture that is over: done once per capture
+    /// (an `end_capture` of a stream metrale is not capturing changes nothing).
     fn capture_over(&self) {
-        self.unmark_capture();
-        capture_finished();
-        crate::memory::retry_deferred_frees();
+        if self.take_capturing() {
+            self.unmark_capture();
+            crate::stream::capture_depth_add(-1);
+            capture_finished();
+            crate::memory::retry_deferred_frees();
+        }
     }
 
     /// End the capture begun on this stream and return the graph. The stream runs

@@ -61,6 +61,8 @@ pub struct CudaGraphExec {
     /// The identity of the graph this was instantiated from: node updates take
     /// only its nodes.
     pub(super) source: u64,
+    /// Whether that graph (which owns the nodes) still exists.
+    pub(super) source_alive: std::sync::Weak<()>,
     pub(super) keep: Vec<Arc<KernelTable>>,
     /// The host functions its host nodes run; each replay in flight holds them too.
     pub(super) host_fns: Arc<Vec<HostKeep>>,
@@ -223,7 +225,9 @@ impl CudaGraphExec {
     ///
     /// # Errors
     /// `InvalidArgument` when `node` is not a node of the graph this was
-    /// instantiated from, or `f` is not the node's kernel; as
+    /// instantiated from, that graph was dropped, or `f` is not the node's kernel
+    /// (the graph must not be changed by another thread meanwhile: it is `Send`,
+    /// not `Sync`, so only its owner can); as
     /// [`CudaStream::launch`]; the driver's status.
     pub unsafe fn set_kernel_params<A: KernelArgs>(
         &self,
@@ -237,10 +241,10 @@ impl CudaGraphExec {
             || format!("kernel '{}'", f.name()),
             "the executable graph",
         )?;
-        if node.node.graph != self.source {
+        if node.node.graph != self.source || self.source_alive.strong_count() == 0 {
             return Err(invalid_arg(format!(
                 "device {}: graph node {:p} is not a node of the graph this executable graph \
-                 was instantiated from",
+                 was instantiated from (or that graph was dropped)",
                 self.ctx.ordinal(),
                 node.node.raw
             )));

@@ -225,6 +225,9 @@ pub struct CudaGraph {
     made: Generation,
     /// This graph's identity, carried by its nodes.
     pub(super) id: u64,
+    /// Alive while the graph is: executable graphs made from it check it before
+    /// taking one of its nodes.
+    pub(super) alive: Arc<()>,
     pub(super) keep: KeepAlive,
     /// The repeatable host functions its host nodes run (captured through
     /// `launch_host_fn_repeat`).
@@ -267,6 +270,7 @@ impl CudaGraph {
             made: ctx.generation(),
             ctx: Arc::clone(ctx),
             id: next_graph_id(),
+            alive: Arc::new(()),
             keep: Arc::default(),
             host_fns: Vec::new(),
         }
@@ -610,6 +614,7 @@ impl CudaGraph {
             made: self.ctx.generation(),
             ctx: Arc::clone(&self.ctx),
             source: self.id,
+            source_alive: Arc::downgrade(&self.alive),
             keep,
             host_fns: Arc::new(self.host_fns.clone()),
         })

@@ -467,11 +467,7 @@ pub(crate) unsafe fn launch_kernel(
     if !Arc::ptr_eq(ctx, table.ctx()) {
         return Err(wrong_device(info, table.ctx(), stream));
     }
-    if captures_in_progress() {
-        // The launch may be recorded into a graph: its code must outlive this
-        // handle until the capture ends and the graph holds it.
-        keep_for_capture(table);
-    }
+
     if let Err(e) = ctx.bind_fast() {
         return Err(e.launch(&info.name, shape(cfg, attrs)));
     }
@@ -523,6 +519,13 @@ pub(crate) unsafe fn launch_kernel(
             }
         }
     };
+    if captures_in_progress() {
+        // The launch may have been recorded into a graph (a capture that began
+        // before it returned): its code must outlive this handle until the capture
+        // ends and the graph holds it. A capture that already ended found the code
+        // through the table, which is alive here.
+        keep_for_capture(table);
+    }
     launched.map_err(|e| e.launch(&info.name, shape(cfg, attrs)))
 }
 

@@ -66,7 +66,7 @@ impl CudaStream {
         self.call("copy to device", |d, s| unsafe {
             cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
         })?;
-        let done = self.record_done()?;
+        let done = self.record_done_in(&section)?;
         drop(section);
         self.wait_done(done)
     }
@@ -130,7 +130,7 @@ impl CudaStream {
         // The wait is on an event recorded right after the copy, in the section: a
         // capture begun on this stream afterwards (by any thread) cannot make the
         // wait return early, and a failed wait polls until the copy is done.
-        let done = self.record_done()?;
+        let done = self.record_done_in(&section)?;
         drop(section);
         self.wait_done(done)
     }
@@ -227,7 +227,7 @@ impl CudaStream {
                 cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
             })?;
         }
-        let done = self.record_done()?;
+        let done = self.record_done_in(&section)?;
         drop(section);
         Ok(PendingCopy::new(src, self, done))
     }
@@ -260,7 +260,7 @@ impl CudaStream {
                 cu!(d, cuMemcpyDtoHAsync_v2(to, from, bytes, s))
             })?;
         }
-        let done = self.record_done()?;
+        let done = self.record_done_in(&section)?;
         drop(section);
         Ok(PendingCopy::new(dst, self, done))
     }

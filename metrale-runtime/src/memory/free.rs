@@ -97,6 +97,10 @@ impl FreeJob {
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .push(job);
+            // The capture may have ended (and retried the list) meanwhile.
+            if !crate::stream::captures_in_progress() {
+                retry_deferred();
+            }
         }
     }
 
@@ -203,6 +207,11 @@ impl FreeJob {
 
     /// `cuMemFree` after the foreign streams' work.
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
+        if crate::stream::capturing_on_this_thread() {
+            // `cuMemFree` and synchronisations are refused on a capturing thread
+            // (and would invalidate its capture): after the capture, then.
+            return Some(self);
+        }
         let what = self.what();
         for f in foreign {
             let f_section = f.section();

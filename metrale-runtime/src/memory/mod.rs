@@ -236,14 +236,16 @@ fn note_foreign(uses: &Uses, own: Option<&CudaStream>, stream: &CudaStream) -> R
         None => None,
     };
     let section = stream.section();
-    if stream
+    let captured = stream
         .capturing_now(&section)
-        .map_err(|e| e.about(stream.subject("capture status")))?
-    {
-        return Ok(());
-    }
-    if let Some(ready) = ready {
-        stream.wait_unmarked(&ready)?;
+        .map_err(|e| e.about(stream.subject("capture status")))?;
+    // A captured use runs at replays (the caller's to order); the stream is
+    // remembered all the same, since the capture may end before the operation is
+    // queued, and then the operation runs now.
+    if !captured {
+        if let Some(ready) = ready {
+            stream.wait_unmarked(&ready)?;
+        }
     }
     list.push(stream.clone());
     uses.any_foreign.store(true, Ordering::Release);

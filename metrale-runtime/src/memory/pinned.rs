@@ -282,7 +282,9 @@ impl<T: DevicePod> PendingCopy<T> {
         buffer.ok_or_else(|| invalid_arg("pending copy already taken"))
     }
 
-    /// Whether the copy (and everything before it on the stream) has finished.
+    /// Whether the copy has finished. It may answer `false` a little longer than
+    /// needed: the stream's completion event it watches is also recorded by later
+    /// copies on the stream, never earlier than this one.
     ///
     /// # Errors
     /// `cuEventQuery`'s failure.

@@ -21,13 +21,13 @@
 
 use std::ffi::{c_int, c_uint};
 use std::fmt;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering as AtomicOrdering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
 use crate::context::{AsContext, CudaContext, Generation};
-use crate::error::{cu, invalid_arg, CallError, Result};
+use crate::error::{cu, invalid_arg, CallError, MetraleError, Result};
 
 mod future;
 mod host_fn;
@@ -91,6 +91,9 @@ struct StreamInner {
     in_flight: AtomicU32,
     /// The event host-borrowing copies wait on, made on first use.
     done: OnceLock<EventHandle>,
+    /// Whether a capture begun by metrale on this stream is in progress (its
+    /// bookkeeping is undone exactly once, when it ends).
+    pub(crate) capturing: AtomicBool,
     /// Held across a metrale capture's start (mark, drain, begin) or a
     /// capture-joining wait, and by sections that find the stream marked, so the
     /// driver's answer "not capturing" stays true for the whole section.
@@ -111,7 +114,15 @@ static CAPTURES: AtomicUsize = AtomicUsize::new(0);
 /// Count a capture that is beginning.
 pub(crate) fn captures_begin() {
     CAPTURES.fetch_add(1, AtomicOrdering::SeqCst);
+    // A wait that saw no capture in progress must finish before this capture can
+    // begin (it may be about to join it, unmarked): see `CudaStream::wait`.
+    while UNMARKED_WAITS.load(AtomicOrdering::SeqCst) != 0 {
+        std::thread::yield_now();
+    }
 }
+
+/// Waits in progress that found no capture in progress (and so mark nothing).
+static UNMARKED_WAITS: AtomicUsize = AtomicUsize::new(0);
 
 /// Count a capture that is over; whether none is left.
 pub(crate) fn captures_end() -> bool {
@@ -151,7 +162,8 @@ impl Drop for Section<'_> {
 // SAFETY: the handle is written once at creation and only read; the driver lets any
 // thread queue work on a stream once its context is bound, which every use does.
 unsafe impl Send for StreamInner {}
-// SAFETY: as for Send; no interior mutability.
+// SAFETY: shared access reads the handle and uses only atomics, a `OnceLock` and a
+// `Mutex` for its mutable state; the driver is thread-safe for the stream.
 unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
@@ -286,6 +298,7 @@ impl CudaStream {
                 capture_marks: AtomicU32::new(0),
                 in_flight: AtomicU32::new(0),
                 done: OnceLock::new(),
+                capturing: AtomicBool::new(false),
                 capture_lock: Mutex::new(()),
             }),
         }
@@ -353,6 +366,17 @@ impl CudaStream {
             std::thread::yield_now();
         }
         locked
+    }
+
+    /// Note that a metrale capture began on this stream.
+    pub(crate) fn set_capturing(&self) {
+        self.inner.capturing.store(true, AtomicOrdering::SeqCst);
+    }
+
+    /// Whether a metrale capture was in progress here; clears the note (true once
+    /// per capture).
+    pub(crate) fn take_capturing(&self) -> bool {
+        self.inner.capturing.swap(false, AtomicOrdering::SeqCst)
     }
 
     /// Take back one mark of `mark_capture`.
@@ -449,6 +473,47 @@ impl CudaStream {
         Ok(ev)
     }
 
+    /// Record the completion event inside `section`, right after an operation that
+    /// lent host memory; when that fails, wait for the stream inside the section
+    /// (no capture can begin there) so the memory is no longer touched when the
+    /// error is returned.
+    pub(crate) fn record_done_in(&self, section: &Section<'_>) -> Result<CUevent> {
+        let _ = section;
+        match self.record_done() {
+            Ok(e) => Ok(e),
+            Err(e) => {
+                self.finish_raw();
+                Err(e)
+            }
+        }
+    }
+
+    /// Wait until the stream has nothing in flight, by `cuStreamSynchronize` and,
+    /// when that fails, by polling `cuStreamQuery` until the stream is idle or its
+    /// work is abandoned. For error paths inside a section (not captured).
+    #[cold]
+    fn finish_raw(&self) {
+        let d = self.inner.ctx.driver();
+        let raw = self.inner.raw;
+        let _ = self.inner.ctx.bind_fast();
+        // SAFETY: a live stream of the bound context, not being captured.
+        if unsafe { cu!(d, cuStreamSynchronize(raw)) }.is_ok() {
+            return;
+        }
+        let mut pause = std::time::Duration::from_micros(10);
+        loop {
+            // SAFETY: as above; only the status is read.
+            match unsafe { cu!(d, cuStreamQuery(raw)) } {
+                Ok(()) => return,
+                Err(CallError::Status { status, .. }) if work_abandoned(status) => return,
+                Err(_) => {
+                    std::thread::sleep(pause);
+                    pause = (pause * 2).min(std::time::Duration::from_millis(10));
+                }
+            }
+        }
+    }
+
     /// Whether `event` (recorded on this stream) has completed.
     pub(crate) fn event_done(&self, event: CUevent) -> Result<bool> {
         self.call("query", |d, _| {
@@ -471,10 +536,24 @@ impl CudaStream {
     /// more, so the memory is no longer touched when this returns. A failed query
     /// is never taken for "done".
     pub(crate) fn wait_done(&self, event: CUevent) -> Result<()> {
-        let waited = self.call("waiting for queued work", |d, _| {
-            // SAFETY: a live event of this context.
-            unsafe { cu!(d, cuEventSynchronize(event)) }
-        });
+        let sync = || {
+            self.call("waiting for queued work", |d, _| {
+                // SAFETY: a live event of this context.
+                unsafe { cu!(d, cuEventSynchronize(event)) }
+            })
+        };
+        let mut waited = sync();
+        if waited
+            .as_ref()
+            .err()
+            .and_then(MetraleError::status)
+            .is_some_and(|s| (900..=908).contains(&s.0))
+        {
+            // Refused because of a capture (this thread's, or a global one): an
+            // event recorded outside any capture may still be waited for, in the
+            // relaxed mode, for this call.
+            waited = relaxed(self.inner.ctx.driver(), sync);
+        }
         if waited.is_ok() || crate::context::in_host_function() {
             // Inside a host function nothing was queued (every call is refused).
             return waited;
@@ -581,9 +660,15 @@ impl CudaStream {
                 cu!(d, cuStreamWaitEvent(s, e, 0))
             })
         };
+        UNMARKED_WAITS.fetch_add(1, AtomicOrdering::SeqCst);
         if !captures_in_progress() {
-            return wait();
+            // No capture can begin (it waits for this count) until the wait is
+            // queued, so the event cannot be one recorded in a capture.
+            let waited = wait();
+            UNMARKED_WAITS.fetch_sub(1, AtomicOrdering::SeqCst);
+            return waited;
         }
+        UNMARKED_WAITS.fetch_sub(1, AtomicOrdering::SeqCst);
         // The event may have been recorded in a capture: waiting would join this
         // stream to it. Mark the stream first, so sections that must not be
         // captured ask the driver from now on; keep the mark if it did join.
@@ -612,7 +697,7 @@ impl CudaStream {
     pub(crate) fn finish_queued(&self) -> Result<()> {
         let section = self.section();
         self.refuse_if_capturing(&section, "waiting for it")?;
-        let done = self.record_done()?;
+        let done = self.record_done_in(&section)?;
         drop(section);
         self.wait_done(done)
     }
@@ -886,6 +971,21 @@ impl Drop for CudaEvent {
     }
 }
 
+/// Run `f` with this thread's capture mode relaxed (`cuThreadExchangeStreamCaptureMode`),
+/// restoring it afterwards: for a wait on an event recorded outside any capture,
+/// which the default modes refuse on a capturing thread.
+fn relaxed<R>(d: &'static sys::Driver, f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: exchanges this thread's mode through a valid pointer.
+    let swapped = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) }.is_ok();
+    let r = f();
+    if swapped {
+        // SAFETY: puts the previous mode back.
+        let _ = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) };
+    }
+    r
+}
+
 /// Whether a status means the context will run nothing more (a sticky fault, the
 /// context destroyed, the driver shutting down): queued work that borrowed host
 /// memory will never touch it again.
@@ -926,4 +1026,20 @@ impl<T: AsStream + ?Sized> AsStream for Arc<T> {
     fn stream(&self) -> &CudaStream {
         (**self).stream()
     }
+}
+
+thread_local! {
+    /// Captures this thread has begun through metrale and not ended.
+    static CAPTURE_DEPTH: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
+}
+
+/// Count a capture begun (1) or ended (-1) on this thread.
+pub(crate) fn capture_depth_add(delta: i32) {
+    CAPTURE_DEPTH.with(|d| d.set(d.get() + delta));
+}
+
+/// Whether this thread has a metrale capture open: calls the driver refuses on a
+/// capturing thread (`cuMemFree`, synchronisations) must wait.
+pub(crate) fn capturing_on_this_thread() -> bool {
+    CAPTURE_DEPTH.with(|d| d.get() > 0)
 }

@@ -401,8 +401,65 @@ fn stress_shared_streams_with_captures() {
     finish();
 }
 
+/// Audit findings on the fixes themselves: an `end_capture` of a stream never
+/// captured must not undo another capture's bookkeeping; a node of a dropped
+/// source graph is refused; a `cuMemFree` due on a capturing thread waits for
+/// the capture instead of invalidating it.
+fn capture_bookkeeping_holds_against_misuse() {
+    let (h0, h1) = hosts2();
+    let (s, other) = (CudaStream::new(&h0).unwrap(), CudaStream::new(&h0).unwrap());
+    let x = DeviceBuffer::<f32>::alloc(&h0, 1).unwrap();
+    let graph = s
+        .capture(|s| -> metrale_runtime::Result<()> {
+            let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+            let f = reg.function("kernels", "empty")?;
+            assert!(other.end_capture().is_err(), "never captured");
+            let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
+            // SAFETY: the stand-in only records the arguments.
+            unsafe { s.launch(&f, cfg, (&x, 1u32, 1.0f32))? };
+            drop((f, reg));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        fake().live(Live::Modules),
+        1,
+        "the code is still held by the graph"
+    );
+    // A node of a dropped source graph.
+    let exec = graph.instantiate().unwrap();
+    let node = graph.kernel_nodes().unwrap().remove(0);
+    drop(graph);
+    let reg = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let f = reg.function("kernels", "empty").unwrap();
+    let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
+    // SAFETY: refused before the driver.
+    let e = unsafe { exec.set_kernel_params(&node, &f, cfg, (&x, 1u32, 2.0f32)) }.unwrap_err();
+    assert!(e.to_string().contains("was dropped"), "{e}");
+    drop((exec, f, reg));
+    // A buffer used by another device's stream, dropped on a capturing thread.
+    let s1 = CudaStream::new(&h1).unwrap();
+    let src = DeviceBuffer::<u32>::zeroed(&h0, 16).unwrap();
+    let mut dst = DeviceBuffer::<u32>::alloc(&h1, 16).unwrap();
+    s1.copy_peer(&src, &mut dst).unwrap();
+    let g = s
+        .capture(move |_| -> metrale_runtime::Result<()> {
+            drop(src);
+            assert_eq!(deferred_frees(), 1, "waits for the capture");
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(deferred_frees(), 0);
+    drop((g, dst, s1, s, other, x, h0, h1));
+    finish();
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "soundness::capture_bookkeeping_holds_against_misuse",
+            run: capture_bookkeeping_holds_against_misuse,
+        },
         Test {
             name: "soundness::stream_ordered_buffer_used_on_another_device_is_freed_after_it",
             run: stream_ordered_buffer_used_on_another_device_is_freed_after_it,
