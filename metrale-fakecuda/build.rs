@@ -1,16 +1,23 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
-//! one, and an "old driver" one without the entry points CUDA 12 added.
+//! one, and an "old driver" one without the entry points CUDA 12 added; and the
+//! stand-in NCCL (`fakenccl.c`) as a third.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
+    println!("cargo:rerun-if-changed=src/fakenccl.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
-    for (file, define) in [
-        ("libmetrale_fakecuda.so", None),
-        ("libmetrale_fakecuda_old.so", Some("-DFAKECUDA_OLD")),
+    for (file, source, define) in [
+        ("libmetrale_fakecuda.so", "src/fakecuda.c", None),
+        (
+            "libmetrale_fakecuda_old.so",
+            "src/fakecuda.c",
+            Some("-DFAKECUDA_OLD"),
+        ),
+        ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
     ] {
         let mut cmd: Command = compiler.to_command();
         cmd.args([
@@ -28,8 +35,8 @@ fn main() {
         .args(define)
         .arg("-o")
         .arg(out.join(file))
-        .arg("src/fakecuda.c")
-        .arg("-lpthread");
+        .arg(source)
+        .args(["-lpthread", "-ldl"]);
         let status = cmd.status();
         match status {
             Ok(s) if s.success() => {}

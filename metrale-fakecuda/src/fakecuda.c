@@ -31,7 +31,9 @@
  *
  * Not thread-safe beyond one big lock: every entry point takes it.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -382,6 +384,7 @@ struct stream {
     struct stream *origin;  /* the stream the capture began on */
     struct node *tails[MAX_TAILS];
     int ntails;
+    int holds; /* work of another stand-in (fakenccl) not yet complete */
 };
 struct event {
     struct ctx *ctx;
@@ -613,6 +616,37 @@ EXPORT int fakecuda_pending(void *s) {
     int n = find(s, K_STREAM) ? ((struct stream *)s)->npending : -1;
     pthread_mutex_unlock(&lock);
     return n;
+}
+/* For the stand-in NCCL (fakenccl.c): a collective that waits for its peers
+ * holds its stream, which then reads as busy (cuStreamQuery: NOT_READY;
+ * synchronisation waits) until the hold is released. */
+EXPORT int fakecuda_stream_hold(void *s, int delta) {
+    pthread_mutex_lock(&lock);
+    int r = -1;
+    if (s && find(s, K_STREAM)) {
+        struct stream *st = s;
+        st->holds += delta;
+        if (st->holds < 0) st->holds = 0;
+        r = st->holds;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT int fakecuda_stream_capturing(void *s) {
+    pthread_mutex_lock(&lock);
+    int r = s && find(s, K_STREAM) && ((struct stream *)s)->capture != NULL;
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT int fakecuda_current_device(void) { return current ? current->dev : -1; }
+/* Wait, with the lock released, while a stream is held. */
+static void wait_holds(void *s) {
+    while (s && find(s, K_STREAM) && ((struct stream *)s)->holds > 0) {
+        pthread_mutex_unlock(&lock);
+        struct timespec t = {0, 200000};
+        nanosleep(&t, NULL);
+        pthread_mutex_lock(&lock);
+    }
 }
 EXPORT void *fakecuda_last_free_stream(void) { return last_free_stream; }
 EXPORT int fakecuda_last_prefetch_device(void) { return last_prefetch_dev; }
@@ -975,7 +1009,8 @@ static CUresult do_stream_sync(void *s) {
     CUresult r = stream_ok(s);
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
-    if (s) run_pending(s);
+    wait_holds(s);
+    if (s && find(s, K_STREAM)) run_pending(s);
     return SUCCESS;
 }
 EXPORT CUresult cuStreamSynchronize(void *s) { LOCKED(do_stream_sync(s)); }
@@ -985,6 +1020,7 @@ static CUresult do_stream_query(void *s) {
     CUresult r = stream_ok(s);
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
+    if (s && ((struct stream *)s)->holds > 0) return NOT_READY;
     if (s) run_pending(s);
     return SUCCESS;
 }
