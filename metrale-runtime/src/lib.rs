@@ -75,6 +75,8 @@ pub mod host;
 pub mod launch;
 pub mod memory;
 pub mod module;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "nvrtc")]
 pub mod nvrtc;
 pub mod registry;
@@ -101,6 +103,8 @@ pub use memory::{
     PrefetchTarget,
 };
 pub use module::NamedBlob;
+#[cfg(feature = "nccl")]
+pub use nccl::{group, CommConfig, Communicator, NcclError, NcclId, NcclType, ReduceOp};
 #[cfg(feature = "nvrtc")]
 pub use nvrtc::{
     CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
