@@ -19,6 +19,9 @@ mod graphs;
 mod layout;
 #[path = "gpu/memory.rs"]
 mod memory;
+#[cfg(feature = "nccl")]
+#[path = "gpu/nccl.rs"]
+mod nccl;
 #[cfg(feature = "nvrtc")]
 #[path = "gpu/nvrtc.rs"]
 mod nvrtc;
@@ -52,6 +55,8 @@ fn main() -> ExitCode {
         soundness::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
+        #[cfg(feature = "nccl")]
+        nccl::tests(),
     ]
     .into_iter()
     .flatten()

@@ -120,6 +120,28 @@ fn all_reduce_every_type() {
     sum_each_type!(f32, f64, i8, u8, i32, u32, i64, u64);
 }
 
+#[cfg(feature = "half")]
+fn all_reduce_half_types() {
+    use half::{bf16, f16};
+    reset();
+    let out = two_ranks(CommConfig::new(), |rank, comm, s| {
+        let a: Vec<f16> = (0..4).map(|i| f16::from_f32((i + rank) as f32)).collect();
+        let b: Vec<bf16> = (0..4)
+            .map(|i| bf16::from_f32((i * 2 + rank) as f32))
+            .collect();
+        let mut da = DeviceBuffer::from_host(s, &a).unwrap();
+        let mut db = DeviceBuffer::from_host(s, &b).unwrap();
+        comm.all_reduce_in_place(&mut da, ReduceOp::Sum, s).unwrap();
+        comm.all_reduce_in_place(&mut db, ReduceOp::Max, s).unwrap();
+        s.synchronize().unwrap();
+        (s.to_vec(&da).unwrap(), s.to_vec(&db).unwrap())
+    });
+    for (a, b) in out {
+        assert_eq!(a, [1.0, 3.0, 5.0, 7.0].map(f16::from_f32).to_vec());
+        assert_eq!(b, [1.0, 3.0, 5.0, 7.0].map(bf16::from_f32).to_vec());
+    }
+}
+
 fn all_reduce_every_op() {
     reset();
     for (op, want) in [
@@ -796,7 +818,8 @@ fn main() -> ExitCode {
     macro_rules! tests {
         ($($f:ident),* $(,)?) => { vec![$(harness::Test { name: stringify!($f), run: $f }),*] };
     }
-    let tests = tests![
+    #[allow(unused_mut)]
+    let mut tests = tests![
         id_bytes_and_text,
         all_reduce_every_type,
         all_reduce_every_op,
@@ -817,6 +840,11 @@ fn main() -> ExitCode {
         drop_after_teardown_is_silent,
         missing_library_and_missing_symbol,
     ];
+    #[cfg(feature = "half")]
+    tests.push(harness::Test {
+        name: "all_reduce_half_types",
+        run: all_reduce_half_types,
+    });
     let children = [
         harness::Child {
             name: "drop_pending_blocking",
