@@ -301,6 +301,15 @@ fn init_all_and_a_group_on_one_thread() {
     })
     .unwrap();
     assert_eq!((a.rank(), b.rank()), (0, 1));
+    // Dropped inside a group: aborted, not finalized into the group.
+    let aborts = nccl().calls("ncclCommAbort");
+    group(&[], || {
+        drop(a);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(nccl().calls("ncclCommAbort"), aborts + 1);
+    drop(b);
     // A device given twice is refused before NCCL.
     let e = Communicator::init_all(&[ctx(0), ctx(0)]).unwrap_err();
     assert!(refusal(&e).contains("device 0 is given twice"), "{e}");

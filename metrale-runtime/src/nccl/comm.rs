@@ -832,6 +832,16 @@ impl Drop for Communicator {
         if self.aborted.get() {
             return;
         }
+        if in_group() {
+            // A finalize queued into the open group would complete only at its
+            // end, after the destroy below: abort instead.
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): dropped inside `group`; aborted",
+                self.info
+            ));
+            self.abort();
+            return;
+        }
         let (lib, comm, info) = (self.lib, self.raw, self.info);
         let deadline = Instant::now() + self.drop_timeout;
         let streams = std::mem::take(self.streams.get_mut());
