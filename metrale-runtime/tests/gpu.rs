@@ -62,9 +62,13 @@ fn main() -> ExitCode {
     .flatten()
     .collect();
     let require = std::env::var("METRALE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    #[allow(unused_mut)]
+    let mut children = basic::children();
+    #[cfg(feature = "nccl")]
+    children.extend(nccl::children());
     harness::main(
         &tests,
-        &basic::children(),
+        &children,
         gate,
         require.then_some("METRALE_REQUIRE_GPU=1"),
     )
