@@ -52,3 +52,30 @@ fn status_names_come_from_the_header() {
     assert!(nccl::FUNCTION_NAMES.contains(&"ncclAllReduce"));
     assert!(nccl::FUNCTION_NAMES.contains(&"ncclCommInitRankConfig"));
 }
+
+#[test]
+fn the_real_library_loads_when_named() {
+    let Some(path) = std::env::var_os(nccl::LIBNCCL_PATH_VAR) else {
+        eprintln!("not checked: METRALE_LIBNCCL_PATH not set");
+        return;
+    };
+    let lib = Nccl::load_from(&path).unwrap();
+    let missing = lib.missing_functions();
+    // The profiling names (pnccl*) and deprecated entry points may be absent.
+    let core: Vec<&str> = missing
+        .iter()
+        .copied()
+        .filter(|n| !n.starts_with("pnccl") && *n != "ncclResetDebugInit")
+        .collect();
+    assert_eq!(core, Vec::<&str>::new(), "{lib:?}");
+    let (major, minor, _) = lib.version().unwrap();
+    assert!((major, minor) >= (2, 19), "{lib:?}");
+    let text = lib.ncclGetErrorString().unwrap();
+    // SAFETY: ncclGetErrorString returns a static string for any status.
+    let s = unsafe { std::ffi::CStr::from_ptr(text(ncclResult_t::ncclInvalidArgument)) };
+    assert!(!s.to_bytes().is_empty());
+    eprintln!(
+        "{lib:?}: ncclInvalidArgument is {:?}; missing: {missing:?}",
+        s.to_string_lossy()
+    );
+}
