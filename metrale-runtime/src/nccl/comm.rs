@@ -1,208 +1,23 @@
-//! [`Communicator`] and [`CommConfig`]: init (by rank, for several devices of one
+//! [`Communicator`]: init (by rank, for several devices of one
 //! process, by split), what a communicator is, asynchronous errors, the bounded
 //! wait, abort, and the bounded teardown in Drop.
 
 use std::cell::{Cell, RefCell};
-use std::ffi::CString;
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclConfig_t, ncclResult_t, Nccl};
+use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclResult_t, Nccl};
 
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::Result;
 use crate::stream::CudaStream;
 
-use super::collective::in_group;
+use super::config::CommConfig;
 use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
+use super::group::in_group;
+use super::teardown::{abort_raw, backoff, settle, teardown, Settled, Teardown};
 use super::{lib, NcclId};
-
-/// How a communicator is made. `CommConfig::new()` leaves every NCCL setting
-/// to NCCL (its environment variables and defaults).
-///
-/// ```
-/// use std::time::Duration;
-/// use metrale_runtime::nccl::CommConfig;
-/// let config = CommConfig::new()
-///     .blocking(false)
-///     .max_ctas(16)
-///     .timeout(Duration::from_secs(60));
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct CommConfig {
-    blocking: Option<bool>,
-    cga_cluster_size: Option<u32>,
-    min_ctas: Option<u32>,
-    max_ctas: Option<u32>,
-    split_share: Option<bool>,
-    net_name: Option<String>,
-    comm_name: Option<String>,
-    timeout: Option<Duration>,
-    drop_timeout: Duration,
-}
-
-impl Default for CommConfig {
-    fn default() -> CommConfig {
-        CommConfig::new()
-    }
-}
-
-impl CommConfig {
-    /// The drop timeout when none is set: how long Drop waits for pending work
-    /// and `ncclCommFinalize` before it aborts.
-    pub const DEFAULT_DROP_TIMEOUT: Duration = Duration::from_secs(10);
-
-    /// Everything NCCL's default; the drop timeout [`Self::DEFAULT_DROP_TIMEOUT`].
-    pub const fn new() -> CommConfig {
-        CommConfig {
-            blocking: None,
-            cga_cluster_size: None,
-            min_ctas: None,
-            max_ctas: None,
-            split_share: None,
-            net_name: None,
-            comm_name: None,
-            timeout: None,
-            drop_timeout: CommConfig::DEFAULT_DROP_TIMEOUT,
-        }
-    }
-
-    /// Whether NCCL calls block (NCCL's default) or return `ncclInProgress`. A
-    /// non-blocking communicator's calls still return completed to the caller:
-    /// metrale polls `ncclCommGetAsyncError` until the call is done (bounded by
-    /// [`timeout`](Self::timeout)); what it buys is that every wait, and the
-    /// teardown, can be bounded and aborted.
-    #[must_use]
-    pub fn blocking(mut self, blocking: bool) -> CommConfig {
-        self.blocking = Some(blocking);
-        self
-    }
-
-    /// The CGA cluster size of NCCL's kernels (0 to 8; `cgaClusterSize`).
-    #[must_use]
-    pub fn cga_cluster_size(mut self, size: u32) -> CommConfig {
-        self.cga_cluster_size = Some(size);
-        self
-    }
-
-    /// The least number of CTAs NCCL uses (`minCTAs`, at least 1).
-    #[must_use]
-    pub fn min_ctas(mut self, n: u32) -> CommConfig {
-        self.min_ctas = Some(n);
-        self
-    }
-
-    /// The most CTAs NCCL uses (`maxCTAs`, at least 1 and ≥ `min_ctas`).
-    #[must_use]
-    pub fn max_ctas(mut self, n: u32) -> CommConfig {
-        self.max_ctas = Some(n);
-        self
-    }
-
-    /// Whether a communicator split from this one shares its resources
-    /// (`splitShare`).
-    #[must_use]
-    pub fn split_share(mut self, share: bool) -> CommConfig {
-        self.split_share = Some(share);
-        self
-    }
-
-    /// The network module NCCL uses (`netName`: `"Socket"`, `"IB"`, ...).
-    #[must_use]
-    pub fn net_name(mut self, name: impl Into<String>) -> CommConfig {
-        self.net_name = Some(name.into());
-        self
-    }
-
-    /// A name for the communicator in NCCL's logs (`commName`).
-    #[must_use]
-    pub fn comm_name(mut self, name: impl Into<String>) -> CommConfig {
-        self.comm_name = Some(name.into());
-        self
-    }
-
-    /// The bound on metrale's polling of a non-blocking communicator (init,
-    /// split, a collective that returned `ncclInProgress`): past it the
-    /// communicator is aborted and the call fails with [`NcclError::Timeout`].
-    /// Without it, polling goes on as long as NCCL says "in progress".
-    #[must_use]
-    pub fn timeout(mut self, timeout: Duration) -> CommConfig {
-        self.timeout = Some(timeout);
-        self
-    }
-
-    /// How long Drop waits for pending work and `ncclCommFinalize` before it
-    /// aborts the communicator.
-    #[must_use]
-    pub fn drop_timeout(mut self, timeout: Duration) -> CommConfig {
-        self.drop_timeout = timeout;
-        self
-    }
-
-    /// The NCCL config and the strings it points to (kept alive by the caller
-    /// for the call), checked.
-    fn to_raw(&self, call: &'static str) -> Result<(ncclConfig_t, Vec<CString>)> {
-        let mut c = raw::config_initializer();
-        let mut strings = Vec::new();
-        let int = |v: u32, what: &str| -> Result<i32> {
-            i32::try_from(v).map_err(|_| refused(call, None, format!("{what} {v} is too large")))
-        };
-        if let Some(b) = self.blocking {
-            c.blocking = i32::from(b);
-        }
-        if let Some(n) = self.cga_cluster_size {
-            if n > 8 {
-                return Err(refused(
-                    call,
-                    None,
-                    format!("cga_cluster_size is 0 to 8, not {n}"),
-                ));
-            }
-            c.cgaClusterSize = int(n, "cga_cluster_size")?;
-        }
-        for (v, slot, what) in [
-            (self.min_ctas, &mut c.minCTAs, "min_ctas"),
-            (self.max_ctas, &mut c.maxCTAs, "max_ctas"),
-        ] {
-            if let Some(n) = v {
-                if n == 0 {
-                    return Err(refused(call, None, format!("{what} must be at least 1")));
-                }
-                *slot = int(n, what)?;
-            }
-        }
-        if let (Some(min), Some(max)) = (self.min_ctas, self.max_ctas) {
-            if min > max {
-                return Err(refused(
-                    call,
-                    None,
-                    format!("min_ctas {min} is more than max_ctas {max}"),
-                ));
-            }
-        }
-        if let Some(s) = self.split_share {
-            c.splitShare = i32::from(s);
-        }
-        for (text, what) in [(&self.net_name, "net_name"), (&self.comm_name, "comm_name")] {
-            if let Some(t) = text {
-                let s = CString::new(t.as_str()).map_err(|_| {
-                    refused(call, None, format!("{what} `{t}` contains a NUL byte"))
-                })?;
-                strings.push(s);
-            }
-        }
-        let mut it = strings.iter();
-        if self.net_name.is_some() {
-            c.netName = it.next().map_or(std::ptr::null(), |s| s.as_ptr());
-        }
-        if self.comm_name.is_some() {
-            c.commName = it.next().map_or(std::ptr::null(), |s| s.as_ptr());
-        }
-        Ok((c, strings))
-    }
-}
 
 /// One rank's NCCL communicator, on one device.
 ///
@@ -247,60 +62,6 @@ impl fmt::Debug for Communicator {
             .field("blocking", &self.blocking)
             .field("aborted", &self.aborted.get())
             .finish_non_exhaustive()
-    }
-}
-
-/// Settle a non-blocking call on `comm`: poll `ncclCommGetAsyncError` until it
-/// is not `ncclInProgress`, or until `deadline`.
-pub(crate) enum Settled {
-    Done,
-    Failed(ncclResult_t),
-    TimedOut,
-}
-
-pub(crate) fn settle(
-    lib: &Nccl,
-    comm: ncclComm_t,
-    deadline: Option<Instant>,
-) -> std::result::Result<Settled, metrale_cuda_sys::LibraryMissingSymbol> {
-    let f = lib.ncclCommGetAsyncError()?;
-    let mut spins = 0u32;
-    loop {
-        let mut state = ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator; writes one status.
-        let status = unsafe { f(comm, &mut state) };
-        if !status.is_success() {
-            return Ok(Settled::Failed(status));
-        }
-        if state.is_success() {
-            return Ok(Settled::Done);
-        }
-        if state != ncclResult_t::ncclInProgress {
-            return Ok(Settled::Failed(state));
-        }
-        if deadline.is_some_and(|d| Instant::now() >= d) {
-            return Ok(Settled::TimedOut);
-        }
-        backoff(&mut spins);
-    }
-}
-
-/// Yield for the first polls, then sleep up to 1 ms.
-fn backoff(spins: &mut u32) {
-    *spins = spins.saturating_add(1);
-    if *spins < 64 {
-        std::thread::yield_now();
-    } else {
-        let us = u64::from((*spins - 63).min(20)) * 50;
-        std::thread::sleep(Duration::from_micros(us));
-    }
-}
-
-/// Abort a raw communicator, ignoring the result (the handle is gone after).
-fn abort_raw(lib: &Nccl, comm: ncclComm_t) {
-    if let Ok(f) = lib.ncclCommAbort() {
-        // SAFETY: a live communicator, never used after this call.
-        let _ = unsafe { f(comm) };
     }
 }
 
@@ -468,10 +229,7 @@ impl Communicator {
             CALL,
             &self.ctx,
             self.info,
-            &CommConfig {
-                blocking: Some(cfg.blocking != 0),
-                ..config.clone()
-            },
+            &config.clone().blocking(cfg.blocking != 0),
         )?;
         made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
         made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
@@ -855,6 +613,12 @@ impl Drop for Communicator {
                 let outcome = teardown(lib, comm, blocking, &streams, deadline);
                 match outcome {
                     Teardown::Destroyed => {}
+                    Teardown::DestroyFailed(status) => {
+                        crate::error::report_line(format_args!(
+                            "NCCL communicator ({info}): ncclCommDestroy failed: {status}: {}",
+                            error::description(lib, status)
+                        ));
+                    }
                     Teardown::Failed(call, status) => {
                         let text = error::description(lib, status);
                         let last = error::last_error(lib, comm);
@@ -881,67 +645,5 @@ impl Drop for Communicator {
                 }
             },
         );
-    }
-}
-
-enum Teardown {
-    Destroyed,
-    Failed(&'static str, ncclResult_t),
-    TimedOut,
-    Missing(&'static str),
-}
-
-/// Finalize within `deadline` (a blocking communicator first waits for the
-/// streams it used, so its finalize cannot block on unfinished work), then
-/// destroy. The context is current.
-fn teardown(
-    lib: &Nccl,
-    comm: ncclComm_t,
-    blocking: bool,
-    streams: &[CudaStream],
-    deadline: Instant,
-) -> Teardown {
-    if blocking {
-        let mut spins = 0u32;
-        for s in streams {
-            loop {
-                match s.query() {
-                    Ok(true) => break,
-                    Ok(false) if Instant::now() < deadline => backoff(&mut spins),
-                    // A stream that cannot be queried (faulted, being captured)
-                    // or still busy at the deadline: finalize might block.
-                    _ => return Teardown::TimedOut,
-                }
-            }
-        }
-    }
-    let Ok(finalize) = lib.ncclCommFinalize() else {
-        return Teardown::Missing("ncclCommFinalize");
-    };
-    // SAFETY: a live communicator, finalized once.
-    let status = unsafe { finalize(comm) };
-    if status == ncclResult_t::ncclInProgress {
-        match settle(lib, comm, Some(deadline)) {
-            Ok(Settled::Done) => {}
-            Ok(Settled::Failed(s)) => return Teardown::Failed("ncclCommFinalize", s),
-            Ok(Settled::TimedOut) => return Teardown::TimedOut,
-            Err(m) => return Teardown::Missing(m.name),
-        }
-    } else if !status.is_success() {
-        return Teardown::Failed("ncclCommFinalize", status);
-    }
-    let Ok(destroy) = lib.ncclCommDestroy() else {
-        return Teardown::Missing("ncclCommDestroy");
-    };
-    // SAFETY: a finalized communicator, destroyed once and never used after.
-    let status = unsafe { destroy(comm) };
-    if status.is_success() {
-        Teardown::Destroyed
-    } else {
-        // The handle is gone either way; report without a second free.
-        crate::error::report_line(format_args!(
-            "NCCL communicator: ncclCommDestroy failed: {status}"
-        ));
-        Teardown::Destroyed
     }
 }

@@ -45,11 +45,15 @@ use crate::stream::CudaStream;
 
 mod collective;
 mod comm;
+mod config;
 mod error;
+mod group;
+mod teardown;
 
-pub use collective::group;
-pub use comm::{CommConfig, Communicator};
+pub use comm::Communicator;
+pub use config::CommConfig;
 pub use error::{CommInfo, NcclError};
+pub use group::group;
 
 /// The process-wide NCCL library, or the load error as a [`MetraleError`].
 pub(crate) fn lib() -> Result<&'static Nccl> {
