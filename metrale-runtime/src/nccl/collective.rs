@@ -469,7 +469,7 @@ impl Communicator {
 
     /// Send `buf` to rank `peer` (`ncclSend`), which receives it with
     /// [`recv`](Self::recv) of the same length. Between ranks driven by one
-    /// thread, put both in one [`group`].
+    /// thread, put both in one [`group`](super::group).
     ///
     /// # Errors
     /// A peer that is not a rank, memory or stream of another device (before

@@ -117,7 +117,7 @@ impl CommConfig {
 
     /// The bound on metrale's polling of a non-blocking communicator (init,
     /// split, a collective that returned `ncclInProgress`): past it the
-    /// communicator is aborted and the call fails with [`NcclError::Timeout`].
+    /// communicator is aborted and the call fails with [`NcclError::Timeout`](super::NcclError::Timeout).
     /// Without it, polling goes on as long as NCCL says "in progress".
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> CommConfig {
