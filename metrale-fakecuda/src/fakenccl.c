@@ -771,6 +771,17 @@ EXPORT ncclResult_t ncclCommInitAll(void **comms, int ndev, const int *devlist) 
     return ncclSuccess;
 }
 
+/* A rank that takes no part in a split still waits for the others (the split
+ * is collective over the parent). */
+struct split_wait {
+    struct clique *cl;
+    long seq;
+};
+static int split_done(void *arg) {
+    struct split_wait *w = arg;
+    return w->cl->colls[w->seq % MAX_OPS].seq != w->seq;
+}
+
 EXPORT ncclResult_t ncclCommSplit(void *comm, int color, int key, void **newcomm, ncclConfig_t *config) {
     pthread_mutex_lock(&lock);
     ENTER();
@@ -788,7 +799,10 @@ EXPORT ncclResult_t ncclCommSplit(void *comm, int color, int key, void **newcomm
     p.color = color;
     p.key = key;
     p.child = child;
+    struct split_wait w = {c->cl, c->seq};
     ncclResult_t r = deposit(c, OP_SPLIT, p);
+    if (!r && !child && blocking && group_depth == 0 && !wait_until(split_done, &w))
+        r = fail(c, ncclSystemError, "fakenccl: rendezvous timed out in ncclCommSplit");
     if (r || !child) { pthread_mutex_unlock(&lock); return r; }
     r = finish_init(child);
     pthread_mutex_unlock(&lock);

@@ -65,7 +65,13 @@ fn two_ranks<R: Send + 'static>(
             })
         })
         .collect();
-    handles.into_iter().map(|h| h.join().unwrap()).collect()
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(
+        nccl().would_hang(),
+        0,
+        "a blocking finalize or destroy was made with work pending"
+    );
+    out
 }
 
 fn refusal(e: &metrale_runtime::MetraleError) -> String {
@@ -310,6 +316,15 @@ fn init_all_and_a_group_on_one_thread() {
     .unwrap();
     assert_eq!(nccl().calls("ncclCommAbort"), aborts + 1);
     drop(b);
+    // A panic inside a group still ends the NCCL group.
+    let (starts, ends) = (nccl().calls("ncclGroupStart"), nccl().calls("ncclGroupEnd"));
+    let panicked =
+        std::panic::catch_unwind(|| group(&[], || -> Result<()> { panic!("inside a group") }));
+    assert!(panicked.is_err());
+    assert_eq!(
+        (nccl().calls("ncclGroupStart"), nccl().calls("ncclGroupEnd")),
+        (starts + 1, ends + 1)
+    );
     // A device given twice is refused before NCCL.
     let e = Communicator::init_all(&[ctx(0), ctx(0)]).unwrap_err();
     assert!(refusal(&e).contains("device 0 is given twice"), "{e}");

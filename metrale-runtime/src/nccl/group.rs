@@ -77,18 +77,30 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
         l.extend(comms.iter().map(|c| c.raw_handle()));
         mark
     });
-    /// Ends the depth and the listing even when `f` unwinds.
-    struct Open(usize);
+    /// Ends the depth and the listing, and when `f` unwinds the NCCL group too
+    /// (its status ignored), so the thread is not left inside a group.
+    struct Open {
+        mark: usize,
+        end: Option<unsafe extern "C" fn() -> ncclResult_t>,
+    }
     impl Drop for Open {
         fn drop(&mut self) {
             DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
-            let mark = self.0;
+            let mark = self.mark;
             LISTED.with(|l| l.borrow_mut().truncate(mark));
+            if let Some(end) = self.end.take() {
+                // SAFETY: ends the group `group` started, once.
+                let _ = unsafe { end() };
+            }
         }
     }
     DEPTH.with(|d| d.set(d.get() + 1));
-    let open = Open(mark);
+    let mut open = Open {
+        mark,
+        end: Some(end),
+    };
     let result = f();
+    open.end = None;
     drop(open);
     // SAFETY: ends the group this call started.
     let status = unsafe { end() };
