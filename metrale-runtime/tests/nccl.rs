@@ -734,6 +734,20 @@ fn collectives_capture_without_host_sync() {
 
 fn drop_finalizes_then_destroys() {
     reset();
+    // A new stream per step: the communicator does not keep them all.
+    {
+        let (comm, s) = one_rank(&CommConfig::new());
+        let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+        let before = fake().live(metrale_fakecuda::Live::Streams);
+        for _ in 0..100 {
+            let step = CudaStream::new(comm.context()).unwrap();
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &step)
+                .unwrap();
+        }
+        let held = fake().live(metrale_fakecuda::Live::Streams) - before;
+        assert!((1..=9).contains(&held), "{held} streams held");
+    }
+    reset();
     let (comm, s) = one_rank(&CommConfig::new());
     let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
     comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();

@@ -65,6 +65,10 @@ impl fmt::Debug for Communicator {
     }
 }
 
+/// How many streams a communicator keeps before it lets go of those nobody
+/// else holds.
+const KEPT_STREAMS: usize = 8;
+
 impl Communicator {
     /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
     /// (`ncclCommInitRankConfig`). Every rank calls this, each with its own
@@ -534,6 +538,11 @@ impl Communicator {
             return;
         }
         if !streams.iter().any(|s| s.same_stream(stream)) {
+            if streams.len() >= KEPT_STREAMS {
+                // Streams only this list still holds: their owners are done
+                // with them, so keep them from piling up (a new stream per step).
+                streams.retain(|s| !s.is_last_handle());
+            }
             streams.push(stream.clone());
         }
     }
