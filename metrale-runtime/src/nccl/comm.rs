@@ -28,6 +28,15 @@ use super::{lib, NcclId};
 /// `Send`, not `Sync`: NCCL communicators are not thread-safe, so one thread at a
 /// time uses it (move it to the thread that drives its rank). Drop finalizes and
 /// destroys it within the config's drop timeout, and aborts it past that.
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<metrale_runtime::nccl::Communicator>(); // not Sync
+/// ```
+/// ```
+/// fn sent<T: Send>() {}
+/// sent::<metrale_runtime::nccl::Communicator>();
+/// ```
 pub struct Communicator {
     raw: ncclComm_t,
     lib: &'static Nccl,
