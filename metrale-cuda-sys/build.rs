@@ -1,7 +1,8 @@
 //! Build script of metrale-cuda-sys.
 //!
 //! By default it does nothing: the committed `src/bindings.rs` (and, with the
-//! `nvrtc` feature, `src/nvrtc_bindings.rs` and `src/nvjitlink_bindings.rs`) are
+//! `nvrtc` feature, `src/nvrtc_bindings.rs` and `src/nvjitlink_bindings.rs`; with
+//! `nccl`, `src/nccl_bindings.rs`) are
 //! used, so a build needs neither a CUDA toolkit nor libclang. With the `bindgen`
 //! feature it runs bindgen (see `build/gen.rs`) on each wrapper header against the
 //! first include folder that has the header, and writes the bindings to
@@ -46,6 +47,16 @@ fn generate_all() -> Result<(), String> {
             "nvjitlink_wrapper.h",
             Some("METRALE_NVJITLINK_INCLUDE_DIR"),
             "nvjitlink_bindings.rs",
+        )?;
+    }
+    #[cfg(feature = "nccl")]
+    {
+        println!("cargo:rerun-if-changed=nccl_stub");
+        generate(
+            &gen::NCCL,
+            "nccl_wrapper.h",
+            Some("METRALE_NCCL_INCLUDE_DIR"),
+            "nccl_bindings.rs",
         )?;
     }
     Ok(())

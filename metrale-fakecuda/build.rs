@@ -1,21 +1,28 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
-//! one, and an "old driver" one without the entry points CUDA 12 added.
+//! one, and an "old driver" one without the entry points CUDA 12 added; and the
+//! stand-in NCCL (`fakenccl.c`) as a third.
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
-//! dev-dependency build on such a machine, and the fault-injection suite, which
-//! needs the library, fails at run time saying it is missing.
+//! dev-dependency build on such a machine, and the suites that need a stand-in
+//! fail at run time saying it is missing.
 
 use std::path::PathBuf;
 use std::process::Command;
 
 fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
+    println!("cargo:rerun-if-changed=src/fakenccl.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
-    for (file, define) in [
-        ("libmetrale_fakecuda.so", None),
-        ("libmetrale_fakecuda_old.so", Some("-DFAKECUDA_OLD")),
+    for (file, source, define) in [
+        ("libmetrale_fakecuda.so", "src/fakecuda.c", None),
+        (
+            "libmetrale_fakecuda_old.so",
+            "src/fakecuda.c",
+            Some("-DFAKECUDA_OLD"),
+        ),
+        ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
     ] {
         let mut cmd: Command = compiler.to_command();
         cmd.args([
@@ -33,8 +40,8 @@ fn main() {
         .args(define)
         .arg("-o")
         .arg(out.join(file))
-        .arg("src/fakecuda.c")
-        .arg("-lpthread");
+        .arg(source)
+        .args(["-lpthread", "-ldl"]);
         let status = cmd.status();
         match status {
             Ok(s) if s.success() => {}

@@ -3,24 +3,28 @@
 #   src/bindings.rs            cuda.h       (nvidia-cuda-runtime)
 #   src/nvrtc_bindings.rs      nvrtc.h      (nvidia-cuda-nvrtc, feature nvrtc)
 #   src/nvjitlink_bindings.rs  nvJitLink.h  (nvidia-nvjitlink, feature nvrtc)
+#   src/nccl_bindings.rs       nccl.h       (nvidia-nccl-cu13, feature nccl)
 #
 #   scripts/regen-bindings.sh          rewrite the committed bindings
 #   scripts/regen-bindings.sh --check  fail if any committed file differs
 #
 # Each header comes from its PyPI package (pinned below), fetched with
-# `pip download` into .cuda-header/ (ignored by git). The bindings are produced by
+# `pip download` into .cuda-header/ (ignored by git; only the wheels' include
+# folders are unpacked, the NCCL wheel is large). nccl.h includes CUDA runtime
+# headers; metrale-cuda-sys/nccl_stub/ stands in for them. The bindings are produced by
 # the crate's own build script (features `bindgen` and `nvrtc`), so a feature
 # build and the committed files share one bindgen configuration. Needs libclang
 # (Debian: libclang-dev) and rustfmt.
 set -euo pipefail
 
-# package version header
+# package version header include-folder-in-the-wheel
 PINS=(
-  "nvidia-cuda-runtime 13.0.96 cuda.h"
-  "nvidia-cuda-nvrtc 13.0.88 nvrtc.h"
-  "nvidia-nvjitlink 13.0.88 nvJitLink.h"
+  "nvidia-cuda-runtime 13.0.96 cuda.h nvidia/cu13/include"
+  "nvidia-cuda-nvrtc 13.0.88 nvrtc.h nvidia/cu13/include"
+  "nvidia-nvjitlink 13.0.88 nvJitLink.h nvidia/cu13/include"
+  "nvidia-nccl-cu13 2.28.9 nccl.h nvidia/nccl/include"
 )
-FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs)
+FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs nccl_bindings.rs)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -31,38 +35,49 @@ case "${1:-}" in
   *) echo "usage: $0 [--check]" >&2; exit 2 ;;
 esac
 
-# fetch PACKAGE VERSION HEADER: print the include folder holding HEADER.
+# fetch PACKAGE VERSION HEADER SUBDIR: print the include folder holding HEADER.
 fetch() {
-  local package=$1 version=$2 header=$3
+  local package=$1 version=$2 header=$3 subdir=$4
   local cache=$root/.cuda-header/$package-$version
-  local include=$cache/nvidia/cu13/include
+  local include=$cache/$subdir
   if [ ! -f "$include/$header" ]; then
     local wheels
     wheels=$(mktemp -d)
     python3 -m pip download --quiet --no-deps --only-binary=:all: \
-      --platform manylinux2014_x86_64 --python-version 3.12 \
+      --platform manylinux2014_x86_64 --platform manylinux_2_18_x86_64 \
+      --python-version 3.12 \
       -d "$wheels" "$package==$version" >&2
     mkdir -p "$cache"
-    python3 -m zipfile -e "$wheels"/*.whl "$cache"
+    python3 - "$wheels" "$cache" <<'PY'
+import glob, sys, zipfile
+wheels, cache = sys.argv[1], sys.argv[2]
+for wheel in glob.glob(wheels + "/*.whl"):
+    with zipfile.ZipFile(wheel) as z:
+        for name in z.namelist():
+            if "/include/" in name:
+                z.extract(name, cache)
+PY
     rm -rf "$wheels"
   fi
   [ -f "$include/$header" ] || { echo "$header not found in $include" >&2; exit 1; }
   printf '%s\n' "$include"
 }
 
-read -r p v h <<<"${PINS[0]}"; cuda_include=$(fetch "$p" "$v" "$h")
-read -r p v h <<<"${PINS[1]}"; nvrtc_include=$(fetch "$p" "$v" "$h")
-read -r p v h <<<"${PINS[2]}"; nvjitlink_include=$(fetch "$p" "$v" "$h")
+read -r p v h d <<<"${PINS[0]}"; cuda_include=$(fetch "$p" "$v" "$h" "$d")
+read -r p v h d <<<"${PINS[1]}"; nvrtc_include=$(fetch "$p" "$v" "$h" "$d")
+read -r p v h d <<<"${PINS[2]}"; nvjitlink_include=$(fetch "$p" "$v" "$h" "$d")
+read -r p v h d <<<"${PINS[3]}"; nccl_include=$(fetch "$p" "$v" "$h" "$d")
 
 generated=$(mktemp -d)
 trap 'rm -rf "$generated"' EXIT
 (cd "$root" && METRALE_CUDA_INCLUDE_DIR=$cuda_include \
   METRALE_NVRTC_INCLUDE_DIR=$nvrtc_include \
   METRALE_NVJITLINK_INCLUDE_DIR=$nvjitlink_include \
+  METRALE_NCCL_INCLUDE_DIR=$nccl_include \
   METRALE_BINDINGS_OUT_DIR=$generated \
-  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc)
+  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl)
 
-pins=$(printf '%s, ' "${PINS[@]}" | sed 's/ \([^ ,]*\.h\)//g; s/ /==/g; s/,==/, /g; s/, $//')
+pins=$(printf '%s, ' "${PINS[@]}" | sed 's/ [^ ,]*\.h [^ ,]*//g; s/ /==/g; s/,==/, /g; s/, $//')
 stale=0
 for file in "${FILES[@]}"; do
   rustfmt --edition 2021 "$generated/$file"

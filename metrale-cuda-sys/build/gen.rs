@@ -1,5 +1,5 @@
-//! The one bindgen configuration for every header the crate binds (`cuda.h`, and
-//! with the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`), and the one pass that
+//! The one bindgen configuration for every header the crate binds (`cuda.h`, with
+//! the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`, with `nccl` `nccl.h`), and the one pass that
 //! turns bindgen's `extern "C"` block into a run-time loaded function table.
 //!
 //! A header differs from another only by its [`Spec`]: which file's declarations
@@ -42,6 +42,9 @@ pub struct Spec {
     pub error: &'static str,
     /// What the accessor's docs call the loaded library (`driver`).
     pub loaded: &'static str,
+    /// A folder of the crate searched after the header's own (`nccl_stub`: the
+    /// stand-ins for the CUDA runtime headers `nccl.h` includes), if any.
+    pub stub_include: Option<&'static str>,
 }
 
 /// `cuda.h`: the driver API.
@@ -55,6 +58,7 @@ pub const CUDA: Spec = Spec {
     missing: "crate::MissingSymbol { name: \"{name}\" }",
     error: "crate::MissingSymbol",
     loaded: "driver",
+    stub_include: None,
 };
 
 /// `nvrtc.h`: the run-time compiler.
@@ -69,6 +73,7 @@ pub const NVRTC: Spec = Spec {
     missing: "self.missing(\"{name}\")",
     error: "crate::LibraryMissingSymbol",
     loaded: "library",
+    stub_include: None,
 };
 
 /// `nvJitLink.h`: the JIT linker.
@@ -83,6 +88,22 @@ pub const NVJITLINK: Spec = Spec {
     missing: "self.missing(\"{name}\")",
     error: "crate::LibraryMissingSymbol",
     loaded: "library",
+    stub_include: None,
+};
+
+/// `nccl.h`: collective communication (feature `nccl`).
+#[allow(dead_code)]
+pub const NCCL: Spec = Spec {
+    header: "nccl.h",
+    describes: "the pinned NCCL header",
+    table: "NcclFns",
+    owner: "crate::nccl::Nccl",
+    status: "ncclResult_t",
+    library: "an NCCL library",
+    missing: "self.missing(\"{name}\")",
+    error: "crate::LibraryMissingSymbol",
+    loaded: "library",
+    stub_include: Some("nccl_stub"),
 };
 
 /// Run bindgen on `wrapper` (which includes `spec.header`) with `include_dir` on
@@ -90,9 +111,14 @@ pub const NVJITLINK: Spec = Spec {
 pub fn generate(spec: &Spec, wrapper: &Path, include_dir: &Path) -> Result<String, String> {
     let target = bindgen::RustTarget::stable(RUST_TARGET_MINOR, 0)
         .map_err(|e| format!("bindgen rust target 1.{RUST_TARGET_MINOR}: {e}"))?;
-    let bindings = bindgen::Builder::default()
+    let mut builder = bindgen::Builder::default()
         .header(wrapper.to_string_lossy())
-        .clang_arg(format!("-I{}", include_dir.display()))
+        .clang_arg(format!("-I{}", include_dir.display()));
+    if let Some(stub) = spec.stub_include {
+        let crate_dir = wrapper.parent().unwrap_or(Path::new("."));
+        builder = builder.clang_arg(format!("-I{}", crate_dir.join(stub).display()));
+    }
+    let bindings = builder
         .rust_target(target)
         // Only what the header itself declares; libc typedefs it needs come along.
         .allowlist_file(format!(r".*[/\\]{}", spec.header.replace('.', r"\.")))

@@ -18,7 +18,9 @@
 //! With the `nvrtc` feature, the modules `nvrtc` and `nvjitlink` bind the run-time
 //! compiler and the JIT linker the same way: generated types, a lazily loaded
 //! table each (`nvrtc::nvrtc()`, `nvjitlink::nvjitlink()`), their own
-//! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors.
+//! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors. With
+//! the `nccl` feature, the module `nccl` binds NCCL the same way (`nccl::nccl()`,
+//! `METRALE_LIBNCCL_PATH`).
 //!
 //! ```no_run
 //! use metrale_cuda_sys as sys;
@@ -67,11 +69,13 @@ mod bindings {
 
 pub use bindings::*;
 
-#[cfg(feature = "nvrtc")]
+#[cfg(any(feature = "nvrtc", feature = "nccl"))]
 mod library;
-#[cfg(feature = "nvrtc")]
-#[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
+#[cfg(any(feature = "nvrtc", feature = "nccl"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "nvrtc", feature = "nccl"))))]
 pub use library::{LibraryLoadError, LibraryMissingSymbol};
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvjitlink;

@@ -1,4 +1,4 @@
-//! What the companion libraries (NVRTC, nvJitLink) share: the typed errors of a
+//! What the companion libraries (NVRTC, nvJitLink, NCCL) share: the typed errors of a
 //! failed load and of a missing symbol, and the search over candidates.
 //!
 //! The pattern is the driver's ([`crate::Driver::load_default`]): an exact file
@@ -10,10 +10,10 @@ use std::fmt;
 
 use crate::LoadAttempt;
 
-/// A companion library (NVRTC, nvJitLink) could not be loaded.
+/// A companion library (NVRTC, nvJitLink, NCCL) could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LibraryLoadError {
-    /// Which library (`"NVRTC"`, `"nvJitLink"`).
+    /// Which library (`"NVRTC"`, `"nvJitLink"`, `"NCCL"`).
     pub library: &'static str,
     /// The environment variable that names its file (`METRALE_LIBNVRTC_PATH`).
     pub env_var: &'static str,
@@ -60,7 +60,7 @@ impl std::error::Error for LibraryLoadError {}
 /// A function of a companion header that the loaded library does not export.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct LibraryMissingSymbol {
-    /// Which library (`"NVRTC"`, `"nvJitLink"`).
+    /// Which library (`"NVRTC"`, `"nvJitLink"`, `"NCCL"`).
     pub library: &'static str,
     /// The symbol (`nvrtcGetLTOIR`, `__nvJitLinkCreate_13_0`).
     pub name: &'static str,
@@ -106,7 +106,7 @@ pub(crate) fn open(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAt
 
 /// Open `path` with `RTLD_NOW | RTLD_GLOBAL` (Unix), so a later `dlopen` of its
 /// soname by another library finds it already loaded.
-#[cfg(unix)]
+#[cfg(all(unix, feature = "nvrtc"))]
 pub(crate) fn open_global(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAttempt> {
     use libloading::os::unix::{Library, RTLD_GLOBAL, RTLD_NOW};
     // SAFETY: as in `open`: a library of NVIDIA's compiler, safe to initialise.
@@ -119,7 +119,7 @@ pub(crate) fn open_global(path: &std::ffi::OsStr) -> Result<libloading::Library,
 }
 
 /// Elsewhere there is no global namespace to put it in: open it as usual.
-#[cfg(not(unix))]
+#[cfg(all(not(unix), feature = "nvrtc"))]
 pub(crate) fn open_global(path: &std::ffi::OsStr) -> Result<libloading::Library, LoadAttempt> {
     open(path)
 }

@@ -397,6 +397,7 @@ struct stream {
     struct stream *origin;  /* the stream the capture began on */
     struct node *tails[MAX_TAILS];
     int ntails;
+    int holds; /* work of another stand-in (fakenccl) not yet complete */
 };
 struct event {
     struct ctx *ctx;
@@ -758,6 +759,37 @@ EXPORT int fakecuda_pending(void *s) {
     int n = find(s, K_STREAM) ? ((struct stream *)s)->npending : -1;
     pthread_mutex_unlock(&lock);
     return n;
+}
+/* For the stand-in NCCL (fakenccl.c): a collective that waits for its peers
+ * holds its stream, which then reads as busy (cuStreamQuery: NOT_READY;
+ * synchronisation waits) until the hold is released. */
+EXPORT int fakecuda_stream_hold(void *s, int delta) {
+    pthread_mutex_lock(&lock);
+    int r = -1;
+    if (s && find(s, K_STREAM)) {
+        struct stream *st = s;
+        st->holds += delta;
+        if (st->holds < 0) st->holds = 0;
+        r = st->holds;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT int fakecuda_stream_capturing(void *s) {
+    pthread_mutex_lock(&lock);
+    int r = s && find(s, K_STREAM) && ((struct stream *)s)->capture != NULL;
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT int fakecuda_current_device(void) { return current ? current->dev : -1; }
+/* Wait, with the lock released, while a stream is held. */
+static void wait_holds(void *s) {
+    while (s && find(s, K_STREAM) && ((struct stream *)s)->holds > 0) {
+        pthread_mutex_unlock(&lock);
+        struct timespec t = {0, 200000};
+        nanosleep(&t, NULL);
+        pthread_mutex_lock(&lock);
+    }
 }
 EXPORT void *fakecuda_last_free_stream(void) { return last_free_stream; }
 EXPORT int fakecuda_last_prefetch_device(void) { return last_prefetch_dev; }
@@ -1127,8 +1159,9 @@ static CUresult do_stream_sync(void *s) {
     CUresult r = stream_ok(s);
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
-    if (s) run_pending(s);
     drain(job_stream(s));
+    wait_holds(s);
+    if (s && find(s, K_STREAM)) run_pending(s);
     return SUCCESS;
 }
 EXPORT CUresult cuStreamSynchronize(void *s) { LOCKED(do_stream_sync(s)); }
@@ -1139,6 +1172,7 @@ static CUresult do_stream_query(void *s) {
     if (r) return r;
     if (s && invalidate_capture(s)) return STREAM_CAPTURE_UNSUPPORTED;
     if (job_stream(s)->done < job_stream(s)->enq) return NOT_READY;
+    if (s && ((struct stream *)s)->holds > 0) return NOT_READY;
     if (s) run_pending(s);
     return SUCCESS;
 }

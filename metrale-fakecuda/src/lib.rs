@@ -26,6 +26,14 @@ pub fn old_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda_old.so"))
 }
 
+/// Path of the stand-in NCCL (`src/fakenccl.c`): ranks as threads of one
+/// process, collectives computed on the stand-in driver's memory. It finds the
+/// stand-in driver through `METRALE_LIBCUDA_PATH` (to hold streams while a
+/// collective waits for its peers), so set both.
+pub fn nccl_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl.so"))
+}
+
 /// What [`Fake::live`] counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -338,6 +346,139 @@ impl Fake {
             "fakecuda_func_max_dynamic_shared",
             unsafe extern "C" fn(*mut c_void) -> c_int,
             func
+        )
+    }
+}
+
+/// Handle on the stand-in NCCL's control functions, for a library already loaded
+/// in this process.
+pub struct FakeNccl {
+    lib: libloading::Library,
+}
+
+#[allow(clippy::missing_panics_doc, clippy::panic, clippy::unnecessary_cast)]
+impl FakeNccl {
+    /// Open the control interface of the stand-in NCCL at `path`.
+    ///
+    /// # Panics
+    /// When the library cannot be opened (a broken build of this test crate).
+    pub fn open(path: &Path) -> FakeNccl {
+        // SAFETY: the stand-in's initialisers do nothing.
+        match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => FakeNccl { lib },
+            Err(e) => panic!("cannot open {}: {e}", path.display()),
+        }
+    }
+
+    /// Clear call counts, injected failures, hang, in-progress polls, timeout
+    /// (10 s) and the version (2.28.9).
+    pub fn reset(&self) {
+        call!(self, "fakenccl_reset", unsafe extern "C" fn());
+    }
+
+    /// Make `call` return `status` from its `from_call`-th call on (1-based), for
+    /// `times` calls, or for ever with `None`.
+    pub fn fail(&self, call: &str, status: u32, from_call: i64, times: Option<i64>) {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakenccl_fail",
+            unsafe extern "C" fn(*const c_char, c_int, c_long, c_long),
+            name.as_ptr(),
+            status as c_int,
+            from_call as c_long,
+            times.unwrap_or(-1) as c_long
+        );
+    }
+
+    /// How many times `call` was made since the last reset.
+    pub fn calls(&self, call: &str) -> i64 {
+        let name = CString::new(call).unwrap_or_default();
+        let n: c_long = call!(
+            self,
+            "fakenccl_calls",
+            unsafe extern "C" fn(*const c_char) -> c_long,
+            name.as_ptr()
+        );
+        n as i64
+    }
+
+    /// Live communicators.
+    pub fn live(&self) -> i32 {
+        call!(self, "fakenccl_live", unsafe extern "C" fn() -> c_int)
+    }
+
+    /// Blocking finalizes or destroys made while operations were pending (a real
+    /// library would have blocked there, maybe for ever).
+    pub fn would_hang(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_would_hang",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// Operations never complete while on (a dead peer, a kernel that spins).
+    pub fn set_hang(&self, on: bool) {
+        call!(
+            self,
+            "fakenccl_set_hang",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
+    /// Non-blocking communicators answer `ncclInProgress` this many times after
+    /// each operation before `ncclSuccess`.
+    pub fn set_inprogress_polls(&self, n: i32) {
+        call!(
+            self,
+            "fakenccl_set_inprogress_polls",
+            unsafe extern "C" fn(c_int),
+            n
+        );
+    }
+
+    /// How long a blocking init waits for its peers.
+    pub fn set_timeout_ms(&self, ms: i64) {
+        call!(
+            self,
+            "fakenccl_set_timeout_ms",
+            unsafe extern "C" fn(c_long),
+            ms as c_long
+        );
+    }
+
+    /// The code `ncclGetVersion` answers.
+    pub fn set_version(&self, code: i32) {
+        call!(
+            self,
+            "fakenccl_set_version",
+            unsafe extern "C" fn(c_int),
+            code
+        );
+    }
+
+    /// Make `comm` report `status` from `ncclCommGetAsyncError` (and refuse new
+    /// work with it).
+    pub fn set_async_error(&self, comm: *mut c_void, status: i32) {
+        call!(
+            self,
+            "fakenccl_set_async_error",
+            unsafe extern "C" fn(*mut c_void, c_int),
+            comm,
+            status
+        );
+    }
+
+    /// Operations of `comm` not yet complete (-1 for an unknown handle).
+    pub fn pending(&self, comm: *mut c_void) -> i32 {
+        call!(
+            self,
+            "fakenccl_pending",
+            unsafe extern "C" fn(*mut c_void) -> c_int,
+            comm
         )
     }
 }

@@ -448,6 +448,13 @@ pub enum ErrorKind {
     #[cfg(feature = "nvrtc")]
     #[error(transparent)]
     Nvrtc(Box<crate::nvrtc::NvrtcError>),
+
+    // nccl feature
+    /// A communicator, a collective or NCCL itself failed, or a collective was
+    /// refused before NCCL; the data is the `nccl` room's.
+    #[cfg(feature = "nccl")]
+    #[error(transparent)]
+    Nccl(Box<crate::nccl::NcclError>),
 }
 
 impl fmt::Debug for MetraleError {

@@ -77,6 +77,8 @@ pub mod host;
 pub mod launch;
 pub mod memory;
 pub mod module;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
@@ -114,6 +116,8 @@ pub use memory::{
     WriteFlags,
 };
 pub use module::NamedBlob;
+#[cfg(feature = "nccl")]
+pub use nccl::{group, CommConfig, Communicator, NcclError, NcclId, NcclType, ReduceOp};
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub use nvrtc::{

@@ -21,6 +21,9 @@ mod graphs;
 mod layout;
 #[path = "gpu/memory.rs"]
 mod memory;
+#[cfg(feature = "nccl")]
+#[path = "gpu/nccl.rs"]
+mod nccl;
 #[cfg(feature = "nvrtc")]
 #[path = "gpu/nvrtc.rs"]
 mod nvrtc;
@@ -55,17 +58,21 @@ fn main() -> ExitCode {
         soundness::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
+        #[cfg(feature = "nccl")]
+        nccl::tests(),
     ]
     .into_iter()
     .flatten()
     .collect();
     let require = std::env::var("METRALE_REQUIRE_GPU").is_ok_and(|v| v == "1");
+    #[allow(unused_mut)]
+    let mut children = basic::children();
+    children.extend(futures::children());
+    #[cfg(feature = "nccl")]
+    children.extend(nccl::children());
     harness::main(
         &tests,
-        &basic::children()
-            .into_iter()
-            .chain(futures::children())
-            .collect::<Vec<_>>(),
+        &children,
         gate,
         require.then_some("METRALE_REQUIRE_GPU=1"),
     )

@@ -255,8 +255,115 @@ fn managed_host_slice_waits_for_a_peer_copy() {
     );
 }
 
+/// Two ranks on two GPUs, one thread each (`init_rank`): every collective's
+/// results, send and receive, and a split.
+#[cfg(feature = "nccl")]
+fn nccl_two_ranks_on_two_threads() {
+    use metrale_runtime::nccl::{CommConfig, Communicator, NcclId, ReduceOp};
+    let id = NcclId::new().unwrap();
+    let text = id.to_string();
+    let handles: Vec<_> = (0..2usize)
+        .map(|rank| {
+            let text = text.clone();
+            std::thread::spawn(move || {
+                let id: NcclId = text.parse().unwrap();
+                let ctx = context(rank).unwrap();
+                let s = CudaStream::new(&ctx).unwrap();
+                let comm = Communicator::init_rank(&id, 2, rank, &ctx, &CommConfig::new()).unwrap();
+                let n = 1 << 22;
+                let r = rank as f32;
+                let send = DeviceBuffer::from_host(&s, &vec![r + 1.0; n]).unwrap();
+                let mut recv = DeviceBuffer::<f32>::zeroed(&s, n).unwrap();
+                comm.all_reduce(&send, &mut recv, ReduceOp::Sum, &s)
+                    .unwrap();
+                assert!(s.to_vec(&recv).unwrap().iter().all(|&v| v == 3.0));
+                let mut all = DeviceBuffer::<f32>::zeroed(&s, 2 * n).unwrap();
+                comm.all_gather(&send, &mut all, &s).unwrap();
+                let all = s.to_vec(&all).unwrap();
+                assert!(all[..n].iter().all(|&v| v == 1.0) && all[n..].iter().all(|&v| v == 2.0));
+                let blocks = DeviceBuffer::from_host(&s, &[1.0f32 + r, 10.0 + r]).unwrap();
+                let mut part = DeviceBuffer::<f32>::zeroed(&s, 1).unwrap();
+                comm.reduce_scatter(&blocks, &mut part, ReduceOp::Sum, &s)
+                    .unwrap();
+                let want = if rank == 0 { 3.0 } else { 21.0 };
+                assert_eq!(s.to_vec(&part).unwrap(), vec![want]);
+                let mut b = DeviceBuffer::from_host(&s, &[r; 16]).unwrap();
+                comm.broadcast_in_place(&mut b, 1, &s).unwrap();
+                assert_eq!(s.to_vec(&b).unwrap(), vec![1.0; 16]);
+                let mut p = DeviceBuffer::from_host(&s, &[7 + rank as u64; 8]).unwrap();
+                metrale_runtime::nccl::group(&[], || {
+                    if rank == 0 {
+                        comm.send(&p, 1, &s)
+                    } else {
+                        comm.recv(&mut p, 0, &s)
+                    }
+                })
+                .unwrap();
+                assert_eq!(s.to_vec(&p).unwrap(), vec![7; 8]);
+                let other = CudaStream::new(&context(1 - rank).unwrap()).unwrap();
+                let far = DeviceBuffer::<f32>::zeroed(&other, 4).unwrap();
+                let mut near = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+                let e = comm
+                    .all_reduce(&far, &mut near, ReduceOp::Sum, &s)
+                    .unwrap_err();
+                assert!(
+                    e.to_string().contains("the send buffer is on device"),
+                    "{e}"
+                );
+                let swapped = comm
+                    .split(Some(0), 1 - rank as i32, &CommConfig::new())
+                    .unwrap()
+                    .unwrap();
+                assert_eq!((swapped.rank(), swapped.size()), (1 - rank, 2));
+                comm.wait(&s, std::time::Duration::from_secs(30)).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+}
+
+/// One thread drives both GPUs (`init_all` and a group).
+#[cfg(feature = "nccl")]
+fn nccl_one_thread_two_gpus_in_a_group() {
+    use metrale_runtime::nccl::{group, Communicator, ReduceOp};
+    let ctxs = [context(0).unwrap(), context(1).unwrap()];
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let streams = [
+        CudaStream::new(&ctxs[0]).unwrap(),
+        CudaStream::new(&ctxs[1]).unwrap(),
+    ];
+    let n = 1 << 20;
+    let mut bufs = [
+        DeviceBuffer::from_host(&streams[0], &vec![1i64; n]).unwrap(),
+        DeviceBuffer::from_host(&streams[1], &vec![2i64; n]).unwrap(),
+    ];
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    group(&listed, || {
+        for ((c, b), s) in comms.iter().zip(bufs.iter_mut()).zip(&streams) {
+            c.all_reduce_in_place(b, ReduceOp::Sum, s)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (b, s) in bufs.iter().zip(&streams) {
+        assert!(s.to_vec(b).unwrap().iter().all(|&v| v == 3));
+    }
+}
+
 fn main() -> ExitCode {
     let tests = [
+        #[cfg(feature = "nccl")]
+        Test {
+            name: "multi::nccl_two_ranks_on_two_threads",
+            run: nccl_two_ranks_on_two_threads,
+        },
+        #[cfg(feature = "nccl")]
+        Test {
+            name: "multi::nccl_one_thread_two_gpus_in_a_group",
+            run: nccl_one_thread_two_gpus_in_a_group,
+        },
         Test {
             name: "multi::a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read",
             run: a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read,

@@ -591,6 +591,12 @@ impl CudaStream {
         self.inner.ctx.ordinal()
     }
 
+    /// Whether this is the last handle to the stream (nothing else holds it).
+    #[cfg(feature = "nccl")]
+    pub(crate) fn is_last_handle(&self) -> bool {
+        Arc::strong_count(&self.inner) == 1
+    }
+
     /// Whether `other` is a handle to this very stream.
     pub fn same_stream(&self, other: &CudaStream) -> bool {
         self.inner.raw == other.inner.raw && Arc::ptr_eq(&self.inner.ctx, &other.inner.ctx)

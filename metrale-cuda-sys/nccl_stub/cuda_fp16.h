@@ -1,0 +1,1 @@
+/* metrale's empty stand-in: nccl.h's declarations use no half-precision type. */

@@ -1,0 +1,1057 @@
+/*
+ * fakenccl: a small stand-in for the NCCL library, for tests on machines
+ * without a GPU. It exports the NCCL entry points metrale uses, by their real
+ * names, and fakenccl_* control functions.
+ *
+ * Model:
+ *  - ranks are threads (or communicators of one thread, in a group) of one
+ *    process; a unique id names an in-process rendezvous (a "clique");
+ *  - "device memory" is the stand-in driver's, which is host memory: collectives
+ *    read and write the pointers they are given;
+ *  - the k-th collective of each rank of a clique is one operation: the rank
+ *    that completes it computes the result for all. Until then each waiting
+ *    rank's stream is held through the stand-in driver (fakecuda_stream_hold),
+ *    so it reads as busy and synchronising it waits, as on a GPU. Sends and
+ *    receives match by (sender, receiver, sequence);
+ *  - init and split of a blocking communicator wait for all ranks (bounded:
+ *    past the rendezvous timeout they fail with ncclSystemError); a
+ *    non-blocking one returns ncclInProgress and ncclCommGetAsyncError says
+ *    ncclInProgress until every rank joined. Operations of a non-blocking
+ *    communicator also report ncclInProgress for a configurable number of
+ *    polls;
+ *  - a collective queued on a stream being captured runs when queued (the
+ *    stand-in driver has no node for it): a capture test checks that nothing
+ *    in the call path synchronises, not the replay;
+ *  - ncclGroupStart/End defer the calls of this thread to the outermost end.
+ *
+ * Failure control: make a named call fail from its Nth call on; set an
+ * asynchronous error on a communicator; "hang" (operations never complete, as
+ * with a dead peer); count calls by name, live communicators, and blocking
+ * finalizes or destroys that a real library would have hung in.
+ */
+#define _POSIX_C_SOURCE 200809L
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define EXPORT __attribute__((visibility("default")))
+
+typedef int ncclResult_t;
+enum {
+    ncclSuccess = 0,
+    ncclUnhandledCudaError = 1,
+    ncclSystemError = 2,
+    ncclInternalError = 3,
+    ncclInvalidArgument = 4,
+    ncclInvalidUsage = 5,
+    ncclRemoteError = 6,
+    ncclInProgress = 7,
+};
+typedef struct { char internal[128]; } ncclUniqueId;
+typedef struct {
+    size_t size;
+    unsigned int magic;
+    unsigned int version;
+    int blocking;
+    int cgaClusterSize;
+    int minCTAs;
+    int maxCTAs;
+    const char *netName;
+    int splitShare;
+    int trafficClass;
+    const char *commName;
+    int collnetEnable;
+    int CTAPolicy;
+    int shrinkShare;
+    int nvlsCTAs;
+    int nChannelsPerNetPeer;
+    int nvlinkCentricSched;
+} ncclConfig_t;
+
+#define UNDEF_INT (-2147483647 - 1)
+#define MAX_RANKS 8
+#define MAX_OPS 64
+#define MAX_P2P 64
+#define MAX_CLIQUES 64
+#define COMM_MAGIC 0x4e43434c
+
+enum kind { OP_NONE = 0, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_REDUCESCATTER, OP_SPLIT };
+
+struct comm;
+struct part {
+    int in;
+    const void *send;
+    void *recv;
+    size_t count;
+    int dtype, op, root;
+    void *stream;
+    int held;
+    struct comm *comm;
+    int color, key;      /* split */
+    struct comm *child;  /* split: the new communicator (state joining) */
+};
+struct coll {
+    long seq; /* -1: free */
+    int kind;
+    int arrived;
+    struct part p[MAX_RANKS];
+};
+struct p2p {
+    int used, is_send, from, to;
+    long seq;
+    void *buf;
+    size_t bytes;
+    void *stream;
+    struct comm *comm;
+};
+struct clique {
+    int used;
+    char id[128];
+    int nranks, joined;
+    struct comm *members[MAX_RANKS];
+    struct coll colls[MAX_OPS];
+    struct p2p p2p[MAX_P2P];
+};
+struct comm {
+    int magic;
+    struct clique *cl;
+    int rank, nranks, dev;
+    int blocking;
+    int ready;      /* every rank joined */
+    int failed;     /* init failed (e.g. a split mismatch) */
+    int aborted, finalized;
+    int async_error;
+    int polls_left; /* non-blocking: ncclInProgress answers still to give */
+    long seq;
+    long send_seq[MAX_RANKS], recv_seq[MAX_RANKS];
+    int pending;    /* operations of this rank not yet complete */
+    char last_error[256];
+};
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t changed = PTHREAD_COND_INITIALIZER;
+static struct clique cliques[MAX_CLIQUES];
+static int live_comms;
+static int hang;
+static int inprogress_polls;
+static long timeout_ms = 10000;
+static long would_hang;
+static int version_code = 22809;
+static unsigned long long id_counter;
+static __thread char thread_error[256];
+
+/* ---- call accounting and failure injection ------------------------------- */
+
+#define MAX_NAMES 64
+struct call_slot {
+    char name[64];
+    long calls;
+    int fail_status;
+    long fail_from, fail_times;
+};
+static struct call_slot slots[MAX_NAMES];
+
+static struct call_slot *slot(const char *name) {
+    for (int i = 0; i < MAX_NAMES; i++) {
+        if (slots[i].name[0] == 0) {
+            snprintf(slots[i].name, sizeof slots[i].name, "%s", name);
+            return &slots[i];
+        }
+        if (strcmp(slots[i].name, name) == 0) return &slots[i];
+    }
+    return &slots[MAX_NAMES - 1];
+}
+static ncclResult_t enter(const char *name) {
+    struct call_slot *s = slot(name);
+    s->calls++;
+    if (s->fail_status && s->calls >= s->fail_from &&
+        (s->fail_times < 0 || s->calls < s->fail_from + s->fail_times)) {
+        snprintf(thread_error, sizeof thread_error, "fakenccl: %s failed as asked", name);
+        return s->fail_status;
+    }
+    return ncclSuccess;
+}
+#define ENTER()                                                                    \
+    do {                                                                           \
+        ncclResult_t e__ = enter(__func__);                                        \
+        if (e__) {                                                                 \
+            pthread_mutex_unlock(&lock);                                           \
+            return e__;                                                            \
+        }                                                                          \
+    } while (0)
+
+/* ---- the stand-in driver, found through METRALE_LIBCUDA_PATH -------------- */
+
+static int (*drv_hold)(void *, int);
+static int (*drv_capturing)(void *);
+static int (*drv_device)(void);
+static void find_driver(void) {
+    static int done;
+    if (done) return;
+    done = 1;
+    const char *path = getenv("METRALE_LIBCUDA_PATH");
+    if (!path || !*path) return;
+    void *h = dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (!h) return;
+    drv_hold = (int (*)(void *, int))dlsym(h, "fakecuda_stream_hold");
+    drv_capturing = (int (*)(void *))dlsym(h, "fakecuda_stream_capturing");
+    drv_device = (int (*)(void))dlsym(h, "fakecuda_current_device");
+}
+static void hold(void *stream, int delta) {
+    if (drv_hold && stream) drv_hold(stream, delta);
+}
+
+/* ---- control ------------------------------------------------------------- */
+
+EXPORT void fakenccl_reset(void) {
+    pthread_mutex_lock(&lock);
+    memset(slots, 0, sizeof slots);
+    hang = 0;
+    inprogress_polls = 0;
+    timeout_ms = 10000;
+    would_hang = 0;
+    version_code = 22809;
+    pthread_mutex_unlock(&lock);
+}
+EXPORT void fakenccl_fail(const char *name, int status, long from_call, long times) {
+    pthread_mutex_lock(&lock);
+    struct call_slot *s = slot(name);
+    s->fail_status = status;
+    s->fail_from = from_call;
+    s->fail_times = times;
+    pthread_mutex_unlock(&lock);
+}
+EXPORT long fakenccl_calls(const char *name) {
+    pthread_mutex_lock(&lock);
+    long n = slot(name)->calls;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+EXPORT int fakenccl_live(void) { return live_comms; }
+EXPORT long fakenccl_would_hang(void) { return would_hang; }
+EXPORT void fakenccl_set_hang(int on) { hang = on; }
+EXPORT void fakenccl_set_inprogress_polls(int n) { inprogress_polls = n; }
+EXPORT void fakenccl_set_timeout_ms(long ms) { timeout_ms = ms; }
+EXPORT void fakenccl_set_version(int v) { version_code = v; }
+EXPORT void fakenccl_set_async_error(void *comm, int status) {
+    pthread_mutex_lock(&lock);
+    struct comm *c = comm;
+    if (c && c->magic == COMM_MAGIC) {
+        c->async_error = status;
+        snprintf(c->last_error, sizeof c->last_error, "fakenccl: remote peer failed (injected)");
+    }
+    pthread_mutex_unlock(&lock);
+}
+EXPORT int fakenccl_pending(void *comm) {
+    struct comm *c = comm;
+    return c && c->magic == COMM_MAGIC ? c->pending : -1;
+}
+
+/* ---- helpers -------------------------------------------------------------- */
+
+static int check_comm(struct comm *c) { return c && c->magic == COMM_MAGIC; }
+
+static ncclResult_t fail(struct comm *c, ncclResult_t r, const char *what) {
+    snprintf(thread_error, sizeof thread_error, "%s", what);
+    if (c) snprintf(c->last_error, sizeof c->last_error, "%s", what);
+    return r;
+}
+
+static struct comm *new_comm(int blocking) {
+    struct comm *c = calloc(1, sizeof *c);
+    c->magic = COMM_MAGIC;
+    c->blocking = blocking;
+    c->polls_left = blocking ? 0 : inprogress_polls;
+    live_comms++;
+    return c;
+}
+static void free_comm(struct comm *c) {
+    c->magic = 0;
+    live_comms--;
+    free(c);
+}
+
+/* Wait (the lock released) until cond(arg) holds or the timeout passes. */
+static int wait_until(int (*cond)(void *), void *arg) {
+    struct timespec end;
+    clock_gettime(CLOCK_REALTIME, &end);
+    end.tv_sec += timeout_ms / 1000;
+    end.tv_nsec += (timeout_ms % 1000) * 1000000L;
+    if (end.tv_nsec >= 1000000000L) {
+        end.tv_sec++;
+        end.tv_nsec -= 1000000000L;
+    }
+    while (!cond(arg))
+        if (pthread_cond_timedwait(&changed, &lock, &end)) return cond(arg);
+    return 1;
+}
+static int comm_ready(void *c) { return ((struct comm *)c)->ready || ((struct comm *)c)->failed; }
+
+static size_t type_size(int t) {
+    switch (t) {
+    case 0: case 1: case 10: case 11: return 1;
+    case 6: case 9: return 2;
+    case 2: case 3: case 7: return 4;
+    case 4: case 5: case 8: return 8;
+    default: return 0;
+    }
+}
+
+static float half_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (man == 0) bits = sign;
+        else {
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+        }
+    } else if (exp == 31) bits = sign | 0x7f800000 | (man << 13);
+    else bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+static uint16_t float_to_half(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    uint16_t sign = (uint16_t)((b >> 16) & 0x8000);
+    int exp = (int)((b >> 23) & 0xff) - 127 + 15;
+    uint32_t man = b & 0x7fffff;
+    if (((b >> 23) & 0xff) == 0xff) return sign | 0x7c00 | (man ? 0x200 : 0);
+    if (exp >= 31) return sign | 0x7c00;
+    if (exp <= 0) return sign;
+    uint16_t h = (uint16_t)(sign | (exp << 10) | (man >> 13));
+    if (man & 0x1000) h++; /* round half up: exact for the small integers tests use */
+    return h;
+}
+static float bf16_to_float(uint16_t h) {
+    uint32_t b = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+static uint16_t float_to_bf16(float f) {
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return (uint16_t)((b + 0x8000) >> 16);
+}
+
+/* Combine `n` elements of `src` into `acc` (first: copy). */
+#define COMBINE(T)                                                                 \
+    do {                                                                           \
+        T *a = acc;                                                                \
+        const T *s = src;                                                          \
+        for (size_t i = 0; i < n; i++) {                                           \
+            if (first) { a[i] = s[i]; continue; }                                  \
+            switch (op) {                                                          \
+            case 1: a[i] = a[i] * s[i]; break;                                     \
+            case 2: a[i] = a[i] > s[i] ? a[i] : s[i]; break;                       \
+            case 3: a[i] = a[i] < s[i] ? a[i] : s[i]; break;                       \
+            default: a[i] = a[i] + s[i];                                           \
+            }                                                                      \
+        }                                                                          \
+    } while (0)
+#define FINISH_AVG(T)                                                              \
+    do {                                                                           \
+        T *a = acc;                                                                \
+        for (size_t i = 0; i < n; i++) a[i] = (T)(a[i] / (T)nranks);               \
+    } while (0)
+
+/* Half types are reduced in float, in a float accumulator. */
+static void combine(void *acc, const void *src, size_t n, int dtype, int op, int first) {
+    switch (dtype) {
+    case 0: COMBINE(int8_t); break;
+    case 1: COMBINE(uint8_t); break;
+    case 2: COMBINE(int32_t); break;
+    case 3: COMBINE(uint32_t); break;
+    case 4: COMBINE(int64_t); break;
+    case 5: COMBINE(uint64_t); break;
+    case 7: COMBINE(float); break;
+    case 8: COMBINE(double); break;
+    default: break;
+    }
+}
+static void finish_avg(void *acc, size_t n, int dtype, int nranks) {
+    switch (dtype) {
+    case 0: FINISH_AVG(int8_t); break;
+    case 1: FINISH_AVG(uint8_t); break;
+    case 2: FINISH_AVG(int32_t); break;
+    case 3: FINISH_AVG(uint32_t); break;
+    case 4: FINISH_AVG(int64_t); break;
+    case 5: FINISH_AVG(uint64_t); break;
+    case 6: case 9: case 7: FINISH_AVG(float); break;
+    case 8: FINISH_AVG(double); break;
+    default: break;
+    }
+}
+
+/* Reduce `nranks` sources of `n` elements into `out` (a separate buffer). */
+static void reduce_into(void *out, const void *const *src, int nranks, size_t n, int dtype, int op) {
+    if (dtype == 6 || dtype == 9) {
+        float *acc = malloc(n * sizeof(float) + 1);
+        float *tmp = malloc(n * sizeof(float) + 1);
+        for (int r = 0; r < nranks; r++) {
+            const uint16_t *s = src[r];
+            for (size_t i = 0; i < n; i++) tmp[i] = dtype == 6 ? half_to_float(s[i]) : bf16_to_float(s[i]);
+            combine(acc, tmp, n, 7, op, r == 0);
+        }
+        if (op == 4) finish_avg(acc, n, 7, nranks);
+        uint16_t *o = out;
+        for (size_t i = 0; i < n; i++) o[i] = dtype == 6 ? float_to_half(acc[i]) : float_to_bf16(acc[i]);
+        free(acc);
+        free(tmp);
+        return;
+    }
+    for (int r = 0; r < nranks; r++) combine(out, src[r], n, dtype, op, r == 0);
+    if (op == 4) finish_avg(out, n, dtype, nranks);
+}
+
+static void sort_split(struct part **v, int n) {
+    for (int i = 1; i < n; i++)
+        for (int j = i; j > 0; j--) {
+            struct part *a = v[j - 1], *b = v[j];
+            if (a->key < b->key || (a->key == b->key && a->comm->rank < b->comm->rank)) break;
+            v[j - 1] = b;
+            v[j] = a;
+        }
+}
+
+static struct clique *new_clique(void) {
+    for (int i = 0; i < MAX_CLIQUES; i++)
+        if (!cliques[i].used) {
+            memset(&cliques[i], 0, sizeof cliques[i]);
+            cliques[i].used = 1;
+            for (int k = 0; k < MAX_OPS; k++) cliques[i].colls[k].seq = -1;
+            return &cliques[i];
+        }
+    return NULL;
+}
+static void maybe_free_clique(struct clique *cl) {
+    if (!cl) return;
+    for (int r = 0; r < cl->nranks; r++)
+        if (cl->members[r]) return;
+    cl->used = 0;
+}
+
+/* Run a complete operation (every rank arrived), then release the holds. */
+static void run(struct clique *cl, struct coll *op) {
+    int n = cl->nranks;
+    size_t es = type_size(op->p[0].dtype);
+    size_t count = op->p[0].count;
+    int mismatch = 0;
+    for (int r = 0; r < n; r++)
+        if (op->kind != OP_SPLIT && (op->p[r].count != count || op->p[r].dtype != op->p[0].dtype ||
+                                     op->p[r].op != op->p[0].op || op->p[r].root != op->p[0].root))
+            mismatch = 1;
+    if (mismatch) {
+        for (int r = 0; r < n; r++) {
+            struct comm *c = op->p[r].comm;
+            if (!c) continue;
+            c->async_error = ncclInvalidUsage;
+            snprintf(c->last_error, sizeof c->last_error,
+                     "fakenccl: ranks disagree on the count, type, operation or root of operation %ld", op->seq);
+        }
+    } else if (!hang) {
+        const void *src[MAX_RANKS] = {0};
+        for (int r = 0; r < n; r++) src[r] = op->p[r].send;
+        switch (op->kind) {
+        case OP_ALLREDUCE: {
+            void *tmp = malloc(count * es + 1);
+            reduce_into(tmp, src, n, count, op->p[0].dtype, op->p[0].op);
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp, count * es);
+            free(tmp);
+            break;
+        }
+        case OP_REDUCE: {
+            void *tmp = malloc(count * es + 1);
+            reduce_into(tmp, src, n, count, op->p[0].dtype, op->p[0].op);
+            memcpy(op->p[op->p[0].root].recv, tmp, count * es);
+            free(tmp);
+            break;
+        }
+        case OP_BROADCAST: {
+            void *tmp = malloc(count * es + 1);
+            memcpy(tmp, op->p[op->p[0].root].send, count * es);
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp, count * es);
+            free(tmp);
+            break;
+        }
+        case OP_ALLGATHER: {
+            char *tmp = malloc(count * es * n + 1);
+            for (int r = 0; r < n; r++) memcpy(tmp + (size_t)r * count * es, op->p[r].send, count * es);
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp, count * es * n);
+            free(tmp);
+            break;
+        }
+        case OP_REDUCESCATTER: {
+            char *tmp = malloc(count * es * n + 1);
+            for (int r = 0; r < n; r++) {
+                const void *parts[MAX_RANKS];
+                for (int j = 0; j < n; j++) parts[j] = (const char *)op->p[j].send + (size_t)r * count * es;
+                reduce_into(tmp + (size_t)r * count * es, parts, n, count, op->p[0].dtype, op->p[0].op);
+            }
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp + (size_t)r * count * es, count * es);
+            free(tmp);
+            break;
+        }
+        case OP_SPLIT: {
+            struct part *v[MAX_RANKS];
+            int done[MAX_RANKS] = {0};
+            for (int r = 0; r < n; r++) {
+                if (done[r] || op->p[r].color < 0) continue;
+                int m = 0;
+                for (int j = r; j < n; j++)
+                    if (!done[j] && op->p[j].color == op->p[r].color) {
+                        v[m++] = &op->p[j];
+                        done[j] = 1;
+                    }
+                sort_split(v, m);
+                struct clique *ncl = new_clique();
+                if (ncl) {
+                    ncl->nranks = m;
+                    ncl->joined = m;
+                }
+                for (int k = 0; k < m; k++) {
+                    struct comm *child = v[k]->child;
+                    if (!ncl) { child->failed = 1; continue; }
+                    child->cl = ncl;
+                    child->rank = k;
+                    child->nranks = m;
+                    child->dev = v[k]->comm->dev;
+                    child->ready = 1;
+                    ncl->members[k] = child;
+                }
+            }
+            break;
+        }
+        default:
+            break;
+        }
+    }
+    if (hang && !mismatch && op->kind != OP_SPLIT) return; /* never completes */
+    for (int r = 0; r < n; r++) {
+        struct part *p = &op->p[r];
+        if (p->held) hold(p->stream, -1);
+        if (p->comm) p->comm->pending--;
+    }
+    op->seq = -1;
+    op->kind = OP_NONE;
+    op->arrived = 0;
+    memset(op->p, 0, sizeof op->p);
+    pthread_cond_broadcast(&changed);
+}
+
+/* Deposit this rank's part of its next operation; returns the slot. */
+static ncclResult_t deposit(struct comm *c, int kind, struct part part) {
+    struct clique *cl = c->cl;
+    long seq = c->seq++;
+    struct coll *op = &cl->colls[seq % MAX_OPS];
+    if (op->seq != -1 && op->seq != seq)
+        return fail(c, ncclInternalError, "fakenccl: too many operations outstanding");
+    if (op->seq == -1) {
+        op->seq = seq;
+        op->kind = kind;
+    } else if (op->kind != kind) {
+        c->async_error = ncclInvalidUsage;
+        return fail(c, ncclInvalidUsage, "fakenccl: ranks called different collectives");
+    }
+    part.in = 1;
+    part.comm = c;
+    part.held = 0;
+    int capturing = drv_capturing && part.stream && drv_capturing(part.stream);
+    op->p[c->rank] = part;
+    op->arrived++;
+    c->pending++;
+    if (op->arrived == cl->nranks) {
+        run(cl, op);
+        if (hang && !capturing) { /* the hold of the completing rank too */
+            op->p[c->rank].held = 1;
+            hold(part.stream, 1);
+        }
+    } else if (!capturing && kind != OP_SPLIT) {
+        op->p[c->rank].held = 1;
+        hold(part.stream, 1);
+    }
+    return ncclSuccess;
+}
+
+/* ---- groups --------------------------------------------------------------- */
+
+struct deferred {
+    int is_p2p, is_send, kind;
+    struct comm *comm;
+    struct part part;
+    int peer;
+    void *buf;
+    size_t bytes;
+    struct comm **init_out; /* init in a group: wait for it at the end */
+};
+#define MAX_DEFERRED 256
+static __thread int group_depth;
+static __thread struct deferred deferred[MAX_DEFERRED];
+static __thread int ndeferred;
+static __thread struct comm *group_waits[MAX_DEFERRED];
+static __thread int nwaits;
+
+static ncclResult_t p2p(struct comm *c, int is_send, void *buf, size_t bytes, int peer, void *stream) {
+    struct clique *cl = c->cl;
+    int from = is_send ? c->rank : peer, to = is_send ? peer : c->rank;
+    long seq = is_send ? c->send_seq[peer]++ : c->recv_seq[peer]++;
+    for (int i = 0; i < MAX_P2P; i++) {
+        struct p2p *m = &cl->p2p[i];
+        if (m->used && m->is_send != is_send && m->from == from && m->to == to && m->seq == seq) {
+            const void *src = is_send ? buf : m->buf;
+            void *dst = is_send ? m->buf : buf;
+            size_t n = bytes < m->bytes ? bytes : m->bytes;
+            if (!hang) memcpy(dst, src, n);
+            if (!hang) {
+                hold(m->stream, -1);
+                m->comm->pending--;
+                m->used = 0;
+            }
+            return ncclSuccess;
+        }
+    }
+    for (int i = 0; i < MAX_P2P; i++) {
+        struct p2p *m = &cl->p2p[i];
+        if (!m->used) {
+            *m = (struct p2p){1, is_send, from, to, seq, buf, bytes, stream, c};
+            c->pending++;
+            hold(stream, 1);
+            return ncclSuccess;
+        }
+    }
+    return fail(c, ncclInternalError, "fakenccl: too many sends and receives outstanding");
+}
+
+/* ---- entry points --------------------------------------------------------- */
+
+static const char *texts[] = {
+    "no error",
+    "unhandled cuda error (the stand-in's words)",
+    "unhandled system error (the stand-in's words)",
+    "internal error (the stand-in's words)",
+    "invalid argument (the stand-in's words)",
+    "invalid usage (the stand-in's words)",
+    "remote process exited or there was a network error (the stand-in's words)",
+    "NCCL operation in progress",
+};
+EXPORT const char *ncclGetErrorString(ncclResult_t r) {
+    return r >= 0 && r < 8 ? texts[r] : "unknown result code";
+}
+EXPORT const char *ncclGetLastError(void *comm) {
+    struct comm *c = comm;
+    if (check_comm(c) && c->last_error[0]) return c->last_error;
+    return thread_error;
+}
+EXPORT ncclResult_t ncclGetVersion(int *v) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    pthread_mutex_unlock(&lock);
+    if (!v) return ncclInvalidArgument;
+    *v = version_code;
+    return ncclSuccess;
+}
+EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *id) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (!id) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "null id"); }
+    memset(id, 0, sizeof *id);
+    unsigned long long n = ++id_counter;
+    unsigned long long t = (unsigned long long)time(NULL);
+    memcpy(id->internal, "fakenccl", 8);
+    memcpy(id->internal + 8, &n, 8);
+    memcpy(id->internal + 16, &t, 8);
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+
+static int current_device(void) {
+    find_driver();
+    int d = drv_device ? drv_device() : 0;
+    return d < 0 ? 0 : d;
+}
+
+/* Join the clique named by `id` as `rank` (lock held). */
+static ncclResult_t join(struct comm **out, int nranks, ncclUniqueId id, int rank, int blocking, int dev) {
+    if (nranks < 1 || nranks > MAX_RANKS)
+        return fail(NULL, ncclInvalidArgument, "fakenccl: nranks out of range (1 to 8)");
+    if (rank < 0 || rank >= nranks) return fail(NULL, ncclInvalidArgument, "fakenccl: rank out of range");
+    struct clique *cl = NULL;
+    for (int i = 0; i < MAX_CLIQUES; i++)
+        if (cliques[i].used && cliques[i].joined < cliques[i].nranks &&
+            memcmp(cliques[i].id, id.internal, 128) == 0)
+            cl = &cliques[i];
+    if (!cl) {
+        cl = new_clique();
+        if (!cl) return fail(NULL, ncclSystemError, "fakenccl: too many communicators");
+        memcpy(cl->id, id.internal, 128);
+        cl->nranks = nranks;
+    }
+    if (cl->nranks != nranks) return fail(NULL, ncclInvalidArgument, "fakenccl: ranks disagree on nranks");
+    if (cl->members[rank]) return fail(NULL, ncclInvalidArgument, "fakenccl: rank joined twice");
+    struct comm *c = new_comm(blocking);
+    c->cl = cl;
+    c->rank = rank;
+    c->nranks = nranks;
+    c->dev = dev;
+    cl->members[rank] = c;
+    cl->joined++;
+    if (cl->joined == cl->nranks) {
+        for (int r = 0; r < nranks; r++) cl->members[r]->ready = 1;
+        pthread_cond_broadcast(&changed);
+    }
+    *out = c;
+    return ncclSuccess;
+}
+
+static ncclResult_t finish_init(struct comm *c) {
+    if (!c->blocking) return c->ready && c->polls_left == 0 ? ncclSuccess : ncclInProgress;
+    if (group_depth > 0) {
+        if (nwaits < MAX_DEFERRED) group_waits[nwaits++] = c;
+        return ncclSuccess;
+    }
+    if (!wait_until(comm_ready, c) || c->failed) {
+        snprintf(thread_error, sizeof thread_error,
+                 "fakenccl: rendezvous timed out: %d of %d ranks joined", c->cl ? c->cl->joined : 0, c->nranks);
+        snprintf(c->last_error, sizeof c->last_error, "%s", thread_error);
+        return ncclSystemError;
+    }
+    return ncclSuccess;
+}
+
+EXPORT ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
+    int dev = current_device();
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (!comm) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "null comm"); }
+    int blocking = 1;
+    if (config) {
+        if (config->magic != 0xcafebeef || config->size < 48) {
+            pthread_mutex_unlock(&lock);
+            return fail(NULL, ncclInvalidArgument, "fakenccl: config without NCCL_CONFIG_INITIALIZER");
+        }
+        if (config->blocking != UNDEF_INT) blocking = config->blocking != 0;
+    }
+    struct comm *c = NULL;
+    ncclResult_t r = join(&c, nranks, id, rank, blocking, dev);
+    if (r) { pthread_mutex_unlock(&lock); return r; }
+    *comm = c;
+    r = finish_init(c);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT ncclResult_t ncclCommInitRank(void **comm, int nranks, ncclUniqueId id, int rank) {
+    return ncclCommInitRankConfig(comm, nranks, id, rank, NULL);
+}
+EXPORT ncclResult_t ncclCommInitAll(void **comms, int ndev, const int *devlist) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (!comms || ndev < 1 || ndev > MAX_RANKS) {
+        pthread_mutex_unlock(&lock);
+        return fail(NULL, ncclInvalidArgument, "fakenccl: ncclCommInitAll: bad arguments");
+    }
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    unsigned long long n = ++id_counter;
+    memcpy(id.internal, "fakeall", 7);
+    memcpy(id.internal + 8, &n, 8);
+    for (int r = 0; r < ndev; r++) {
+        struct comm *c = NULL;
+        ncclResult_t e = join(&c, ndev, id, r, 1, devlist ? devlist[r] : r);
+        if (e) { pthread_mutex_unlock(&lock); return e; }
+        comms[r] = c;
+    }
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+
+/* A rank that takes no part in a split still waits for the others (the split
+ * is collective over the parent). */
+struct split_wait {
+    struct clique *cl;
+    long seq;
+};
+static int split_done(void *arg) {
+    struct split_wait *w = arg;
+    return w->cl->colls[w->seq % MAX_OPS].seq != w->seq;
+}
+
+EXPORT ncclResult_t ncclCommSplit(void *comm, int color, int key, void **newcomm, ncclConfig_t *config) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c) || !newcomm) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "bad comm"); }
+    int blocking = c->blocking;
+    if (config && config->blocking != UNDEF_INT) blocking = config->blocking != 0;
+    struct comm *child = NULL;
+    if (color >= 0) {
+        child = new_comm(blocking);
+        child->nranks = 0;
+    }
+    *newcomm = child;
+    struct part p = {0};
+    p.color = color;
+    p.key = key;
+    p.child = child;
+    struct split_wait w = {c->cl, c->seq};
+    ncclResult_t r = deposit(c, OP_SPLIT, p);
+    if (!r && !child && blocking && group_depth == 0 && !wait_until(split_done, &w))
+        r = fail(c, ncclSystemError, "fakenccl: rendezvous timed out in ncclCommSplit");
+    if (r || !child) { pthread_mutex_unlock(&lock); return r; }
+    r = finish_init(child);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+EXPORT ncclResult_t ncclCommGetAsyncError(void *comm, ncclResult_t *err) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c) || !err) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    if (c->async_error) *err = c->async_error;
+    else if (c->failed) *err = ncclSystemError;
+    else if (!c->ready) *err = ncclInProgress;
+    else if (!c->blocking && (c->polls_left > 0 || (c->finalized && c->pending > 0))) {
+        if (c->polls_left > 0) c->polls_left--;
+        *err = ncclInProgress;
+    } else *err = ncclSuccess;
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+
+#define COMM_INFO(fn, field)                                                       \
+    EXPORT ncclResult_t fn(void *comm, int *out) {                                 \
+        pthread_mutex_lock(&lock);                                                 \
+        ENTER();                                                                   \
+        struct comm *c = comm;                                                     \
+        ncclResult_t r = ncclSuccess;                                              \
+        if (!check_comm(c) || !out) r = ncclInvalidArgument;                       \
+        else *out = c->field;                                                      \
+        pthread_mutex_unlock(&lock);                                               \
+        return r;                                                                  \
+    }
+COMM_INFO(ncclCommCount, nranks)
+COMM_INFO(ncclCommCuDevice, dev)
+COMM_INFO(ncclCommUserRank, rank)
+
+EXPORT ncclResult_t ncclCommFinalize(void *comm) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c)) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    c->finalized = 1;
+    ncclResult_t r = ncclSuccess;
+    if (c->blocking && c->pending > 0) {
+        would_hang++; /* a real library would block here until the peers came */
+        r = fail(c, ncclInternalError, "fakenccl: blocking finalize with operations pending (would hang)");
+    } else if (!c->blocking) {
+        c->polls_left = inprogress_polls;
+        r = ncclInProgress;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+static void leave(struct comm *c) {
+    struct clique *cl = c->cl;
+    if (cl) {
+        for (int i = 0; i < MAX_P2P; i++)
+            if (cl->p2p[i].used && cl->p2p[i].comm == c) {
+                hold(cl->p2p[i].stream, -1);
+                cl->p2p[i].used = 0;
+            }
+        for (int k = 0; k < MAX_OPS; k++) {
+            struct coll *op = &cl->colls[k];
+            if (op->seq >= 0 && op->p[c->rank].in && op->p[c->rank].comm == c) {
+                if (op->p[c->rank].held) hold(op->p[c->rank].stream, -1);
+                op->p[c->rank].held = 0;
+                op->p[c->rank].comm = NULL;
+            }
+        }
+        if (c->rank < MAX_RANKS && cl->members[c->rank] == c) cl->members[c->rank] = NULL;
+        maybe_free_clique(cl);
+    }
+    free_comm(c);
+}
+
+EXPORT ncclResult_t ncclCommDestroy(void *comm) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c)) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    if (c->pending > 0) would_hang++;
+    leave(c);
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+EXPORT ncclResult_t ncclCommAbort(void *comm) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c)) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    c->aborted = 1;
+    leave(c);
+    pthread_cond_broadcast(&changed);
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+
+/* Checks shared by the collectives; lock held. */
+static ncclResult_t coll_args(struct comm *c, const void *send, const void *recv, size_t count, int dtype, int op) {
+    if (!check_comm(c)) return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator");
+    if (c->aborted || !c->ready) return fail(c, ncclInvalidUsage, "fakenccl: communicator not ready");
+    if (c->async_error) return fail(c, c->async_error, c->last_error);
+    if (type_size(dtype) == 0 || dtype == 10 || dtype == 11) return fail(c, ncclInvalidArgument, "fakenccl: invalid data type");
+    if (op < 0 || op > 4) return fail(c, ncclInvalidArgument, "fakenccl: invalid reduction operation");
+    if (count > 0 && (!send || !recv)) return fail(c, ncclInvalidArgument, "fakenccl: null buffer");
+    return ncclSuccess;
+}
+
+static ncclResult_t submit(struct comm *c, int kind, struct part p) {
+    find_driver();
+    if (group_depth > 0) {
+        if (ndeferred >= MAX_DEFERRED) return fail(c, ncclInternalError, "fakenccl: group too large");
+        deferred[ndeferred++] = (struct deferred){0, 0, kind, c, p, 0, NULL, 0, NULL};
+        return ncclSuccess;
+    }
+    ncclResult_t r = deposit(c, kind, p);
+    if (!r && !c->blocking && c->polls_left == 0 && inprogress_polls > 0) {
+        c->polls_left = inprogress_polls;
+        return ncclInProgress;
+    }
+    return r;
+}
+
+#define COLL_ENTRY(call, kind, SEND, RECV, COUNT, OP, ROOT, EXTRA)                 \
+    {                                                                              \
+        pthread_mutex_lock(&lock);                                                 \
+        ENTER();                                                                   \
+        struct comm *c = comm;                                                     \
+        ncclResult_t r = coll_args(c, SEND, RECV, COUNT, datatype, OP);           \
+        if (!r) { EXTRA }                                                          \
+        if (!r) {                                                                  \
+            struct part p = {0};                                                   \
+            p.send = SEND;                                                         \
+            p.recv = RECV;                                                         \
+            p.count = COUNT;                                                       \
+            p.dtype = datatype;                                                    \
+            p.op = OP;                                                             \
+            p.root = ROOT;                                                         \
+            p.stream = stream;                                                     \
+            r = submit(c, kind, p);                                                \
+        }                                                                          \
+        pthread_mutex_unlock(&lock);                                               \
+        return r;                                                                  \
+    }
+
+EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, int datatype, int op,
+                                  void *comm, void *stream)
+    COLL_ENTRY(ncclAllReduce, OP_ALLREDUCE, sendbuff, recvbuff, count, op, 0, ;)
+
+EXPORT ncclResult_t ncclReduce(const void *sendbuff, void *recvbuff, size_t count, int datatype, int op,
+                               int root, void *comm, void *stream)
+    COLL_ENTRY(ncclReduce, OP_REDUCE, sendbuff, recvbuff, count, op, root,
+               if (root < 0 || root >= c->nranks) r = fail(c, ncclInvalidArgument, "fakenccl: root out of range");)
+
+EXPORT ncclResult_t ncclBroadcast(const void *sendbuff, void *recvbuff, size_t count, int datatype, int root,
+                                  void *comm, void *stream)
+    COLL_ENTRY(ncclBroadcast, OP_BROADCAST, sendbuff, recvbuff, count, 0, root,
+               if (root < 0 || root >= c->nranks) r = fail(c, ncclInvalidArgument, "fakenccl: root out of range");)
+
+EXPORT ncclResult_t ncclAllGather(const void *sendbuff, void *recvbuff, size_t sendcount, int datatype,
+                                  void *comm, void *stream)
+    COLL_ENTRY(ncclAllGather, OP_ALLGATHER, sendbuff, recvbuff, sendcount, 0, 0, ;)
+
+EXPORT ncclResult_t ncclReduceScatter(const void *sendbuff, void *recvbuff, size_t recvcount, int datatype,
+                                      int op, void *comm, void *stream)
+    COLL_ENTRY(ncclReduceScatter, OP_REDUCESCATTER, sendbuff, recvbuff, recvcount, op, 0, ;)
+
+static ncclResult_t p2p_entry(int is_send, void *buf, size_t count, int datatype, int peer, void *comm, void *stream) {
+    struct comm *c = comm;
+    ncclResult_t r = coll_args(c, buf, buf, count, datatype, 0);
+    if (r) return r;
+    if (peer < 0 || peer >= c->nranks) return fail(c, ncclInvalidArgument, "fakenccl: peer out of range");
+    find_driver();
+    size_t bytes = count * type_size(datatype);
+    if (group_depth > 0) {
+        if (ndeferred >= MAX_DEFERRED) return fail(c, ncclInternalError, "fakenccl: group too large");
+        struct deferred d = {0};
+        d.is_p2p = 1;
+        d.is_send = is_send;
+        d.comm = c;
+        d.peer = peer;
+        d.buf = buf;
+        d.bytes = bytes;
+        d.part.stream = stream;
+        deferred[ndeferred++] = d;
+        return ncclSuccess;
+    }
+    return p2p(c, is_send, buf, bytes, peer, stream);
+}
+EXPORT ncclResult_t ncclSend(const void *sendbuff, size_t count, int datatype, int peer, void *comm, void *stream) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    ncclResult_t r = p2p_entry(1, (void *)sendbuff, count, datatype, peer, comm, stream);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, int datatype, int peer, void *comm, void *stream) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    ncclResult_t r = p2p_entry(0, recvbuff, count, datatype, peer, comm, stream);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+EXPORT ncclResult_t ncclGroupStart(void) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    group_depth++;
+    pthread_mutex_unlock(&lock);
+    return ncclSuccess;
+}
+static int all_ready(void *unused) {
+    (void)unused;
+    for (int i = 0; i < nwaits; i++)
+        if (!group_waits[i]->ready && !group_waits[i]->failed) return 0;
+    return 1;
+}
+EXPORT ncclResult_t ncclGroupEnd(void) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (group_depth == 0) {
+        pthread_mutex_unlock(&lock);
+        return fail(NULL, ncclInvalidUsage, "fakenccl: ncclGroupEnd without ncclGroupStart");
+    }
+    if (--group_depth > 0) { pthread_mutex_unlock(&lock); return ncclSuccess; }
+    ncclResult_t r = ncclSuccess;
+    int nonblocking = 0;
+    for (int i = 0; i < ndeferred; i++) {
+        struct deferred *d = &deferred[i];
+        ncclResult_t e;
+        if (!check_comm(d->comm)) e = fail(NULL, ncclInvalidArgument, "fakenccl: communicator freed inside a group");
+        else if (d->is_p2p) e = p2p(d->comm, d->is_send, d->buf, d->bytes, d->peer, d->part.stream);
+        else e = deposit(d->comm, d->kind, d->part);
+        if (check_comm(d->comm) && !d->comm->blocking && inprogress_polls > 0) {
+            d->comm->polls_left = inprogress_polls;
+            nonblocking = 1;
+        }
+        if (e && !r) r = e;
+    }
+    ndeferred = 0;
+    if (!r && nwaits > 0) {
+        if (!wait_until(all_ready, NULL)) r = fail(NULL, ncclSystemError, "fakenccl: rendezvous timed out in a group");
+        for (int i = 0; i < nwaits && !r; i++)
+            if (group_waits[i]->failed) r = ncclSystemError;
+    }
+    nwaits = 0;
+    pthread_mutex_unlock(&lock);
+    if (!r && nonblocking) return ncclInProgress;
+    return r;
+}

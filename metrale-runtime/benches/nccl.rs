@@ -1,0 +1,183 @@
+//! NCCL against raw `ncclAllReduce` through the sys table, same process, rounds
+//! interleaved, one rank on device 0: the submit cost of an 8-byte all-reduce,
+//! the bandwidth of a 256 MiB all-reduce, and a graph of 100 small all-reduces
+//! replayed against the same 100 queued eagerly.
+//!
+//! `cargo bench -p metrale-runtime --features nccl --bench nccl [-- --rounds N | --quick]`.
+//! Without a GPU or NCCL it says so and exits with status 2.
+
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+mod common;
+
+use std::process::ExitCode;
+
+use common::{header, line, ratios, rounds, time, Row};
+use metrale_runtime::nccl::{CommConfig, Communicator, NcclId, ReduceOp};
+use metrale_runtime::sys::nccl::{self as raw, ncclDataType_t, ncclRedOp_t};
+use metrale_runtime::{context, CudaStream, DeviceBuffer, MetraleError};
+
+fn run() -> Result<(), MetraleError> {
+    let ctx = context(0)?;
+    let id = NcclId::new()?;
+    let comm = Communicator::init_rank(&id, 1, 0, &ctx, &CommConfig::new())?;
+    let s = CudaStream::new(&ctx)?;
+    let lib = raw::nccl().unwrap();
+    println!(
+        "NCCL {:?} from {}, device 0, one rank",
+        lib.version(),
+        lib.path()
+    );
+    let raw_all_reduce = lib.ncclAllReduce().unwrap();
+    let raw_stream = s.raw().cast::<raw::CUstream_st>();
+    let raw_comm = comm.raw();
+    let n_rounds = rounds(15, 3);
+
+    // 8-byte all-reduce: submit cost per call (1000 calls, then one sync).
+    let calls = if common::is_quick() { 200 } else { 1000 };
+    let mut small = DeviceBuffer::<f32>::zeroed(&s, 2)?;
+    let small_ptr = small.device_ptr() as usize as *mut std::ffi::c_void;
+    let (mut ours, mut base) = (Row::default(), Row::default());
+    for _ in 0..3 {
+        comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)?;
+    }
+    s.synchronize()?;
+    for _ in 0..n_rounds {
+        base.push(
+            time(|| {
+                for _ in 0..calls {
+                    // SAFETY: 2 floats at `small_ptr` on device 0; a live
+                    // communicator and stream of that device.
+                    let st = unsafe {
+                        raw_all_reduce(
+                            small_ptr,
+                            small_ptr,
+                            2,
+                            ncclDataType_t::ncclFloat32,
+                            ncclRedOp_t::ncclSum,
+                            raw_comm,
+                            raw_stream,
+                        )
+                    };
+                    assert!(st.is_success(), "{st}");
+                }
+            }) * 1e6
+                / calls as f64,
+        );
+        s.synchronize()?;
+        ours.push(
+            time(|| {
+                for _ in 0..calls {
+                    comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)
+                        .unwrap();
+                }
+            }) * 1e6
+                / calls as f64,
+        );
+        s.synchronize()?;
+    }
+    header("8-byte all-reduce, submit cost per call");
+    line("raw ncclAllReduce (sys table)", &base, "us", None);
+    line(
+        "Communicator::all_reduce_in_place",
+        &ours,
+        "us",
+        Some(&ratios(&ours, &base)),
+    );
+
+    // 256 MiB all-reduce bandwidth (bytes / time, one rank).
+    let n = (256usize << 20) / 4;
+    let big = DeviceBuffer::<f32>::zeroed(&s, n)?;
+    let mut out = DeviceBuffer::<f32>::zeroed(&s, n)?;
+    let (bp, op) = (
+        big.device_ptr() as usize as *mut std::ffi::c_void,
+        out.device_ptr() as usize as *mut std::ffi::c_void,
+    );
+    let (mut ours, mut base) = (Row::default(), Row::default());
+    comm.all_reduce(&big, &mut out, ReduceOp::Sum, &s)?;
+    s.synchronize()?;
+    let gb = (n * 4) as f64 / 1e9;
+    for _ in 0..n_rounds {
+        base.push(
+            gb / time(|| {
+                // SAFETY: n floats at both pointers on device 0.
+                let st = unsafe {
+                    raw_all_reduce(
+                        bp,
+                        op,
+                        n,
+                        ncclDataType_t::ncclFloat32,
+                        ncclRedOp_t::ncclSum,
+                        raw_comm,
+                        raw_stream,
+                    )
+                };
+                assert!(st.is_success(), "{st}");
+                s.synchronize().unwrap();
+            }),
+        );
+        ours.push(
+            gb / time(|| {
+                comm.all_reduce(&big, &mut out, ReduceOp::Sum, &s).unwrap();
+                s.synchronize().unwrap();
+            }),
+        );
+    }
+    header("256 MiB all-reduce, GB/s (higher is better)");
+    line("raw ncclAllReduce (sys table)", &base, "GB", None);
+    line(
+        "Communicator::all_reduce",
+        &ours,
+        "GB",
+        Some(&ratios(&ours, &base)),
+    );
+
+    // A graph of 100 small all-reduces, replayed, against 100 eager calls.
+    let graph = s.capture(|cs| -> metrale_runtime::Result<()> {
+        for _ in 0..100 {
+            comm.all_reduce_in_place(&mut small, ReduceOp::Sum, cs)?;
+        }
+        Ok(())
+    })?;
+    let exec = graph.instantiate()?;
+    let (mut replay, mut eager) = (Row::default(), Row::default());
+    for _ in 0..n_rounds {
+        eager.push(
+            time(|| {
+                for _ in 0..100 {
+                    comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)
+                        .unwrap();
+                }
+                s.synchronize().unwrap();
+            }) * 1e6,
+        );
+        replay.push(
+            time(|| {
+                // SAFETY: `small` is alive and not borrowed elsewhere.
+                unsafe { exec.launch(&s) }.unwrap();
+                s.synchronize().unwrap();
+            }) * 1e6,
+        );
+    }
+    header("100 8-byte all-reduces: eager vs one graph replay (us per step)");
+    line("eager (100 calls + sync)", &eager, "us", None);
+    line(
+        "graph replay (+ sync)",
+        &replay,
+        "us",
+        Some(&ratios(&replay, &eager)),
+    );
+    drop(exec);
+    drop(big);
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run() {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nccl bench: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

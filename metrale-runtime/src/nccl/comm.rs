@@ -1,0 +1,667 @@
+//! [`Communicator`]: init (by rank, for several devices of one
+//! process, by split), what a communicator is, asynchronous errors, the bounded
+//! wait, abort, and the bounded teardown in Drop.
+
+use std::cell::{Cell, RefCell};
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclResult_t, Nccl};
+
+use crate::context::{AsContext, CudaContext, Generation};
+use crate::error::Result;
+use crate::stream::CudaStream;
+
+use super::config::CommConfig;
+use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
+use super::group::in_group;
+use super::teardown::{abort_raw, backoff, settle, teardown, Settled, Teardown};
+use super::{lib, NcclId};
+
+/// One rank's NCCL communicator, on one device.
+///
+/// Collectives are methods (`all_reduce`, `broadcast`, ...) taking typed device
+/// memory and a [`CudaStream`] of the communicator's device; [`group`](super::group)
+/// lets one thread queue work on several communicators at once.
+///
+/// `Send`, not `Sync`: NCCL communicators are not thread-safe, so one thread at a
+/// time uses it (move it to the thread that drives its rank). Drop finalizes and
+/// destroys it within the config's drop timeout, and aborts it past that.
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<metrale_runtime::nccl::Communicator>(); // not Sync
+/// ```
+/// ```
+/// fn sent<T: Send>() {}
+/// sent::<metrale_runtime::nccl::Communicator>();
+/// ```
+pub struct Communicator {
+    raw: ncclComm_t,
+    lib: &'static Nccl,
+    ctx: Arc<CudaContext>,
+    made: Generation,
+    info: CommInfo,
+    blocking: bool,
+    timeout: Option<Duration>,
+    drop_timeout: Duration,
+    aborted: Cell<bool>,
+    /// Every stream this communicator queued work on (each once), so Drop can
+    /// wait for that work before a blocking finalize.
+    streams: RefCell<Vec<CudaStream>>,
+    /// The last operation queued, for the text of a timed-out wait.
+    last_op: Cell<&'static str>,
+    /// A non-blocking init made inside a group, not yet polled to completion.
+    unsettled: Cell<bool>,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread, one at a time (NCCL
+// binds no thread-local state to it; the device is bound before each call).
+// `Communicator` is not `Sync` (its `Cell`s), so it is never used from two
+// threads at once.
+unsafe impl Send for Communicator {}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.info.rank)
+            .field("size", &self.info.size)
+            .field("device", &self.info.device)
+            .field("blocking", &self.blocking)
+            .field("aborted", &self.aborted.get())
+            .finish_non_exhaustive()
+    }
+}
+
+/// How many streams a communicator keeps before it lets go of those nobody
+/// else holds.
+const KEPT_STREAMS: usize = 8;
+
+impl Communicator {
+    /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
+    /// (`ncclCommInitRankConfig`). Every rank calls this, each with its own
+    /// device, in this process (one thread per rank, or inside one
+    /// [`group`](super::group)) or in others.
+    ///
+    /// # Errors
+    /// [`NcclError::Refused`] for a rank not below `nranks` or a bad config
+    /// value (before NCCL); the library's load error; the call's status with
+    /// `ncclGetLastError`'s text; for a non-blocking communicator, an
+    /// asynchronous error or the timeout (the communicator is then aborted).
+    pub fn init_rank(
+        id: &NcclId,
+        nranks: usize,
+        rank: usize,
+        ctx: &impl AsContext,
+        config: &CommConfig,
+    ) -> Result<Communicator> {
+        const CALL: &str = "ncclCommInitRankConfig";
+        let ctx = ctx.context();
+        let info = CommInfo {
+            rank,
+            size: nranks,
+            device: ctx.ordinal(),
+        };
+        let (n, r) = match (i32::try_from(nranks), i32::try_from(rank)) {
+            (Ok(n), Ok(r)) if nranks >= 1 && rank < nranks => (n, r),
+            _ => {
+                return Err(refused(
+                    CALL,
+                    None,
+                    format!("rank {rank} is not below the number of ranks {nranks} (at least 1)"),
+                ))
+            }
+        };
+        let (mut cfg, _strings) = config.to_raw(CALL)?;
+        let lib = lib()?;
+        let f = lib
+            .ncclCommInitRankConfig()
+            .map_err(|m| missing(m, Some(info)))?;
+        ctx.bind()?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: writes one communicator handle; the config (and the strings it
+        // points to) outlive the call; the device is the current context's.
+        let status = unsafe { f(&mut comm, n, id.to_raw(), r, &mut cfg) };
+        Communicator::made(lib, comm, status, CALL, ctx, info, config)
+    }
+
+    /// One communicator per context, all of this process (`ncclCommInitAll`):
+    /// rank `i` is on `contexts[i]`'s device. For one process driving several
+    /// GPUs; queue their collectives inside one [`group`](super::group).
+    ///
+    /// # Errors
+    /// [`NcclError::Refused`] for no context or a device given twice; the call's
+    /// status.
+    pub fn init_all(contexts: &[Arc<CudaContext>]) -> Result<Vec<Communicator>> {
+        const CALL: &str = "ncclCommInitAll";
+        if contexts.is_empty() {
+            return Err(refused(CALL, None, "no context given"));
+        }
+        let mut devices = Vec::with_capacity(contexts.len());
+        for (i, c) in contexts.iter().enumerate() {
+            if contexts[..i].iter().any(|o| Arc::ptr_eq(o, c)) {
+                return Err(refused(
+                    CALL,
+                    None,
+                    format!(
+                        "device {} is given twice (one rank per device)",
+                        c.ordinal()
+                    ),
+                ));
+            }
+            let d = i32::try_from(c.ordinal())
+                .map_err(|_| refused(CALL, None, "device ordinal too large"))?;
+            devices.push(d);
+        }
+        let n =
+            i32::try_from(contexts.len()).map_err(|_| refused(CALL, None, "too many devices"))?;
+        let lib = lib()?;
+        let f = lib.ncclCommInitAll().map_err(|m| missing(m, None))?;
+        if let Some(first) = contexts.first() {
+            first.bind()?;
+        }
+        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); contexts.len()];
+        // SAFETY: writes one handle per device; the device list has `n` entries.
+        let status = unsafe { f(comms.as_mut_ptr(), n, devices.as_ptr()) };
+        if !status.is_success() {
+            for &c in comms.iter().filter(|c| !c.is_null()) {
+                abort_raw(lib, c);
+            }
+            return Err(call_error(lib, CALL, status, std::ptr::null_mut(), None));
+        }
+        let config = CommConfig::new();
+        Ok(comms
+            .into_iter()
+            .zip(contexts)
+            .enumerate()
+            .map(|(rank, (raw, ctx))| {
+                Communicator::wrap(
+                    lib,
+                    raw,
+                    ctx,
+                    CommInfo {
+                        rank,
+                        size: contexts.len(),
+                        device: ctx.ordinal(),
+                    },
+                    &config,
+                    true,
+                )
+            })
+            .collect())
+    }
+
+    /// Split this communicator (`ncclCommSplit`): every rank calls it; ranks of
+    /// one `color` form a new communicator, ordered by `key` (then by their rank
+    /// here). `None` as the color takes no part (`NCCL_SPLIT_NOCOLOR`) and gives
+    /// `Ok(None)`.
+    ///
+    /// # Errors
+    /// A color above `i32::MAX` or an aborted communicator (before NCCL); the
+    /// call's status; for a non-blocking communicator, asynchronous errors or
+    /// the timeout.
+    pub fn split(
+        &self,
+        color: Option<u32>,
+        key: i32,
+        config: &CommConfig,
+    ) -> Result<Option<Communicator>> {
+        const CALL: &str = "ncclCommSplit";
+        self.enter(CALL)?;
+        let c = match color {
+            None => raw::NCCL_SPLIT_NOCOLOR,
+            Some(c) => i32::try_from(c).map_err(|_| {
+                refused(
+                    CALL,
+                    Some(self.info),
+                    format!("color {c} is above i32::MAX"),
+                )
+            })?,
+        };
+        let (mut cfg, _strings) = config.to_raw(CALL)?;
+        if config.blocking.is_none() {
+            cfg.blocking = i32::from(self.blocking);
+        }
+        let f = self
+            .lib
+            .ncclCommSplit()
+            .map_err(|m| missing(m, Some(self.info)))?;
+        self.ctx.bind()?;
+        let mut comm: ncclComm_t = std::ptr::null_mut();
+        // SAFETY: a live communicator; writes one handle; the config outlives the
+        // call.
+        let status = unsafe { f(self.raw, c, key, &mut comm, &mut cfg) };
+        if comm.is_null() && (status.is_success() || status == ncclResult_t::ncclInProgress) {
+            return Ok(None);
+        }
+        let mut made = Communicator::made(
+            self.lib,
+            comm,
+            status,
+            CALL,
+            &self.ctx,
+            self.info,
+            &config.clone().blocking(cfg.blocking != 0),
+        )?;
+        made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
+        made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
+        Ok(Some(made))
+    }
+
+    /// The communicator an init call made (or the error, the handle aborted).
+    fn made(
+        lib: &'static Nccl,
+        comm: ncclComm_t,
+        status: ncclResult_t,
+        call: &'static str,
+        ctx: &Arc<CudaContext>,
+        info: CommInfo,
+        config: &CommConfig,
+    ) -> Result<Communicator> {
+        let in_progress = status == ncclResult_t::ncclInProgress;
+        if !status.is_success() && !in_progress {
+            let e = call_error(lib, call, status, comm, Some(info));
+            if !comm.is_null() {
+                abort_raw(lib, comm);
+            }
+            return Err(e);
+        }
+        if comm.is_null() {
+            return Err(call_error(
+                lib,
+                call,
+                ncclResult_t::ncclInternalError,
+                comm,
+                Some(info),
+            ));
+        }
+        let blocking = config.blocking != Some(false);
+        let made = Communicator::wrap(lib, comm, ctx, info, config, blocking);
+        if in_progress {
+            if in_group() {
+                made.unsettled.set(true);
+            } else {
+                made.settle_call(call)?;
+            }
+        }
+        Ok(made)
+    }
+
+    fn wrap(
+        lib: &'static Nccl,
+        raw: ncclComm_t,
+        ctx: &Arc<CudaContext>,
+        info: CommInfo,
+        config: &CommConfig,
+        blocking: bool,
+    ) -> Communicator {
+        Communicator {
+            raw,
+            lib,
+            ctx: Arc::clone(ctx),
+            made: ctx.generation(),
+            info,
+            blocking,
+            timeout: config.timeout,
+            drop_timeout: config.drop_timeout,
+            aborted: Cell::new(false),
+            streams: RefCell::new(Vec::new()),
+            last_op: Cell::new("no operation"),
+            unsettled: Cell::new(false),
+        }
+    }
+
+    /// An int NCCL tells about the communicator (rank, count).
+    fn query(
+        &self,
+        call: &'static str,
+        get: impl FnOnce(
+            &Nccl,
+        ) -> std::result::Result<
+            unsafe extern "C" fn(ncclComm_t, *mut i32) -> ncclResult_t,
+            metrale_cuda_sys::LibraryMissingSymbol,
+        >,
+    ) -> Result<usize> {
+        let f = get(self.lib).map_err(|m| missing(m, Some(self.info)))?;
+        let mut v = 0;
+        // SAFETY: a live communicator; writes one int.
+        let status = unsafe { f(self.raw, &mut v) };
+        if !status.is_success() {
+            return Err(call_error(
+                self.lib,
+                call,
+                status,
+                self.raw,
+                Some(self.info),
+            ));
+        }
+        usize::try_from(v).map_err(|_| refused(call, Some(self.info), format!("NCCL answered {v}")))
+    }
+
+    /// This rank.
+    pub fn rank(&self) -> usize {
+        self.info.rank
+    }
+
+    /// The number of ranks.
+    pub fn size(&self) -> usize {
+        self.info.size
+    }
+
+    /// The device ordinal.
+    pub fn device(&self) -> usize {
+        self.info.device
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Rank, size and device, as errors name them.
+    pub fn info(&self) -> CommInfo {
+        self.info
+    }
+
+    /// Whether NCCL calls on this communicator block (see
+    /// [`CommConfig::blocking`]).
+    pub fn is_blocking(&self) -> bool {
+        self.blocking
+    }
+
+    /// Whether the communicator was aborted (by a failed or timed-out wait, or
+    /// [`abort`](Self::abort)); it cannot be used again.
+    pub fn is_aborted(&self) -> bool {
+        self.aborted.get()
+    }
+
+    /// The raw handle, for calls metrale does not wrap. It stays owned by this
+    /// value (do not destroy it); after an abort it is dangling.
+    pub fn raw(&self) -> ncclComm_t {
+        self.raw
+    }
+
+    /// `ncclCommGetAsyncError`: `ncclSuccess`, `ncclInProgress` (a non-blocking
+    /// operation still running), or the error a peer or the network caused.
+    ///
+    /// # Errors
+    /// An aborted communicator; the query's own failure.
+    pub fn async_status(&self) -> Result<ncclResult_t> {
+        const CALL: &str = "ncclCommGetAsyncError";
+        self.enter(CALL)?;
+        let f = self
+            .lib
+            .ncclCommGetAsyncError()
+            .map_err(|m| missing(m, Some(self.info)))?;
+        let mut state = ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator; writes one status.
+        let status = unsafe { f(self.raw, &mut state) };
+        if !status.is_success() {
+            return Err(call_error(
+                self.lib,
+                CALL,
+                status,
+                self.raw,
+                Some(self.info),
+            ));
+        }
+        Ok(state)
+    }
+
+    /// `Ok` unless [`async_status`](Self::async_status) reports an error; then
+    /// the communicator is aborted and the error says so.
+    ///
+    /// # Errors
+    /// [`NcclError::Async`]; the query's own failure.
+    pub fn check_async(&self) -> Result<()> {
+        let state = self.async_status()?;
+        if state.is_success() || state == ncclResult_t::ncclInProgress {
+            return Ok(());
+        }
+        Err(self.async_failure("ncclCommGetAsyncError", state))
+    }
+
+    /// Wait until the work queued on `stream` (this communicator's collectives
+    /// among it) has finished, or `timeout` passed, polling the stream and
+    /// `ncclCommGetAsyncError`. Past the timeout, or on an asynchronous error,
+    /// the communicator is aborted (`ncclCommAbort`) and the error names the
+    /// operation last queued; the communicator cannot be used again.
+    ///
+    /// # Errors
+    /// [`NcclError::Timeout`], [`NcclError::Async`]; a stream of another device,
+    /// or being captured through metrale (refused before anything is polled); a
+    /// failed stream query (a fault of the work).
+    pub fn wait(&self, stream: &CudaStream, timeout: Duration) -> Result<()> {
+        const CALL: &str = "wait";
+        self.enter(CALL)?;
+        self.check_stream(CALL, stream)?;
+        {
+            let section = stream.section();
+            stream.refuse_if_capturing(&section, "a bounded wait on a communicator")?;
+        }
+        let start = Instant::now();
+        let mut spins = 0u32;
+        loop {
+            let state = self.async_status()?;
+            if !state.is_success() && state != ncclResult_t::ncclInProgress {
+                return Err(self.async_failure("wait", state));
+            }
+            if stream.query()? {
+                return Ok(());
+            }
+            if start.elapsed() >= timeout {
+                let pending = self.last_op.get();
+                self.abort();
+                return Err(into_error(NcclError::Timeout {
+                    pending: pending.to_owned(),
+                    waited: start.elapsed(),
+                    comm: self.info,
+                }));
+            }
+            backoff(&mut spins);
+        }
+    }
+
+    /// Abort the communicator (`ncclCommAbort`): NCCL stops its pending work and
+    /// frees it. Later calls are refused with [`NcclError::Aborted`]; Drop does
+    /// nothing more. Aborting twice does nothing.
+    pub fn abort(&self) {
+        if self.aborted.replace(true) {
+            return;
+        }
+        if self.ctx.bind().is_ok() {
+            abort_raw(self.lib, self.raw);
+        } else {
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): abort skipped, the device could not be made current",
+                self.info
+            ));
+        }
+    }
+
+    /// Abort, and the error of `state` seen during `during`.
+    #[cold]
+    fn async_failure(&self, during: &str, state: ncclResult_t) -> crate::error::MetraleError {
+        let e = NcclError::Async {
+            during: during.to_owned(),
+            status: state,
+            description: error::description(self.lib, state),
+            last_error: error::last_error(self.lib, self.raw),
+            comm: self.info,
+        };
+        self.abort();
+        into_error(e)
+    }
+
+    /// Refuse a call on an aborted communicator.
+    #[inline]
+    pub(crate) fn enter(&self, call: &'static str) -> Result<()> {
+        if self.aborted.get() {
+            return Err(into_error(NcclError::Aborted {
+                call,
+                comm: self.info,
+            }));
+        }
+        if self.unsettled.get() && !in_group() {
+            self.unsettled.set(false);
+            self.settle_call("init")?;
+        }
+        Ok(())
+    }
+
+    /// Refuse a stream of another device.
+    #[inline]
+    pub(crate) fn check_stream(&self, call: &'static str, stream: &CudaStream) -> Result<()> {
+        if Arc::ptr_eq(stream.context(), &self.ctx) {
+            return Ok(());
+        }
+        Err(self.wrong_device(call, stream))
+    }
+
+    #[cold]
+    fn wrong_device(&self, call: &'static str, stream: &CudaStream) -> crate::error::MetraleError {
+        refused(
+            call,
+            Some(self.info),
+            format!(
+                "the stream is on device {}, the communicator on device {}",
+                stream.ordinal(),
+                self.info.device
+            ),
+        )
+    }
+
+    pub(crate) fn lib(&self) -> &'static Nccl {
+        self.lib
+    }
+
+    /// Remember that `op` was queued on `stream` (each stream once).
+    #[inline]
+    pub(crate) fn queued(&self, op: &'static str, stream: &CudaStream) {
+        self.last_op.set(op);
+        let Ok(mut streams) = self.streams.try_borrow_mut() else {
+            return;
+        };
+        if streams.last().is_some_and(|s| s.same_stream(stream)) {
+            return;
+        }
+        if !streams.iter().any(|s| s.same_stream(stream)) {
+            if streams.len() >= KEPT_STREAMS {
+                // Streams only this list still holds: their owners are done
+                // with them, so keep them from piling up (a new stream per step).
+                streams.retain(|s| !s.is_last_handle());
+            }
+            streams.push(stream.clone());
+        }
+    }
+
+    /// The outcome of a queued call: success; for `ncclInProgress` outside a
+    /// group, the polled result; an error with the communicator named.
+    #[inline]
+    pub(crate) fn finish(&self, call: &'static str, status: ncclResult_t) -> Result<()> {
+        if status.is_success() {
+            return Ok(());
+        }
+        if status == ncclResult_t::ncclInProgress {
+            if in_group() {
+                // Listed in the group (checked before the call): polled when it
+                // ends.
+                return Ok(());
+            }
+            return self.settle_call(call);
+        }
+        Err(call_error(
+            self.lib,
+            call,
+            status,
+            self.raw,
+            Some(self.info),
+        ))
+    }
+
+    /// Poll a non-blocking call to completion, bounded by the config's timeout.
+    #[cold]
+    pub(crate) fn settle_call(&self, call: &'static str) -> Result<()> {
+        let deadline = self.timeout.map(|t| Instant::now() + t);
+        match settle(self.lib, self.raw, deadline).map_err(|m| missing(m, Some(self.info)))? {
+            Settled::Done => Ok(()),
+            Settled::Failed(state) => Err(self.async_failure(call, state)),
+            Settled::TimedOut => {
+                self.abort();
+                Err(into_error(NcclError::Timeout {
+                    pending: call.to_owned(),
+                    waited: self.timeout.unwrap_or_default(),
+                    comm: self.info,
+                }))
+            }
+        }
+    }
+
+    pub(crate) fn raw_handle(&self) -> ncclComm_t {
+        self.raw
+    }
+}
+
+impl Drop for Communicator {
+    fn drop(&mut self) {
+        if self.aborted.get() {
+            return;
+        }
+        if in_group() {
+            // A finalize queued into the open group would complete only at its
+            // end, after the destroy below: abort instead.
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): dropped inside `group`; aborted",
+                self.info
+            ));
+            self.abort();
+            return;
+        }
+        let (lib, comm, info) = (self.lib, self.raw, self.info);
+        let deadline = Instant::now() + self.drop_timeout;
+        let streams = std::mem::take(self.streams.get_mut());
+        let blocking = self.blocking;
+        let last_op = self.last_op.get();
+        let timeout = self.drop_timeout;
+        self.ctx.release_with(
+            self.made,
+            format_args!("NCCL communicator ({info})"),
+            |_, _| {
+                let outcome = teardown(lib, comm, blocking, &streams, deadline);
+                match outcome {
+                    Teardown::Destroyed => {}
+                    Teardown::DestroyFailed(status) => {
+                        crate::error::report_line(format_args!(
+                            "NCCL communicator ({info}): ncclCommDestroy failed: {status}: {}",
+                            error::description(lib, status)
+                        ));
+                    }
+                    Teardown::Failed(call, status) => {
+                        let text = error::description(lib, status);
+                        let last = error::last_error(lib, comm);
+                        abort_raw(lib, comm);
+                        crate::error::report_line(format_args!(
+                            "NCCL communicator ({info}): {call} failed: {status}: {text}{}{}; aborted",
+                            if last.is_empty() { "" } else { "; last error: " },
+                            last
+                        ));
+                    }
+                    Teardown::TimedOut => {
+                        abort_raw(lib, comm);
+                        crate::error::report_line(format_args!(
+                            "NCCL communicator ({info}): work ({last_op}) or finalize had not \
+                             completed after {timeout:?}; aborted"
+                        ));
+                    }
+                    Teardown::Missing(name) => {
+                        abort_raw(lib, comm);
+                        crate::error::report_line(format_args!(
+                            "NCCL communicator ({info}): the library lacks {name}; aborted"
+                        ));
+                    }
+                }
+            },
+        );
+    }
+}

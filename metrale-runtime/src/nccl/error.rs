@@ -1,0 +1,262 @@
+//! The room's error data ([`NcclError`]) and the one place it becomes a
+//! [`MetraleError`] ([`into_error`]), so a change of `MetraleError`'s shape
+//! touches this file only.
+
+use std::ffi::CStr;
+use std::fmt;
+use std::time::Duration;
+
+use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
+use metrale_cuda_sys::{LibraryLoadError, LibraryMissingSymbol};
+
+use crate::error::{ErrorKind, MetraleError};
+
+/// Which communicator an error is about: its rank, the number of ranks and its
+/// device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CommInfo {
+    /// This communicator's rank.
+    pub rank: usize,
+    /// The number of ranks.
+    pub size: usize,
+    /// The device ordinal.
+    pub device: usize,
+}
+
+impl fmt::Display for CommInfo {
+    /// `rank 1 of 2, device 0`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "rank {} of {}, device {}",
+            self.rank, self.size, self.device
+        )
+    }
+}
+
+/// Everything that can go wrong with NCCL.
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum NcclError {
+    /// The library could not be loaded (every try, with the loader's message).
+    Unavailable(LibraryLoadError),
+    /// The loaded library lacks a function the operation needs.
+    MissingSymbol {
+        /// The symbol, the library and its version.
+        missing: LibraryMissingSymbol,
+        /// The communicator, when there is one.
+        comm: Option<CommInfo>,
+    },
+    /// A call returned an error status.
+    Call {
+        /// The function (`ncclAllReduce`).
+        call: &'static str,
+        /// Its status.
+        status: ncclResult_t,
+        /// `ncclGetErrorString`'s description of the status.
+        description: String,
+        /// `ncclGetLastError`'s text (empty when NCCL said nothing more).
+        last_error: String,
+        /// The communicator, when there is one.
+        comm: Option<CommInfo>,
+    },
+    /// `ncclCommGetAsyncError` reported a failure; the communicator was aborted.
+    Async {
+        /// What was being done (`wait`, `ncclCommInitRankConfig`).
+        during: String,
+        /// The asynchronous status.
+        status: ncclResult_t,
+        /// `ncclGetErrorString`'s description of it.
+        description: String,
+        /// `ncclGetLastError`'s text.
+        last_error: String,
+        /// The communicator.
+        comm: CommInfo,
+    },
+    /// A bounded wait ran out; the communicator was aborted (`ncclCommAbort`).
+    Timeout {
+        /// The operation still pending (`ncclAllReduce`, `ncclCommInitRankConfig`).
+        pending: String,
+        /// How long was waited.
+        waited: Duration,
+        /// The communicator.
+        comm: CommInfo,
+    },
+    /// Refused before NCCL was called: a length, root, peer or rank out of rule.
+    Refused {
+        /// The NCCL function that was not called.
+        call: &'static str,
+        /// The communicator (rank and size), when there is one.
+        comm: Option<CommInfo>,
+        /// What is wrong, with the sizes.
+        reason: String,
+    },
+    /// The communicator was aborted earlier (by a failed wait, or `abort`).
+    Aborted {
+        /// The NCCL function that was not called.
+        call: &'static str,
+        /// The communicator.
+        comm: CommInfo,
+    },
+}
+
+impl fmt::Display for NcclError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let on = |comm: &Option<CommInfo>| match comm {
+            Some(c) => format!(" (communicator {c})"),
+            None => String::new(),
+        };
+        match self {
+            NcclError::Unavailable(e) => write!(f, "{e}"),
+            NcclError::MissingSymbol { missing, comm } => write!(f, "{missing}{}", on(comm)),
+            NcclError::Call {
+                call,
+                status,
+                description,
+                last_error,
+                comm,
+            } => {
+                write!(f, "{call} failed: {status}: {description}")?;
+                if !last_error.is_empty() {
+                    write!(f, "; last error: {last_error}")?;
+                }
+                f.write_str(&on(comm))
+            }
+            NcclError::Async {
+                during,
+                status,
+                description,
+                last_error,
+                comm,
+            } => {
+                write!(
+                    f,
+                    "{during}: NCCL reported an asynchronous error: {status}: {description}"
+                )?;
+                if !last_error.is_empty() {
+                    write!(f, "; last error: {last_error}")?;
+                }
+                write!(f, " (communicator {comm}; aborted)")
+            }
+            NcclError::Timeout {
+                pending,
+                waited,
+                comm,
+            } => write!(
+                f,
+                "{pending} had not completed after {waited:?}; the communicator ({comm}) was \
+                 aborted (ncclCommAbort) and cannot be used again"
+            ),
+            NcclError::Refused { call, comm, reason } => {
+                write!(f, "{call} not called{}: {reason}", on(comm))
+            }
+            NcclError::Aborted { call, comm } => write!(
+                f,
+                "{call} not called: the communicator ({comm}) was aborted"
+            ),
+        }
+    }
+}
+
+impl fmt::Debug for NcclError {
+    /// The message itself, like [`MetraleError`]'s.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(self, f)
+    }
+}
+
+impl std::error::Error for NcclError {}
+
+impl NcclError {
+    /// The NCCL status behind this error, when a call or the communicator
+    /// returned one.
+    pub fn status(&self) -> Option<ncclResult_t> {
+        match self {
+            NcclError::Call { status, .. } | NcclError::Async { status, .. } => Some(*status),
+            _ => None,
+        }
+    }
+}
+
+/// The one constructor of the crate's error from this room's.
+#[cold]
+pub(crate) fn into_error(e: NcclError) -> MetraleError {
+    ErrorKind::Nccl(Box::new(e)).into()
+}
+
+impl MetraleError {
+    /// This error's NCCL data, when it came from a communicator or NCCL itself
+    /// (feature `nccl`).
+    pub fn as_nccl(&self) -> Option<&NcclError> {
+        match self.kind() {
+            ErrorKind::Nccl(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+/// `ncclGetErrorString(status)`, or the header's name when the library lacks it.
+pub(crate) fn description(lib: &Nccl, status: ncclResult_t) -> String {
+    let text = lib.ncclGetErrorString().ok().and_then(|f| {
+        // SAFETY: ncclGetErrorString returns a static NUL-terminated string (or
+        // NULL) for any status value.
+        let p = unsafe { f(status) };
+        // SAFETY: checked non-null; the string is static.
+        (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    });
+    text.unwrap_or_else(|| status.name().unwrap_or("unknown status").to_owned())
+}
+
+/// `ncclGetLastError(comm)` (the library's last message, for this communicator
+/// or, with a null one, the thread), or empty.
+pub(crate) fn last_error(lib: &Nccl, comm: ncclComm_t) -> String {
+    lib.ncclGetLastError()
+        .ok()
+        .and_then(|f| {
+            // SAFETY: ncclGetLastError accepts a live communicator or NULL and
+            // returns a NUL-terminated string it owns (or NULL).
+            let p = unsafe { f(comm) };
+            // SAFETY: checked non-null; read at once, before any other NCCL call.
+            (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+        })
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// The error of `call` returning `status`.
+#[cold]
+pub(crate) fn call_error(
+    lib: &Nccl,
+    call: &'static str,
+    status: ncclResult_t,
+    raw: ncclComm_t,
+    comm: Option<CommInfo>,
+) -> MetraleError {
+    into_error(NcclError::Call {
+        call,
+        status,
+        description: description(lib, status),
+        last_error: last_error(lib, raw),
+        comm,
+    })
+}
+
+/// A refusal before `call`.
+#[cold]
+pub(crate) fn refused(
+    call: &'static str,
+    comm: Option<CommInfo>,
+    reason: impl Into<String>,
+) -> MetraleError {
+    into_error(NcclError::Refused {
+        call,
+        comm,
+        reason: reason.into(),
+    })
+}
+
+/// A missing symbol of the loaded library.
+#[cold]
+pub(crate) fn missing(missing: LibraryMissingSymbol, comm: Option<CommInfo>) -> MetraleError {
+    into_error(NcclError::MissingSymbol { missing, comm })
+}

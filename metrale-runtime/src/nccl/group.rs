@@ -1,0 +1,130 @@
+//! [`group`]: several NCCL calls, of one or several communicators, queued as one
+//! NCCL group from one thread; the thread's group depth and listed
+//! communicators.
+
+use std::cell::{Cell, RefCell};
+
+use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t};
+
+use crate::error::Result;
+
+use super::comm::Communicator;
+use super::error::{call_error, missing};
+use super::lib;
+
+thread_local! {
+    /// Depth of this thread's `group` calls.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+    /// The communicators the open groups list (borrowed for the group's length).
+    static LISTED: RefCell<Vec<ncclComm_t>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Whether this thread is inside [`group`].
+#[inline]
+pub(crate) fn in_group() -> bool {
+    DEPTH.with(Cell::get) > 0
+}
+
+/// Queue NCCL calls of one or several communicators as one group
+/// (`ncclGroupStart` / `ncclGroupEnd`): what `f` queues is launched when it
+/// returns. One thread drives several ranks this way (communicators of
+/// [`Communicator::init_all`], or `init_rank` for several ranks), and sends and
+/// receives between ranks do not deadlock.
+///
+/// `comms` lists the communicators `f` uses; non-blocking ones must be listed
+/// (their completion is polled when the group ends, within each one's timeout),
+/// blocking ones may be. Groups nest; the outermost end launches.
+///
+/// ```no_run
+/// use metrale_runtime::nccl::{group, Communicator, ReduceOp};
+/// use metrale_runtime::{context, CudaStream, DeviceBuffer};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctxs = [context(0)?, context(1)?];
+/// let comms = Communicator::init_all(&ctxs)?;
+/// let streams = [CudaStream::new(&ctxs[0])?, CudaStream::new(&ctxs[1])?];
+/// let mut bufs = [DeviceBuffer::<f32>::alloc(&ctxs[0], 1024)?, DeviceBuffer::alloc(&ctxs[1], 1024)?];
+/// let listed: Vec<&Communicator> = comms.iter().collect();
+/// group(&listed, || {
+///     for ((c, b), s) in comms.iter().zip(bufs.iter_mut()).zip(&streams) {
+///         c.all_reduce_in_place(b, ReduceOp::Sum, s)?;
+///     }
+///     Ok(())
+/// })?;
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// `f`'s error (the group is still ended), else `ncclGroupEnd`'s status, or a
+/// listed communicator's asynchronous error or timeout (that one is aborted).
+pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Result<R> {
+    let nccl = lib()?;
+    let start = nccl.ncclGroupStart().map_err(|m| missing(m, None))?;
+    let end = nccl.ncclGroupEnd().map_err(|m| missing(m, None))?;
+    // SAFETY: no arguments; starts a group on this thread.
+    let status = unsafe { start() };
+    if !status.is_success() {
+        return Err(call_error(
+            nccl,
+            "ncclGroupStart",
+            status,
+            std::ptr::null_mut(),
+            None,
+        ));
+    }
+    let mark = LISTED.with(|l| {
+        let mut l = l.borrow_mut();
+        let mark = l.len();
+        l.extend(comms.iter().map(|c| c.raw_handle()));
+        mark
+    });
+    /// Ends the depth and the listing, and when `f` unwinds the NCCL group too
+    /// (its status ignored), so the thread is not left inside a group.
+    struct Open {
+        mark: usize,
+        end: Option<unsafe extern "C" fn() -> ncclResult_t>,
+    }
+    impl Drop for Open {
+        fn drop(&mut self) {
+            DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
+            let mark = self.mark;
+            LISTED.with(|l| l.borrow_mut().truncate(mark));
+            if let Some(end) = self.end.take() {
+                // SAFETY: ends the group `group` started, once.
+                let _ = unsafe { end() };
+            }
+        }
+    }
+    DEPTH.with(|d| d.set(d.get() + 1));
+    let mut open = Open {
+        mark,
+        end: Some(end),
+    };
+    let result = f();
+    open.end = None;
+    drop(open);
+    // SAFETY: ends the group this call started.
+    let status = unsafe { end() };
+    let ended = if status.is_success() {
+        Ok(())
+    } else if status == ncclResult_t::ncclInProgress {
+        comms
+            .iter()
+            .filter(|c| !c.is_blocking() && !c.is_aborted())
+            .try_for_each(|c| c.settle_call("ncclGroupEnd"))
+    } else {
+        Err(call_error(
+            nccl,
+            "ncclGroupEnd",
+            status,
+            std::ptr::null_mut(),
+            None,
+        ))
+    };
+    let value = result?;
+    ended.map(|()| value)
+}
+
+/// Whether an open group of this thread lists the communicator `raw`.
+pub(crate) fn is_listed(raw: ncclComm_t) -> bool {
+    LISTED.with(|l| l.borrow().contains(&raw))
+}

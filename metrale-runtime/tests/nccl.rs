@@ -1,0 +1,931 @@
+//! Tier 2 for the `nccl` feature: the runtime's NCCL room against the stand-in
+//! NCCL (metrale-fakecuda's `fakenccl.c`: ranks as threads of this process) on
+//! the stand-in driver, both loaded through their `METRALE_LIB*_PATH` variables.
+//! Runs everywhere, with no GPU: every collective's results, every refusal,
+//! error texts, `ncclInProgress`, asynchronous errors, the timeout-and-abort
+//! path, every Drop path, and the missing-library and missing-symbol errors.
+
+#![cfg(feature = "nccl")]
+#![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
+
+#[path = "support/harness.rs"]
+mod harness;
+
+use std::process::ExitCode;
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use metrale_fakecuda::{Fake, FakeNccl};
+use metrale_runtime::nccl::{group, CommConfig, Communicator, NcclError, NcclId, ReduceOp};
+use metrale_runtime::sys::nccl::ncclResult_t;
+use metrale_runtime::{context, CudaContext, CudaStream, DeviceBuffer, Result};
+
+fn fake() -> &'static Fake {
+    static F: OnceLock<Fake> = OnceLock::new();
+    F.get_or_init(|| Fake::open(metrale_fakecuda::library_path()))
+}
+
+fn nccl() -> &'static FakeNccl {
+    static F: OnceLock<FakeNccl> = OnceLock::new();
+    F.get_or_init(|| FakeNccl::open(metrale_fakecuda::nccl_library_path()))
+}
+
+fn reset() {
+    fake().reset();
+    nccl().reset();
+}
+
+fn ctx(dev: usize) -> Arc<CudaContext> {
+    context(dev).unwrap()
+}
+
+fn one_rank(config: &CommConfig) -> (Communicator, CudaStream) {
+    let c = ctx(0);
+    let id = NcclId::new().unwrap();
+    let comm = Communicator::init_rank(&id, 1, 0, &c, config).unwrap();
+    (comm, CudaStream::new(&c).unwrap())
+}
+
+/// Run `f(rank, comm, stream)` on two threads, rank r on device r.
+fn two_ranks<R: Send + 'static>(
+    config: CommConfig,
+    f: impl Fn(usize, &Communicator, &CudaStream) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let id = NcclId::new().unwrap();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let f = Arc::clone(&f);
+            let config = config.clone();
+            std::thread::spawn(move || {
+                let c = ctx(rank);
+                let comm = Communicator::init_rank(&id, 2, rank, &c, &config).unwrap();
+                let s = CudaStream::new(&c).unwrap();
+                f(rank, &comm, &s)
+            })
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(
+        nccl().would_hang(),
+        0,
+        "a blocking finalize or destroy was made with work pending"
+    );
+    out
+}
+
+fn refusal(e: &metrale_runtime::MetraleError) -> String {
+    match e.as_nccl() {
+        Some(NcclError::Refused { .. }) => e.to_string(),
+        other => panic!("expected a refusal, got {other:?}: {e}"),
+    }
+}
+
+// ---- ids --------------------------------------------------------------------
+
+fn id_bytes_and_text() {
+    reset();
+    let id = NcclId::new().unwrap();
+    let text = id.to_string();
+    assert_eq!(text.len(), 256);
+    assert!(text.starts_with("66616b656e63636c"), "{text}"); // "fakenccl"
+    let back: NcclId = text.parse().unwrap();
+    assert_eq!(back, id);
+    assert_eq!(NcclId::from_bytes(*id.as_bytes()), id);
+    assert_ne!(NcclId::new().unwrap(), id);
+    let e = "abc".parse::<NcclId>().unwrap_err();
+    assert!(e.to_string().contains("256 hex digits; got 3"), "{e}");
+    let bad = format!("zz{}", &text[2..]);
+    let e = bad.parse::<NcclId>().unwrap_err();
+    assert!(e.to_string().contains("`zz` at offset 0"), "{e}");
+}
+
+// ---- results ----------------------------------------------------------------
+
+macro_rules! sum_each_type {
+    ($($t:ty),*) => { $(
+        {
+            let out = two_ranks(CommConfig::new(), |rank, comm, s| {
+                let data: Vec<$t> = (1..=5u8).map(|i| (i + rank as u8) as $t).collect();
+                let send = DeviceBuffer::from_host(s, &data).unwrap();
+                let mut recv = DeviceBuffer::<$t>::alloc(s, 6).unwrap();
+                s.memset_u8(&mut recv, 0).unwrap();
+                comm.all_reduce(&send, &mut recv, ReduceOp::Sum, s).unwrap();
+                s.synchronize().unwrap();
+                s.to_vec(&recv).unwrap()
+            });
+            let want: Vec<$t> = [3u8, 5, 7, 9, 11, 0].iter().map(|&v| v as $t).collect();
+            assert_eq!(out[0], want, stringify!($t));
+            assert_eq!(out[1], want, stringify!($t));
+        }
+    )* };
+}
+
+fn all_reduce_every_type() {
+    reset();
+    sum_each_type!(f32, f64, i8, u8, i32, u32, i64, u64);
+}
+
+#[cfg(feature = "half")]
+fn all_reduce_half_types() {
+    use half::{bf16, f16};
+    reset();
+    let out = two_ranks(CommConfig::new(), |rank, comm, s| {
+        let a: Vec<f16> = (0..4).map(|i| f16::from_f32((i + rank) as f32)).collect();
+        let b: Vec<bf16> = (0..4)
+            .map(|i| bf16::from_f32((i * 2 + rank) as f32))
+            .collect();
+        let mut da = DeviceBuffer::from_host(s, &a).unwrap();
+        let mut db = DeviceBuffer::from_host(s, &b).unwrap();
+        comm.all_reduce_in_place(&mut da, ReduceOp::Sum, s).unwrap();
+        comm.all_reduce_in_place(&mut db, ReduceOp::Max, s).unwrap();
+        s.synchronize().unwrap();
+        (s.to_vec(&da).unwrap(), s.to_vec(&db).unwrap())
+    });
+    for (a, b) in out {
+        assert_eq!(a, [1.0, 3.0, 5.0, 7.0].map(f16::from_f32).to_vec());
+        assert_eq!(b, [1.0, 3.0, 5.0, 7.0].map(bf16::from_f32).to_vec());
+    }
+}
+
+fn all_reduce_every_op() {
+    reset();
+    for (op, want) in [
+        (ReduceOp::Sum, [5.0f32, 12.0]),
+        (ReduceOp::Prod, [6.0, 35.0]),
+        (ReduceOp::Min, [2.0, 5.0]),
+        (ReduceOp::Max, [3.0, 7.0]),
+        (ReduceOp::Avg, [2.5, 6.0]),
+    ] {
+        let out = two_ranks(CommConfig::new(), move |rank, comm, s| {
+            let v = if rank == 0 { [2.0f32, 5.0] } else { [3.0, 7.0] };
+            let mut b = DeviceBuffer::from_host(s, &v).unwrap();
+            comm.all_reduce_in_place(&mut b, op, s).unwrap();
+            s.synchronize().unwrap();
+            s.to_vec(&b).unwrap()
+        });
+        assert_eq!(out, vec![want.to_vec(), want.to_vec()], "{op:?}");
+    }
+}
+
+fn broadcast_reduce_gather_scatter() {
+    reset();
+    let out = two_ranks(CommConfig::new(), |rank, comm, s| {
+        let r = rank as i32;
+        // broadcast from rank 1
+        let send = DeviceBuffer::from_host(s, &[10 + r, 20 + r, 30 + r]).unwrap();
+        let mut recv = DeviceBuffer::<i32>::alloc(s, 3).unwrap();
+        comm.broadcast(&send, &mut recv, 1, s).unwrap();
+        let mut inplace = DeviceBuffer::from_host(s, &[r; 2]).unwrap();
+        comm.broadcast_in_place(&mut inplace, 0, s).unwrap();
+        // reduce to rank 0
+        let mut red = DeviceBuffer::from_host(s, &[-1i32; 3]).unwrap();
+        comm.reduce(&send, &mut red, ReduceOp::Max, 0, s).unwrap();
+        // all-gather
+        let mine = DeviceBuffer::from_host(s, &[r * 100, r * 100 + 1]).unwrap();
+        let mut all = DeviceBuffer::<i32>::alloc(s, 4).unwrap();
+        comm.all_gather(&mine, &mut all, s).unwrap();
+        // reduce-scatter
+        let blocks = DeviceBuffer::from_host(s, &[1 + r, 2 + r, 3 + r, 4 + r]).unwrap();
+        let mut part = DeviceBuffer::<i32>::alloc(s, 2).unwrap();
+        comm.reduce_scatter(&blocks, &mut part, ReduceOp::Sum, s)
+            .unwrap();
+        s.synchronize().unwrap();
+        (
+            s.to_vec(&recv).unwrap(),
+            s.to_vec(&inplace).unwrap(),
+            s.to_vec(&red).unwrap(),
+            s.to_vec(&all).unwrap(),
+            s.to_vec(&part).unwrap(),
+        )
+    });
+    for (rank, (bcast, inplace, red, all, part)) in out.into_iter().enumerate() {
+        assert_eq!(bcast, vec![11, 21, 31]);
+        assert_eq!(inplace, vec![0, 0]);
+        if rank == 0 {
+            assert_eq!(red, vec![11, 21, 31]);
+        } else {
+            assert_eq!(red, vec![-1, -1, -1], "written on the root only");
+        }
+        assert_eq!(all, vec![0, 1, 100, 101]);
+        let want = if rank == 0 { vec![3, 5] } else { vec![7, 9] };
+        assert_eq!(part, want);
+    }
+}
+
+fn send_and_recv_between_threads() {
+    reset();
+    let out = two_ranks(CommConfig::new(), |rank, comm, s| {
+        let mut b = DeviceBuffer::from_host(s, &[rank as u64 + 40; 4]).unwrap();
+        if rank == 0 {
+            comm.send(&b, 1, s).unwrap();
+        } else {
+            comm.recv(&mut b, 0, s).unwrap();
+        }
+        s.synchronize().unwrap();
+        s.to_vec(&b).unwrap()
+    });
+    assert_eq!(out, vec![vec![40u64; 4], vec![40; 4]]);
+}
+
+fn one_rank_every_collective_and_slices() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    assert_eq!((comm.rank(), comm.size(), comm.device()), (0, 1, 0));
+    let send = DeviceBuffer::from_host(&s, &[1.5f64, 2.5, 3.5, 4.5]).unwrap();
+    let mut recv = DeviceBuffer::<f64>::alloc(&s, 4).unwrap();
+    {
+        let part = send.slice(1..3).unwrap();
+        let mut out = recv.slice_mut(0..2).unwrap();
+        comm.all_reduce(&part, &mut out, ReduceOp::Sum, &s).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert_eq!(&s.to_vec(&recv).unwrap()[..2], &[2.5, 3.5]);
+    comm.all_gather(&send, &mut recv, &s).unwrap();
+    comm.reduce_scatter(&send, &mut recv, ReduceOp::Sum, &s)
+        .unwrap();
+    comm.broadcast(&send, &mut recv, 0, &s).unwrap();
+    comm.reduce(&send, &mut recv, ReduceOp::Min, 0, &s).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(s.to_vec(&recv).unwrap(), vec![1.5, 2.5, 3.5, 4.5]);
+    // Empty buffers are not handed to NCCL.
+    let before = nccl().calls("ncclAllReduce");
+    let e0 = DeviceBuffer::<f64>::alloc(&s, 0).unwrap();
+    let mut e1 = DeviceBuffer::<f64>::alloc(&s, 0).unwrap();
+    comm.all_reduce(&e0, &mut e1, ReduceOp::Sum, &s).unwrap();
+    assert_eq!(nccl().calls("ncclAllReduce"), before);
+}
+
+fn init_all_and_a_group_on_one_thread() {
+    reset();
+    let ctxs = [ctx(0), ctx(1)];
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    assert_eq!(comms.len(), 2);
+    assert_eq!(
+        comms
+            .iter()
+            .map(|c| (c.rank(), c.size(), c.device()))
+            .collect::<Vec<_>>(),
+        vec![(0, 2, 0), (1, 2, 1)]
+    );
+    let streams = [
+        CudaStream::new(&ctxs[0]).unwrap(),
+        CudaStream::new(&ctxs[1]).unwrap(),
+    ];
+    let mut bufs = [
+        DeviceBuffer::from_host(&streams[0], &[1u32, 2]).unwrap(),
+        DeviceBuffer::from_host(&streams[1], &[10u32, 20]).unwrap(),
+    ];
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    group(&listed, || {
+        for ((c, b), s) in comms.iter().zip(bufs.iter_mut()).zip(&streams) {
+            c.all_reduce_in_place(b, ReduceOp::Sum, s)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    for (b, s) in bufs.iter().zip(&streams) {
+        s.synchronize().unwrap();
+        assert_eq!(s.to_vec(b).unwrap(), vec![11, 22]);
+    }
+    // Send and receive between two ranks of one thread, in one group.
+    let [b0, b1] = &mut bufs;
+    group(&[], || {
+        comms[0].send(b0, 1, &streams[0])?;
+        comms[1].recv(b1, 0, &streams[1])
+    })
+    .unwrap();
+    streams[1].synchronize().unwrap();
+    assert_eq!(streams[1].to_vec(b1).unwrap(), vec![11, 22]);
+    // Two ranks made by init_rank on one thread, inside a group.
+    let id = NcclId::new().unwrap();
+    let (a, b) = group(&[], || {
+        Ok((
+            Communicator::init_rank(&id, 2, 0, &ctxs[0], &CommConfig::new())?,
+            Communicator::init_rank(&id, 2, 1, &ctxs[1], &CommConfig::new())?,
+        ))
+    })
+    .unwrap();
+    assert_eq!((a.rank(), b.rank()), (0, 1));
+    // Dropped inside a group: aborted, not finalized into the group.
+    let aborts = nccl().calls("ncclCommAbort");
+    group(&[], || {
+        drop(a);
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(nccl().calls("ncclCommAbort"), aborts + 1);
+    drop(b);
+    // A panic inside a group still ends the NCCL group.
+    let (starts, ends) = (nccl().calls("ncclGroupStart"), nccl().calls("ncclGroupEnd"));
+    let panicked =
+        std::panic::catch_unwind(|| group(&[], || -> Result<()> { panic!("inside a group") }));
+    assert!(panicked.is_err());
+    assert_eq!(
+        (nccl().calls("ncclGroupStart"), nccl().calls("ncclGroupEnd")),
+        (starts + 1, ends + 1)
+    );
+    // A device given twice is refused before NCCL.
+    let e = Communicator::init_all(&[ctx(0), ctx(0)]).unwrap_err();
+    assert!(refusal(&e).contains("device 0 is given twice"), "{e}");
+}
+
+fn split_by_color_and_key() {
+    reset();
+    let out = two_ranks(CommConfig::new(), |rank, comm, _| {
+        let swapped = comm
+            .split(Some(3), 1 - rank as i32, &CommConfig::new())
+            .unwrap()
+            .unwrap();
+        let r = (swapped.rank(), swapped.size(), swapped.device());
+        let color = if rank == 0 { Some(7) } else { None };
+        let alone = comm.split(color, 0, &CommConfig::new()).unwrap();
+        (r, alone.map(|c| (c.rank(), c.size())))
+    });
+    assert_eq!(out[0], ((1, 2, 0), Some((0, 1))));
+    assert_eq!(out[1], ((0, 2, 1), None));
+}
+
+// ---- refusals ---------------------------------------------------------------
+
+fn lengths_roots_and_devices_are_refused_before_nccl() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let four = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    let mut three = DeviceBuffer::<f32>::alloc(&s, 3).unwrap();
+    let mut five = DeviceBuffer::<f32>::alloc(&s, 5).unwrap();
+    let calls = |n: &str| nccl().calls(n);
+    let before: Vec<i64> = [
+        "ncclAllReduce",
+        "ncclAllGather",
+        "ncclReduceScatter",
+        "ncclBroadcast",
+        "ncclReduce",
+        "ncclSend",
+    ]
+    .iter()
+    .map(|n| calls(n))
+    .collect();
+
+    let e = comm
+        .all_reduce(&four, &mut three, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert_eq!(
+        refusal(&e),
+        "ncclAllReduce not called (communicator rank 0 of 1, device 0): the receive buffer \
+         has 3 elements, fewer than the send buffer's 4"
+    );
+    let e = comm.all_gather(&four, &mut five, &s).unwrap_err();
+    assert!(
+        refusal(&e).contains("ncclAllGather not called (communicator rank 0 of 1, device 0): the receive buffer has 5 elements; it needs ranks × send = 1 × 4 = 4"),
+        "{e}"
+    );
+    let e = comm
+        .reduce_scatter(&four, &mut three, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert!(
+        refusal(&e)
+            .contains("the send buffer has 4 elements; it needs ranks × receive = 1 × 3 = 3"),
+        "{e}"
+    );
+    let e = comm.broadcast(&four, &mut three, 1, &s).unwrap_err();
+    assert!(
+        refusal(&e).contains("root 1 is not a rank (the communicator has 1 ranks)"),
+        "{e}"
+    );
+    let e = comm
+        .reduce(&four, &mut five, ReduceOp::Sum, 2, &s)
+        .unwrap_err();
+    assert!(refusal(&e).contains("ncclReduce not called"), "{e}");
+    let e = comm.send(&four, 1, &s).unwrap_err();
+    assert!(refusal(&e).contains("peer 1 is not a rank"), "{e}");
+    let e = comm.broadcast(&three, &mut five, 0, &s).unwrap_err();
+    assert!(
+        refusal(&e).contains("the send buffer has 3 elements, fewer than the receive buffer's 5"),
+        "{e}"
+    );
+
+    // Memory and streams of another device.
+    let other = CudaStream::new(&ctx(1)).unwrap();
+    let far = DeviceBuffer::<f32>::alloc(&other, 4).unwrap();
+    let e = comm
+        .all_reduce(&far, &mut five, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert!(
+        refusal(&e).contains("the send buffer is on device 1, the communicator on device 0"),
+        "{e}"
+    );
+    let e = comm
+        .all_reduce_in_place(&mut five, ReduceOp::Sum, &other)
+        .unwrap_err();
+    assert!(
+        refusal(&e).contains("ncclAllReduce not called (communicator rank 0 of 1, device 0): the stream is on device 1, the communicator on device 0"),
+        "{e}"
+    );
+    let after: Vec<i64> = [
+        "ncclAllReduce",
+        "ncclAllGather",
+        "ncclReduceScatter",
+        "ncclBroadcast",
+        "ncclReduce",
+        "ncclSend",
+    ]
+    .iter()
+    .map(|n| calls(n))
+    .collect();
+    assert_eq!(before, after, "no refused call reached NCCL");
+
+    // Init: a rank not below the size, bad config values.
+    let id = NcclId::new().unwrap();
+    let e = Communicator::init_rank(&id, 2, 2, &ctx(0), &CommConfig::new()).unwrap_err();
+    assert!(
+        refusal(&e).contains("rank 2 is not below the number of ranks 2"),
+        "{e}"
+    );
+    for (config, text) in [
+        (
+            CommConfig::new().cga_cluster_size(9),
+            "cga_cluster_size is 0 to 8, not 9",
+        ),
+        (
+            CommConfig::new().min_ctas(8).max_ctas(4),
+            "min_ctas 8 is more than max_ctas 4",
+        ),
+        (CommConfig::new().max_ctas(0), "max_ctas must be at least 1"),
+        (
+            CommConfig::new().net_name("a\0b"),
+            "net_name `a\0b` contains a NUL byte",
+        ),
+    ] {
+        let e = Communicator::init_rank(&id, 1, 0, &ctx(0), &config).unwrap_err();
+        assert!(refusal(&e).contains(text), "{e}");
+    }
+    assert_eq!(
+        nccl().calls("ncclCommInitRankConfig"),
+        1,
+        "only the first one_rank init"
+    );
+    // A config with every setting is accepted.
+    let config = CommConfig::new()
+        .blocking(true)
+        .cga_cluster_size(2)
+        .min_ctas(1)
+        .max_ctas(8)
+        .split_share(true)
+        .net_name("Socket")
+        .comm_name("metrale-test");
+    let c = Communicator::init_rank(&id, 1, 0, &ctx(0), &config).unwrap();
+    assert!(c.is_blocking());
+}
+
+// ---- errors -----------------------------------------------------------------
+
+fn errors_name_the_call_status_text_and_communicator() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::<i64>::alloc(&s, 8).unwrap();
+    nccl().fail("ncclAllReduce", 5, 1, Some(1));
+    let e = comm
+        .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "ncclAllReduce failed: ncclInvalidUsage (5): invalid usage (the stand-in's words); \
+         last error: fakenccl: ncclAllReduce failed as asked (communicator rank 0 of 1, device 0)"
+    );
+    assert_eq!(
+        e.as_nccl().unwrap().status(),
+        Some(ncclResult_t::ncclInvalidUsage)
+    );
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+
+    let next = nccl().calls("ncclCommInitRankConfig") + 1;
+    nccl().fail("ncclCommInitRankConfig", 2, next, Some(1));
+    let id = NcclId::new().unwrap();
+    let e = Communicator::init_rank(&id, 1, 0, &ctx(0), &CommConfig::new()).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("ncclCommInitRankConfig failed: ncclSystemError (2): "),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .ends_with("(communicator rank 0 of 1, device 0)"),
+        "{e}"
+    );
+
+    // A blocking init whose peer never comes: NCCL's own bound, its message.
+    nccl().set_timeout_ms(50);
+    let id = NcclId::new().unwrap();
+    let e = Communicator::init_rank(&id, 2, 0, &ctx(0), &CommConfig::new()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("last error: fakenccl: rendezvous timed out: 1 of 2 ranks joined"),
+        "{e}"
+    );
+    assert_eq!(
+        nccl().live(),
+        1,
+        "the failed init's communicator was aborted"
+    );
+    drop(comm);
+    assert_eq!(nccl().live(), 0);
+
+    // Missing symbols name the library's version.
+    let lib = metrale_runtime::sys::nccl::nccl().unwrap();
+    let m = lib.ncclCommShrink().unwrap_err();
+    assert_eq!(
+        m.to_string(),
+        "the loaded NCCL library does not export `ncclCommShrink` (it is version 2.28)"
+    );
+    assert_eq!(lib.version(), Some((2, 28, 9)));
+    assert_eq!(
+        metrale_runtime::nccl::nccl_version().unwrap(),
+        Some((2, 28, 9))
+    );
+}
+
+fn async_errors_abort_and_refuse_later_calls() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    assert_eq!(comm.async_status().unwrap(), ncclResult_t::ncclSuccess);
+    comm.check_async().unwrap();
+    nccl().set_async_error(comm.raw().cast(), 6);
+    let e = comm.check_async().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "ncclCommGetAsyncError: NCCL reported an asynchronous error: ncclRemoteError (6): \
+         remote process exited or there was a network error (the stand-in's words); last \
+         error: fakenccl: remote peer failed (injected) (communicator rank 0 of 1, device 0; aborted)"
+    );
+    assert!(comm.is_aborted());
+    assert_eq!(nccl().calls("ncclCommAbort"), 1);
+    let mut b = DeviceBuffer::<u8>::alloc(&s, 4).unwrap();
+    let e = comm
+        .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "ncclAllReduce not called: the communicator (rank 0 of 1, device 0) was aborted"
+    );
+    comm.abort();
+    drop(comm);
+    assert_eq!(nccl().calls("ncclCommAbort"), 1, "aborted once");
+    assert_eq!(nccl().calls("ncclCommFinalize"), 0);
+    assert_eq!(nccl().calls("ncclCommDestroy"), 0);
+    assert_eq!(nccl().live(), 0);
+
+    // An asynchronous error seen by wait.
+    let (comm, s) = one_rank(&CommConfig::new());
+    nccl().set_async_error(comm.raw().cast(), 6);
+    let e = comm.wait(&s, Duration::from_secs(1)).unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("wait: NCCL reported an asynchronous error"),
+        "{e}"
+    );
+    assert!(comm.is_aborted());
+}
+
+fn non_blocking_in_progress_is_polled_to_completion() {
+    reset();
+    nccl().set_inprogress_polls(3);
+    let config = CommConfig::new().blocking(false);
+    let (comm, s) = one_rank(&config);
+    assert!(!comm.is_blocking());
+    assert!(nccl().calls("ncclCommGetAsyncError") >= 4);
+    let polls = nccl().calls("ncclCommGetAsyncError");
+    let mut b = DeviceBuffer::from_host(&s, &[2.0f32; 3]).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Prod, &s)
+        .unwrap();
+    assert!(nccl().calls("ncclCommGetAsyncError") >= polls + 4);
+    s.synchronize().unwrap();
+    assert_eq!(s.to_vec(&b).unwrap(), vec![2.0; 3]);
+    // In a group, listed: polled at the end.
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+    })
+    .unwrap();
+    // Not listed: refused before NCCL.
+    let e = group(&[], || comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)).unwrap_err();
+    assert!(refusal(&e).contains("must be listed"), "{e}");
+    drop(comm);
+    assert_eq!(
+        nccl().calls("ncclCommDestroy"),
+        1,
+        "finalize completed, then destroy"
+    );
+
+    // Two ranks on two threads: rank 0's init is polled until rank 1 joins.
+    nccl().set_inprogress_polls(0);
+    let out = two_ranks(CommConfig::new().blocking(false), |rank, comm, s| {
+        let mut b = DeviceBuffer::from_host(s, &[rank as i32 + 1]).unwrap();
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, s).unwrap();
+        s.synchronize().unwrap();
+        s.to_vec(&b).unwrap()[0]
+    });
+    assert_eq!(out, vec![3, 3]);
+
+    // A peer that never joins: the config's timeout, then abort.
+    let id = NcclId::new().unwrap();
+    let config = CommConfig::new()
+        .blocking(false)
+        .timeout(Duration::from_millis(50));
+    let e = Communicator::init_rank(&id, 2, 0, &ctx(0), &config).unwrap_err();
+    assert!(
+        e.to_string().starts_with("ncclCommInitRankConfig had not completed after 50ms; the communicator (rank 0 of 2, device 0) was aborted"),
+        "{e}"
+    );
+    assert_eq!(nccl().live(), 0);
+}
+
+fn wait_times_out_names_the_operation_and_aborts() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 16).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    comm.wait(&s, Duration::from_secs(1)).unwrap();
+    nccl().set_hang(true);
+    comm.broadcast_in_place(&mut b, 0, &s).unwrap();
+    assert!(
+        !s.query().unwrap(),
+        "the stream is busy with the collective"
+    );
+    let e = comm.wait(&s, Duration::from_millis(30)).unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("ncclBroadcast had not completed after "),
+        "{text}"
+    );
+    assert!(
+        text.ends_with("; the communicator (rank 0 of 1, device 0) was aborted (ncclCommAbort) and cannot be used again"),
+        "{text}"
+    );
+    assert!(matches!(e.as_nccl(), Some(NcclError::Timeout { .. })));
+    assert!(comm.is_aborted());
+    assert_eq!(nccl().calls("ncclCommAbort"), 1);
+    assert!(s.query().unwrap(), "the abort ended the pending work");
+    s.synchronize().unwrap();
+    drop(comm);
+    assert_eq!(nccl().live(), 0);
+    assert_eq!(nccl().would_hang(), 0);
+    nccl().set_hang(false);
+}
+
+fn wait_is_refused_on_another_device_and_inside_a_capture() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let other = CudaStream::new(&ctx(1)).unwrap();
+    let e = comm.wait(&other, Duration::from_millis(1)).unwrap_err();
+    assert!(refusal(&e).contains("wait not called"), "{e}");
+    let mut seen = None;
+    let _graph = s
+        .capture(|cs| -> Result<()> {
+            seen = Some(
+                comm.wait(cs, Duration::from_millis(1))
+                    .unwrap_err()
+                    .to_string(),
+            );
+            Ok(())
+        })
+        .unwrap();
+    let seen = seen.unwrap();
+    assert!(seen.contains("the stream is being captured"), "{seen}");
+    assert!(!comm.is_aborted());
+}
+
+fn collectives_capture_without_host_sync() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1u32, 2, 3]).unwrap();
+    let send = DeviceBuffer::from_host(&s, &[1u32, 2, 3]).unwrap();
+    s.synchronize().unwrap();
+    let syncs = (
+        fake().calls("cuStreamSynchronize"),
+        fake().calls("cuStreamQuery"),
+        fake().calls("cuCtxSynchronize"),
+        fake().calls("cuEventSynchronize"),
+    );
+    let graph = s
+        .capture(|cs| -> Result<()> {
+            for _ in 0..10 {
+                comm.all_reduce_in_place(&mut b, ReduceOp::Sum, cs)?;
+                comm.all_reduce(&send, &mut b, ReduceOp::Max, cs)?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(
+        syncs,
+        (
+            fake().calls("cuStreamSynchronize"),
+            fake().calls("cuStreamQuery"),
+            fake().calls("cuCtxSynchronize"),
+            fake().calls("cuEventSynchronize"),
+        ),
+        "nothing in the collective path synchronised with the host"
+    );
+    let exec = graph.instantiate().unwrap();
+    drop(exec);
+    assert_eq!(nccl().calls("ncclAllReduce"), 20);
+}
+
+// ---- drop -------------------------------------------------------------------
+
+fn drop_finalizes_then_destroys() {
+    reset();
+    // A new stream per step: the communicator does not keep them all.
+    {
+        let (comm, s) = one_rank(&CommConfig::new());
+        let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+        let before = fake().live(metrale_fakecuda::Live::Streams);
+        for _ in 0..100 {
+            let step = CudaStream::new(comm.context()).unwrap();
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &step)
+                .unwrap();
+        }
+        let held = fake().live(metrale_fakecuda::Live::Streams) - before;
+        assert!((1..=9).contains(&held), "{held} streams held");
+    }
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    assert_eq!(nccl().live(), 1);
+    drop(comm);
+    assert_eq!(nccl().calls("ncclCommFinalize"), 1);
+    assert_eq!(nccl().calls("ncclCommDestroy"), 1);
+    assert_eq!(nccl().calls("ncclCommAbort"), 0);
+    assert_eq!(nccl().live(), 0);
+    assert_eq!(nccl().would_hang(), 0);
+    // Non-blocking: finalize reports in progress, polled, then destroy.
+    nccl().set_inprogress_polls(2);
+    let (comm, _s) = one_rank(&CommConfig::new().blocking(false));
+    drop(comm);
+    assert_eq!(nccl().calls("ncclCommDestroy"), 2);
+    assert_eq!(nccl().live(), 0);
+}
+
+fn child_output(name: &str, env: &[(&str, &str)]) -> (bool, String, String) {
+    let out = harness::run_child(name, env);
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn drop_past_the_bound_aborts_with_one_line() {
+    for (child, what) in [
+        ("drop_pending_blocking", "blocking"),
+        ("drop_pending_non_blocking", "non-blocking"),
+    ] {
+        let (ok, stdout, stderr) = child_output(child, &[]);
+        assert!(ok, "{what}: {stdout}{stderr}");
+        let lines: Vec<&str> = stderr
+            .lines()
+            .filter(|l| l.starts_with("metrale:"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{what}: {stderr}");
+        assert!(
+            lines[0].starts_with("metrale: NCCL communicator (rank 0 of 1, device 0): work (ncclAllReduce) or finalize had not completed after 50ms; aborted"),
+            "{what}: {stderr}"
+        );
+        assert!(
+            stdout.contains("abort=1 finalize_would_hang=0 live=0"),
+            "{what}: {stdout}"
+        );
+    }
+}
+
+fn drop_pending(config: CommConfig) {
+    let config = config.drop_timeout(Duration::from_millis(50));
+    let (comm, s) = one_rank(&config);
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    nccl().set_hang(true);
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    drop(comm);
+    println!(
+        "abort={} finalize_would_hang={} live={}",
+        nccl().calls("ncclCommAbort"),
+        nccl().would_hang(),
+        nccl().live()
+    );
+    s.synchronize().unwrap();
+}
+
+fn drop_after_teardown_is_silent() {
+    let (ok, stdout, stderr) = child_output("drop_after_shutdown", &[]);
+    assert!(ok, "{stdout}{stderr}");
+    assert!(!stderr.contains("metrale:"), "{stderr}");
+    assert!(stdout.contains("finalize=0 destroy=0 abort=0"), "{stdout}");
+}
+
+fn missing_library_and_missing_symbol() {
+    let (ok, stdout, stderr) = child_output(
+        "missing",
+        &[("METRALE_LIBNCCL_PATH", "/nonexistent/libnccl.so.2")],
+    );
+    assert!(ok, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("could not load the NCCL library; tried `/nonexistent/libnccl.so.2`: "),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("set METRALE_LIBNCCL_PATH to the library file"),
+        "{stdout}"
+    );
+    // A library that is not NCCL: every function missing, named.
+    let not_nccl = metrale_fakecuda::library_path().display().to_string();
+    let (ok, stdout, stderr) = child_output("missing", &[("METRALE_LIBNCCL_PATH", &not_nccl)]);
+    assert!(ok, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("the loaded NCCL library does not export `ncclGetUniqueId` (its version is unknown: it does not say)"),
+        "{stdout}"
+    );
+}
+
+fn main() -> ExitCode {
+    if std::env::var_os("METRALE_TEST_CHILD").is_none() {
+        std::env::set_var("METRALE_LIBCUDA_PATH", metrale_fakecuda::library_path());
+        std::env::set_var(
+            "METRALE_LIBNCCL_PATH",
+            metrale_fakecuda::nccl_library_path(),
+        );
+    }
+    macro_rules! tests {
+        ($($f:ident),* $(,)?) => { vec![$(harness::Test { name: stringify!($f), run: $f }),*] };
+    }
+    #[allow(unused_mut)]
+    let mut tests = tests![
+        id_bytes_and_text,
+        all_reduce_every_type,
+        all_reduce_every_op,
+        broadcast_reduce_gather_scatter,
+        send_and_recv_between_threads,
+        one_rank_every_collective_and_slices,
+        init_all_and_a_group_on_one_thread,
+        split_by_color_and_key,
+        lengths_roots_and_devices_are_refused_before_nccl,
+        errors_name_the_call_status_text_and_communicator,
+        async_errors_abort_and_refuse_later_calls,
+        non_blocking_in_progress_is_polled_to_completion,
+        wait_times_out_names_the_operation_and_aborts,
+        wait_is_refused_on_another_device_and_inside_a_capture,
+        collectives_capture_without_host_sync,
+        drop_finalizes_then_destroys,
+        drop_past_the_bound_aborts_with_one_line,
+        drop_after_teardown_is_silent,
+        missing_library_and_missing_symbol,
+    ];
+    #[cfg(feature = "half")]
+    tests.push(harness::Test {
+        name: "all_reduce_half_types",
+        run: all_reduce_half_types,
+    });
+    let children = [
+        harness::Child {
+            name: "drop_pending_blocking",
+            run: || drop_pending(CommConfig::new()),
+        },
+        harness::Child {
+            name: "drop_pending_non_blocking",
+            run: || drop_pending(CommConfig::new().blocking(false)),
+        },
+        harness::Child {
+            name: "drop_after_shutdown",
+            run: || {
+                let (comm, _s) = one_rank(&CommConfig::new());
+                fake().shutdown(true);
+                drop(comm);
+                println!(
+                    "finalize={} destroy={} abort={}",
+                    nccl().calls("ncclCommFinalize"),
+                    nccl().calls("ncclCommDestroy"),
+                    nccl().calls("ncclCommAbort")
+                );
+            },
+        },
+        harness::Child {
+            name: "missing",
+            run: || match NcclId::new() {
+                Ok(_) => println!("loaded?"),
+                Err(e) => println!("{e}"),
+            },
+        },
+    ];
+    let gate = || match metrale_runtime::sys::nccl::nccl() {
+        Ok(l) if l.path().contains("metrale_fakenccl") => Ok(()),
+        Ok(l) => Err(format!(
+            "METRALE_LIBNCCL_PATH names {}, not the stand-in",
+            l.path()
+        )),
+        Err(e) => Err(e.to_string()),
+    };
+    harness::main(
+        &tests,
+        &children,
+        gate,
+        Some("the stand-in NCCL (always required here)"),
+    )
+}
