@@ -69,14 +69,16 @@ impl Communicator {
         is_listed(self.raw_handle())
     }
 
-    /// Bind the device and run one NCCL call.
+    /// Run one NCCL call.
     #[inline]
     fn run(
         &self,
         call: &'static str,
         f: impl FnOnce() -> std::result::Result<ncclResult_t, metrale_cuda_sys::LibraryMissingSymbol>,
     ) -> Result<()> {
-        self.context().bind()?;
+        // No context is bound: NCCL selects the communicator's device itself for
+        // its calls (and restores the caller's), and the stream names the
+        // context. That keeps a small collective's submit at NCCL's own cost.
         let status = f().map_err(|m| missing(m, Some(self.info())))?;
         self.finish(call, status)
     }

@@ -220,9 +220,22 @@ impl Communicator {
             })?,
         };
         let (mut cfg, _strings) = config.to_raw(CALL)?;
-        if config.blocking.is_none() {
-            cfg.blocking = i32::from(self.blocking);
+        // NCCL writes the new handle of a non-blocking split when the split
+        // completes, after this call has returned: the handle's storage would be
+        // gone. Splits are blocking (inheriting a non-blocking parent's mode would
+        // make them non-blocking); asking for a non-blocking one is refused.
+        if config.blocking == Some(false) {
+            return Err(into_error(NcclError::Refused {
+                call: "ncclCommSplit",
+                reason: "a non-blocking split is not supported: NCCL writes the new \
+                         communicator after the call returns; split with a blocking \
+                         config (the new communicator can be made non-blocking only \
+                         by its own init)"
+                    .to_owned(),
+                comm: Some(self.info),
+            }));
         }
+        cfg.blocking = 1;
         let f = self
             .lib
             .ncclCommSplit()

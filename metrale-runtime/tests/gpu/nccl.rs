@@ -219,8 +219,15 @@ fn a_non_blocking_init_completes() {
     comm.wait(&s, Duration::from_secs(10)).unwrap();
     assert_eq!(s.to_vec(&b).unwrap(), vec![3; 1000]);
     comm.check_async().unwrap();
+    // A split of a non-blocking communicator is made blocking (NCCL would write
+    // the new handle after the call returned); asking for a non-blocking split
+    // is refused.
     let split = comm.split(Some(0), 0, &CommConfig::new()).unwrap().unwrap();
     assert_eq!((split.rank(), split.size()), (0, 1));
+    let e = comm
+        .split(Some(0), 0, &CommConfig::new().blocking(false))
+        .unwrap_err();
+    assert!(e.to_string().contains("non-blocking split"), "{e}");
 }
 
 /// In a child process: NCCL's kernel queued behind the spin may still run after
@@ -231,11 +238,12 @@ fn child_wait_times_out() {
     let (comm, s) = one_rank(&CommConfig::new());
     let spin = reg.function("kernels", "spin").unwrap();
     let mut done = DeviceBuffer::<u32>::zeroed(&s, 1).unwrap();
+    // Allocated before the spin: `zeroed` waits for the stream.
+    let mut b = DeviceBuffer::<f32>::zeroed(&s, 1 << 20).unwrap();
     let cycles = cycles_per_ms(&reg) * 300;
     let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
     // SAFETY: spin(unsigned long long, unsigned*) adds one to done[0].
     unsafe { s.launch(&spin, cfg, (cycles, &mut done)) }.unwrap();
-    let mut b = DeviceBuffer::<f32>::zeroed(&s, 1 << 20).unwrap();
     comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
     let t = Instant::now();
     let e = comm.wait(&s, Duration::from_millis(5)).unwrap_err();
@@ -286,11 +294,12 @@ fn child_drop_pending() {
     let (comm, s) = one_rank(&CommConfig::new().drop_timeout(Duration::from_millis(20)));
     let spin = reg.function("kernels", "spin").unwrap();
     let mut done = DeviceBuffer::<u32>::zeroed(&s, 1).unwrap();
+    // Allocated before the spin: `zeroed` waits for the stream.
+    let mut b = DeviceBuffer::<f32>::zeroed(&s, 1024).unwrap();
     let cycles = cycles_per_ms(&reg) * 300;
     let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
     // SAFETY: spin(unsigned long long, unsigned*) adds one to done[0].
     unsafe { s.launch(&spin, cfg, (cycles, &mut done)) }.unwrap();
-    let mut b = DeviceBuffer::<f32>::zeroed(&s, 1024).unwrap();
     comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
     let t = Instant::now();
     drop(comm); // one stderr line: aborted after 20 ms
