@@ -224,6 +224,16 @@ impl Communicator {
         // completes, after this call has returned: the handle's storage would be
         // gone. Splits are blocking (inheriting a non-blocking parent's mode would
         // make them non-blocking); asking for a non-blocking one is refused.
+        if !self.blocking {
+            return Err(into_error(NcclError::Refused {
+                call: "ncclCommSplit",
+                reason: "splitting a non-blocking communicator is not supported: NCCL \
+                         writes the new communicator after the call returns (seen with \
+                         NCCL 2.28.3); split a blocking communicator"
+                    .to_owned(),
+                comm: Some(self.info),
+            }));
+        }
         if config.blocking == Some(false) {
             return Err(into_error(NcclError::Refused {
                 call: "ncclCommSplit",
