@@ -24,6 +24,8 @@
  *    jobs left is not idle (query says NOT_READY, synchronize waits), an event
  *    recorded after a job completes when the job has run, and a stream waiting
  *    on such an event queues a job that waits for it;
+ *  - a tensor map's encoding is the arguments it was given, written into its
+ *    128 bytes (see the tensor-map section), so tests can read them back;
  *  - a launch records its configuration and the bytes of each parameter; on a
  *    capturing stream it becomes a graph node instead; replaying an executable
  *    graph records each kernel node as a launch.
@@ -1729,8 +1731,9 @@ EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *grid, int *block, void *f,
 static CUresult alloc_device(CUdeviceptr *p, size_t bytes) {
     if (!p || !bytes) return INVALID_VALUE;
     if (bytes > TOTAL_MEMORY) return OUT_OF_MEMORY;
-    void *m = malloc(bytes);
-    if (!m) return OUT_OF_MEMORY;
+    /* 256-byte aligned, as the driver's allocations are. */
+    void *m = NULL;
+    if (posix_memalign(&m, 256, bytes) != 0 || !m) return OUT_OF_MEMORY;
     track(m, K_DEVMEM, bytes, current->dev);
     *p = (CUdeviceptr)(uintptr_t)m;
     return SUCCESS;
@@ -2600,3 +2603,50 @@ static CUresult do_host_node_params(void *node, struct host_params *p) {
 EXPORT CUresult cuGraphHostNodeGetParams(void *node, struct host_params *p) {
     LOCKED(do_host_node_params(node, p));
 }
+
+/* ---- tensor maps (CUDA 12.0+) --------------------------------------------- */
+/* The stand-in's "encoding" writes the arguments it received into the 128-byte
+ * map, so tests can read back exactly what reached the driver:
+ *   q0: 'TMAP' magic (low 32 bits), data type (bits 32..39), rank (40..47),
+ *       interleave (48..51), swizzle (52..55), L2 promotion (56..59), OOB fill (60..63)
+ *   q1: global address;  q2..q6: sizes;  q7..q10: byte strides;
+ *   q11: box sizes 0..3 (16 bits each);  q12: box size 4 (bits 0..15), element
+ *       strides (8 bits each from bit 16). */
+#define TMAP_MAGIC 0x50414d54ull
+#ifndef FAKECUDA_OLD
+static CUresult do_tmap_encode(unsigned long long *map, unsigned dtype, unsigned rank, void *addr,
+                               const unsigned long long *dims, const unsigned long long *strides,
+                               const unsigned *box, const unsigned *estrides, unsigned interleave,
+                               unsigned swizzle, unsigned l2, unsigned oob) {
+    if (!map || ((uintptr_t)map % 64) || !dims || !box || !estrides) return INVALID_VALUE;
+    if (rank < 1 || rank > 5 || (rank > 1 && !strides)) return INVALID_VALUE;
+    if (dtype > 15 || interleave > 2 || swizzle > 6 || l2 > 3 || oob > 1) return INVALID_VALUE;
+    memset(map, 0, 128);
+    map[0] = TMAP_MAGIC | ((unsigned long long)dtype << 32) | ((unsigned long long)rank << 40) |
+             ((unsigned long long)interleave << 48) | ((unsigned long long)swizzle << 52) |
+             ((unsigned long long)l2 << 56) | ((unsigned long long)oob << 60);
+    map[1] = (unsigned long long)(uintptr_t)addr;
+    for (unsigned i = 0; i < rank; i++) map[2 + i] = dims[i];
+    for (unsigned i = 0; i + 1 < rank; i++) map[7 + i] = strides[i];
+    for (unsigned i = 0; i < rank && i < 4; i++) map[11] |= (unsigned long long)(box[i] & 0xffff) << (16 * i);
+    if (rank == 5) map[12] |= box[4] & 0xffff;
+    for (unsigned i = 0; i < rank; i++) map[12] |= (unsigned long long)(estrides[i] & 0xff) << (16 + 8 * i);
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapEncodeTiled(unsigned long long *map, unsigned dtype, unsigned rank,
+                                       void *addr, const unsigned long long *dims,
+                                       const unsigned long long *strides, const unsigned *box,
+                                       const unsigned *estrides, unsigned interleave,
+                                       unsigned swizzle, unsigned l2, unsigned oob) {
+    LOCKED(do_tmap_encode(map, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle,
+                          l2, oob));
+}
+static CUresult do_tmap_replace(unsigned long long *map, void *addr) {
+    if (!map || ((uintptr_t)map % 64) || (map[0] & 0xffffffffull) != TMAP_MAGIC) return INVALID_VALUE;
+    map[1] = (unsigned long long)(uintptr_t)addr;
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapReplaceAddress(unsigned long long *map, void *addr) {
+    LOCKED(do_tmap_replace(map, addr));
+}
+#endif

@@ -21,7 +21,7 @@ pub fn library_path() -> &'static Path {
 /// `cuFuncGetName`, `cuFuncGetParamInfo`, `cuCtxGetId`, the library API
 /// (`cuLibrary*`, `cuKernel*`), stream-ordered allocation and pools (and reports
 /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` as 0), `cuMemPrefetchAsync_v2`
-/// and conditional graph nodes.
+/// conditional graph nodes, tensor maps and green contexts.
 pub fn old_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda_old.so"))
 }
@@ -339,5 +339,61 @@ impl Fake {
             unsafe extern "C" fn(*mut c_void) -> c_int,
             func
         )
+    }
+}
+
+/// What the stand-in's `cuTensorMapEncodeTiled` received, read back from the 128
+/// bytes it wrote (its "encoding" is its arguments).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EncodedTensorMap {
+    /// Whether the bytes carry the stand-in's mark (an encoded map).
+    pub valid: bool,
+    /// `CUtensorMapDataType` value.
+    pub data_type: u32,
+    /// Rank.
+    pub rank: u32,
+    /// Global address.
+    pub address: u64,
+    /// Sizes (rank of them).
+    pub dims: Vec<u64>,
+    /// Byte strides (rank - 1).
+    pub strides: Vec<u64>,
+    /// Box sizes (rank).
+    pub box_dims: Vec<u32>,
+    /// Element strides (rank).
+    pub element_strides: Vec<u32>,
+    /// Interleave, swizzle, L2 promotion, OOB fill values.
+    pub modes: [u32; 4],
+}
+
+/// Decode a map the stand-in encoded.
+pub fn decode_tensor_map(q: &[u64; 16]) -> EncodedTensorMap {
+    let rank = ((q[0] >> 40) & 0xff) as usize;
+    if q[0] & 0xffff_ffff != 0x5041_4d54 || !(1..=5).contains(&rank) {
+        return EncodedTensorMap::default();
+    }
+    let field = |shift: u32, mask: u64| ((q[0] >> shift) & mask) as u32;
+    EncodedTensorMap {
+        valid: true,
+        data_type: field(32, 0xff),
+        rank: rank as u32,
+        address: q[1],
+        dims: q[2..2 + rank].to_vec(),
+        strides: q[7..7 + rank - 1].to_vec(),
+        box_dims: (0..rank)
+            .map(|i| {
+                let (word, shift) = if i < 4 { (q[11], 16 * i) } else { (q[12], 0) };
+                ((word >> shift) & 0xffff) as u32
+            })
+            .collect(),
+        element_strides: (0..rank)
+            .map(|i| ((q[12] >> (16 + 8 * i)) & 0xff) as u32)
+            .collect(),
+        modes: [
+            field(48, 0xf),
+            field(52, 0xf),
+            field(56, 0xf),
+            field(60, 0xf),
+        ],
     }
 }

@@ -31,7 +31,7 @@
 //! | [`host`](mod@host) | [`CudaHost`]: a device's context and default stream |
 //! | [`function`] | [`CudaFunction`], [`RawCudaFunc`], attributes, parameter layout |
 //! | [`memory`] | buffers, slices, pools, symbols, copies and fills |
-//! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, the launch path |
+//! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, [`TensorMap`], the launch path |
 //! | [`registry`] | [`MetraleRegistry`], the seed's facade |
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
@@ -106,7 +106,10 @@ pub use graph::{
     InstantiateOptions, KernelNode,
 };
 pub use host::{host, release, CudaHost};
-pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
+pub use launch::{
+    Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,
+    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TENSOR_MAP_MAX_RANK,
+};
 pub use memory::{
     deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
     DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,

@@ -33,6 +33,8 @@ mod soundness;
 mod streams;
 #[path = "fault/teardown.rs"]
 mod teardown;
+#[path = "fault/tensor_map.rs"]
+mod tensor_map;
 
 use std::process::ExitCode;
 
@@ -56,6 +58,7 @@ fn main() -> ExitCode {
         signals::tests(),
         memory::tests(),
         launch::tests(),
+        tensor_map::tests(),
         graph::tests(),
         multi::tests(),
         teardown::tests(),
@@ -75,7 +78,10 @@ fn main() -> ExitCode {
     // The stand-in is built with this crate's dev-dependencies: it is always required.
     harness::main(
         &tests,
-        &teardown::children(),
+        &teardown::children()
+            .into_iter()
+            .chain(tensor_map::children())
+            .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
     )
