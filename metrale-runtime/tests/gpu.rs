@@ -17,6 +17,8 @@ mod common;
 mod futures;
 #[path = "gpu/graphs.rs"]
 mod graphs;
+#[path = "gpu/hopper.rs"]
+mod hopper;
 #[path = "gpu/layout.rs"]
 mod layout;
 #[path = "gpu/memory.rs"]
@@ -51,6 +53,7 @@ fn main() -> ExitCode {
         futures::tests(),
         memory::tests(),
         graphs::tests(),
+        hopper::tests(),
         layout::tests(),
         soundness::tests(),
         #[cfg(feature = "nvrtc")]
