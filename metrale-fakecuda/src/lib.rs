@@ -54,6 +54,8 @@ pub enum Live {
     Execs = 11,
     /// Graph nodes.
     Nodes = 12,
+    /// Green contexts.
+    GreenContexts = 13,
 }
 
 /// The last launch the stand-in accepted.
@@ -319,6 +321,26 @@ impl Fake {
             cluster: [dims[8], dims[9], dims[10]],
             cooperative: dims[11] != 0,
         }
+    }
+
+    /// Green contexts destroyed while streams made on them were still alive.
+    pub fn green_orphans(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_green_orphans",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// The green context a live stream was made on (null for other streams).
+    pub fn stream_green(&self, stream: *mut c_void) -> *mut c_void {
+        call!(
+            self,
+            "fakecuda_stream_green",
+            unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+            stream
+        )
     }
 
     /// The first 8 bytes (zero-padded, native order) of parameter `i` of the last launch.

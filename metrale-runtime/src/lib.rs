@@ -24,6 +24,7 @@
 //! | --- | --- |
 //! | [`error`] | [`MetraleError`], [`Result`], [`cuda_error_text`], [`is_teardown_noop`] |
 //! | [`context`](mod@context) | `cuInit`, [`CudaContext`], binding, the release rule, [`ContextGuard`] |
+//! | [`green`] | green contexts: [`SmResource`], splits, [`GreenContext`] and its streams |
 //! | [`device`] | [`Device`]: count, name, UUID, memory, attributes, peer access |
 //! | [`stream`] | [`CudaStream`], [`CudaEvent`] |
 //! | [`blob`] | what a kernel blob is, checked before the driver sees it |
@@ -73,6 +74,7 @@ pub mod device;
 pub mod error;
 pub mod function;
 pub mod graph;
+pub mod green;
 pub mod host;
 pub mod launch;
 pub mod memory;
@@ -105,6 +107,7 @@ pub use graph::{
     CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
     InstantiateOptions, KernelNode,
 };
+pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
     Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,

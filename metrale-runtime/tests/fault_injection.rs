@@ -17,6 +17,8 @@ mod errors;
 mod futures;
 #[path = "fault/graph.rs"]
 mod graph;
+#[path = "fault/green.rs"]
+mod green;
 #[path = "fault/launch.rs"]
 mod launch;
 #[path = "fault/memory.rs"]
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
         memory::tests(),
         launch::tests(),
         tensor_map::tests(),
+        green::tests(),
         graph::tests(),
         multi::tests(),
         teardown::tests(),
@@ -81,6 +84,7 @@ fn main() -> ExitCode {
         &teardown::children()
             .into_iter()
             .chain(tensor_map::children())
+            .chain(green::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
