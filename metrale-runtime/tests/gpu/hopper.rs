@@ -1,5 +1,8 @@
 //! Hopper features on the real device: a 2-D TMA copy through a tensor map (the
-//! hand-written PTX of `fixtures/tma.ptx`, sm_90a).
+//! hand-written PTX of `fixtures/tma.ptx`, sm_90a), and green contexts (the SM
+//! split read back; a kernel's time on half the SMs; two halves side by side).
+
+use std::sync::Arc;
 
 use crate::common::*;
 use crate::harness::Test;
@@ -13,6 +16,21 @@ fn has_tma(reg: &MetraleRegistry) -> bool {
         eprintln!("skipped: the TMA needs compute capability 9.0 or newer");
     }
     major >= 9
+}
+
+/// Every element equal, or the first that is not (row, column), without
+/// printing thousands of values.
+fn check_copy(got: &[f32], want: &[f32], cols: usize, what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_bits() != want[i].to_bits()) {
+        panic!(
+            "{what}: element ({}, {}) is {}, expected {}",
+            i / cols,
+            i % cols,
+            got[i],
+            want[i]
+        );
+    }
 }
 
 /// A 64 x 96 f32 matrix copied tile by tile (32 x 32 boxes) through a tensor map,
@@ -43,7 +61,12 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
     // SAFETY: tma_copy_2d(map, float*, unsigned width) writes rows x cols floats of
     // `out`; the map covers `da`, which outlives the launch (the stream is waited).
     unsafe { s.launch(&f, cfg, (&map, &mut out, cols as u32)) }.unwrap();
-    assert_eq!(s.to_vec(&out).unwrap(), a, "the copy through the map");
+    check_copy(
+        &s.to_vec(&out).unwrap(),
+        &a,
+        cols,
+        "the copy through the map",
+    );
     if let Some(layout) = f.params() {
         assert_eq!(layout.first().map(|p| p.size), Some(128), "{layout:?}");
     }
@@ -52,7 +75,12 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
     s.memset_u32(&mut out, f32::NAN.to_bits()).unwrap();
     // SAFETY: as above, the map now covering `db`.
     unsafe { s.launch(&f, cfg, (&moved, &mut out, cols as u32)) }.unwrap();
-    assert_eq!(s.to_vec(&out).unwrap(), b, "the copy after replace_address");
+    check_copy(
+        &s.to_vec(&out).unwrap(),
+        &b,
+        cols,
+        "the copy after replace_address",
+    );
 }
 
 /// The real driver agrees with the checks: what they accept it encodes, and the
@@ -76,6 +104,122 @@ fn the_driver_encodes_what_the_checks_accept() {
     assert!(flat.as_raw().opaque.iter().any(|&q| q != 0));
 }
 
+/// Two green contexts of half the device's SMs each (rounded down to the
+/// driver's alignment), or `None` with the reason said when the driver lacks them.
+fn halves(reg: &MetraleRegistry) -> Option<(SmSplit, Arc<GreenContext>, Arc<GreenContext>)> {
+    let all = match SmResource::of_device(reg.host().context()) {
+        Ok(all) => all,
+        Err(e) if matches!(e.kind(), ErrorKind::MissingSymbol { .. }) => {
+            eprintln!("skipped: {e}");
+            return None;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let align = all.coscheduled_alignment().max(1);
+    let half = all.sm_count() / 2 / align * align;
+    let split = all.split_by_count(2, half).unwrap();
+    assert_eq!(split.groups.len(), 2, "{split:?}");
+    let a = GreenContext::new(&[&split.groups[0]]).unwrap();
+    let b = GreenContext::new(&[&split.groups[1]]).unwrap();
+    Some((split, a, b))
+}
+
+fn green_contexts_split_the_device_and_read_their_sms_back() {
+    let reg = registry();
+    let Some((split, a, b)) = halves(&reg) else {
+        return;
+    };
+    let all = SmResource::of_device(reg.host().context()).unwrap();
+    eprintln!(
+        "    {} SMs: groups of {} and {}, {} left (min partition {}, alignment {})",
+        all.sm_count(),
+        split.groups[0].sm_count(),
+        split.groups[1].sm_count(),
+        split.remaining.sm_count(),
+        all.min_partition_size(),
+        all.coscheduled_alignment()
+    );
+    for g in &split.groups {
+        assert!(g.sm_count() >= split.min_count);
+    }
+    assert_eq!(
+        split.groups[0].sm_count() + split.groups[1].sm_count() + split.remaining.sm_count(),
+        all.sm_count()
+    );
+    assert_eq!(a.sm_count().unwrap(), split.groups[0].sm_count());
+    assert_eq!(b.sm_count().unwrap(), split.groups[1].sm_count());
+}
+
+/// `blocks` blocks of `spin(cycles)`, one block per SM at a time (the dynamic
+/// shared memory of a block is more than half an SM's), on each stream, timed
+/// from `main` with events the others join; milliseconds.
+fn waves(
+    reg: &MetraleRegistry,
+    main: &CudaStream,
+    streams: &[&CudaStream],
+    blocks: u32,
+    cycles: u64,
+) -> f32 {
+    let f = reg.function("kernels", "spin").unwrap();
+    let mut done = DeviceBuffer::<u32>::zeroed(main, 1).unwrap();
+    let (start, end) = (
+        CudaEvent::timed(reg.ctx()).unwrap(),
+        CudaEvent::timed(reg.ctx()).unwrap(),
+    );
+    let fork = CudaEvent::new(reg.ctx()).unwrap();
+    let smem = reg.host().limits().max_shared_per_block_optin / 2 + 1024;
+    let cfg = LaunchConfig::new((blocks, 1, 1), (32, 1, 1), smem).unwrap();
+    start.record(main).unwrap();
+    fork.record(main).unwrap();
+    for s in streams {
+        s.wait(&fork).unwrap();
+        // SAFETY: spin(unsigned long long, unsigned*) adds one to done[0] per launch.
+        unsafe { s.launch(&f, cfg, (cycles, &mut done)) }.unwrap();
+        let joined = CudaEvent::new(reg.ctx()).unwrap();
+        joined.record(s).unwrap();
+        main.wait(&joined).unwrap();
+    }
+    end.record(main).unwrap();
+    end.synchronize().unwrap();
+    assert_eq!(main.to_vec(&done).unwrap()[0], streams.len() as u32);
+    start.elapsed_ms(&end).unwrap()
+}
+
+fn a_kernel_on_half_the_sms_takes_two_waves_and_two_halves_run_side_by_side() {
+    let reg = registry();
+    let Some((split, a, b)) = halves(&reg) else {
+        return;
+    };
+    let g = split.groups[0].sm_count().min(split.groups[1].sm_count());
+    let main = CudaStream::new(reg.ctx()).unwrap();
+    let (sa, sb) = (
+        CudaStream::on_green_context(&a).unwrap(),
+        CudaStream::on_green_context(&b).unwrap(),
+    );
+    let cycles = cycles_per_ms(&reg) * 20;
+    waves(&reg, &main, &[&main], 2 * g, cycles / 10); // warm up
+                                                      // 2g blocks: one wave on the whole device, two on a half.
+    let whole = waves(&reg, &main, &[&main], 2 * g, cycles);
+    let half = waves(&reg, &main, &[&sa], 2 * g, cycles);
+    // g blocks on each half at once: one wave each, side by side.
+    let one = waves(&reg, &main, &[&sa], g, cycles);
+    let both = waves(&reg, &main, &[&sa, &sb], g, cycles);
+    eprintln!(
+        "    {}-block spin: whole device {whole:.2} ms, half {half:.2} ms; {g} blocks on one \
+         half {one:.2} ms, on both halves {both:.2} ms",
+        2 * g
+    );
+    assert!(whole > 15.0, "the spin ran {whole} ms");
+    assert!(
+        half > 1.6 * whole && half < 2.6 * whole,
+        "{half} ms on half the SMs is not about two waves of {whole} ms"
+    );
+    assert!(
+        both < 1.5 * one,
+        "{both} ms for two halves is not under 1.5 x {one} ms"
+    );
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -85,6 +229,15 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "hopper::the_driver_encodes_what_the_checks_accept",
             run: the_driver_encodes_what_the_checks_accept,
+        },
+        Test {
+            name: "hopper::green_contexts_split_the_device_and_read_their_sms_back",
+            run: green_contexts_split_the_device_and_read_their_sms_back,
+        },
+        Test {
+            name:
+                "hopper::a_kernel_on_half_the_sms_takes_two_waves_and_two_halves_run_side_by_side",
+            run: a_kernel_on_half_the_sms_takes_two_waves_and_two_halves_run_side_by_side,
         },
     ]
 }
