@@ -2650,6 +2650,37 @@ EXPORT CUresult cuTensorMapEncodeTiled(unsigned long long *map, unsigned dtype, 
     LOCKED(do_tmap_encode(map, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle,
                           l2, oob));
 }
+/* An im2col map: as a tiled one without box sizes, and
+ *   q13: lower corners (16 bits each, two's complement), q14: upper corners,
+ *   q15: 1 (im2col) | channels per pixel << 8 | pixels per column << 32. */
+static CUresult do_tmap_im2col(unsigned long long *map, unsigned dtype, unsigned rank, void *addr,
+                               const unsigned long long *dims, const unsigned long long *strides,
+                               const int *lower, const int *upper, unsigned channels,
+                               unsigned pixels, const unsigned *estrides, unsigned interleave,
+                               unsigned swizzle, unsigned l2, unsigned oob) {
+    if (rank < 3 || !lower || !upper) return INVALID_VALUE;
+    static const unsigned ones[5] = {1, 1, 1, 1, 1};
+    CUresult r = do_tmap_encode(map, dtype, rank, addr, dims, strides, ones, estrides, interleave,
+                                swizzle, l2, oob);
+    if (r) return r;
+    map[11] = 0;
+    map[12] &= ~0xffffull;
+    for (unsigned i = 0; i + 2 < rank; i++) {
+        map[13] |= (unsigned long long)((unsigned)lower[i] & 0xffff) << (16 * i);
+        map[14] |= (unsigned long long)((unsigned)upper[i] & 0xffff) << (16 * i);
+    }
+    map[15] = 1 | ((unsigned long long)(channels & 0xffffff) << 8) | ((unsigned long long)pixels << 32);
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapEncodeIm2col(unsigned long long *map, unsigned dtype, unsigned rank,
+                                        void *addr, const unsigned long long *dims,
+                                        const unsigned long long *strides, const int *lower,
+                                        const int *upper, unsigned channels, unsigned pixels,
+                                        const unsigned *estrides, unsigned interleave,
+                                        unsigned swizzle, unsigned l2, unsigned oob) {
+    LOCKED(do_tmap_im2col(map, dtype, rank, addr, dims, strides, lower, upper, channels, pixels,
+                          estrides, interleave, swizzle, l2, oob));
+}
 static CUresult do_tmap_replace(unsigned long long *map, void *addr) {
     if (!map || ((uintptr_t)map % 64) || (map[0] & 0xffffffffull) != TMAP_MAGIC) return INVALID_VALUE;
     map[1] = (unsigned long long)(uintptr_t)addr;

@@ -386,6 +386,16 @@ pub struct EncodedTensorMap {
     pub element_strides: Vec<u32>,
     /// Interleave, swizzle, L2 promotion, OOB fill values.
     pub modes: [u32; 4],
+    /// Whether `cuTensorMapEncodeIm2col` made it (then `box_dims` are ones).
+    pub im2col: bool,
+    /// Im2col: the pixel box's lower corners (rank - 2).
+    pub lower: Vec<i32>,
+    /// Im2col: the pixel box's upper corners (rank - 2).
+    pub upper: Vec<i32>,
+    /// Im2col: channels per pixel.
+    pub channels_per_pixel: u32,
+    /// Im2col: pixels per column.
+    pub pixels_per_column: u32,
 }
 
 /// Decode a map the stand-in encoded.
@@ -417,5 +427,17 @@ pub fn decode_tensor_map(q: &[u64; 16]) -> EncodedTensorMap {
             field(56, 0xf),
             field(60, 0xf),
         ],
+        im2col: q[15] & 0xff == 1,
+        lower: corners(q[13], rank),
+        upper: corners(q[14], rank),
+        channels_per_pixel: ((q[15] >> 8) & 0xff_ffff) as u32,
+        pixels_per_column: (q[15] >> 32) as u32,
     }
+}
+
+/// Im2col corners: rank - 2 signed 16-bit fields.
+fn corners(word: u64, rank: usize) -> Vec<i32> {
+    (0..rank.saturating_sub(2))
+        .map(|i| i32::from(((word >> (16 * i)) & 0xffff) as u16 as i16))
+        .collect()
 }

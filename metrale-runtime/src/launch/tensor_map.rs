@@ -1,7 +1,7 @@
 //! Tensor maps for the Tensor Memory Accelerator (compute capability 9.0+):
 //! [`TensorMap`], a 128-byte descriptor that `cp.async.bulk.tensor` reads, encoded
-//! by `cuTensorMapEncodeTiled` from a [`TensorMapBuilder`] over metrale device
-//! memory.
+//! by `cuTensorMapEncodeTiled` (or `cuTensorMapEncodeIm2col`) from a
+//! [`TensorMapBuilder`] over metrale device memory.
 //!
 //! Invariants:
 //! - Every rule the driver documents for a tiled map is checked before the driver
@@ -10,7 +10,10 @@
 //!   16 (32 with 32-byte interleave) and below 2^40, the global address aligned to
 //!   16 bytes (32 with 32-byte interleave), box sizes in 1..=256, the inner box row
 //!   a multiple of 16 bytes without interleave and within the swizzle span, element
-//!   strides in 1..=8, NaN fill only for floating-point types.
+//!   strides in 1..=8, NaN fill only for floating-point types; for im2col maps
+//!   rank 3..=5, pixel-box corners within the range the rank allows, channels
+//!   per pixel 1..=256 (a multiple of 16 bytes without interleave, within the
+//!   swizzle span) and pixels per column 1..=1024.
 //! - A map never describes memory outside the buffer it was made from: the last
 //!   byte the sizes and strides reach lies inside the memory's extent. The map
 //!   borrows that memory (`'a`), so safe code cannot free it while the map lives;
@@ -281,7 +284,19 @@ pub struct TensorMapBuilder<'a, T: TensorElement> {
     oob_fill: OobFill,
     /// A list longer than five, remembered for `encode` to refuse.
     too_long: Option<(&'static str, usize)>,
+    /// Set by [`TensorMapBuilder::im2col`]: an im2col map instead of a tiled one.
+    im2col: Option<Im2col>,
     _mem: PhantomData<&'a T>,
+}
+
+/// The im2col part of a map: the pixel bounding box (corners of the spatial
+/// dimensions, rank - 2 of each) and what one load gathers.
+#[derive(Debug, Clone, Copy)]
+struct Im2col {
+    lower: Dims<i32>,
+    upper: Dims<i32>,
+    channels_per_pixel: u32,
+    pixels_per_column: u32,
 }
 
 /// A tensor map: the driver's 128-byte `CUtensorMap` describing tiles of device
@@ -332,6 +347,7 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
             l2_promotion: L2Promotion::None,
             oob_fill: OobFill::Zero,
             too_long: None,
+            im2col: None,
             _mem: PhantomData,
         }
     }
@@ -469,6 +485,33 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         self
     }
 
+    /// Make an im2col map (`cuTensorMapEncodeIm2col`, rank 3 to 5, dimension 0
+    /// the channels) instead of a tiled one: `lower` and `upper` are the corners
+    /// of the pixel bounding box in the spatial dimensions (rank - 2 values each,
+    /// innermost first); a load gathers `pixels_per_column` pixels of
+    /// `channels_per_pixel` channels. Box sizes do not apply.
+    pub fn im2col(
+        mut self,
+        lower: &[i32],
+        upper: &[i32],
+        channels_per_pixel: u32,
+        pixels_per_column: u32,
+    ) -> Self {
+        let (l, u) = (
+            self.list("lower corners", lower),
+            self.list("upper corners", upper),
+        );
+        if let (Some(lower), Some(upper)) = (l, u) {
+            self.im2col = Some(Im2col {
+                lower,
+                upper,
+                channels_per_pixel,
+                pixels_per_column,
+            });
+        }
+        self
+    }
+
     /// Another data type of the same element size (`Tf32` over `f32` memory).
     pub fn data_type(mut self, data_type: TensorDataType) -> Self {
         self.data_type = data_type;
@@ -499,7 +542,8 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         self
     }
 
-    /// Check every rule and encode the map (`cuTensorMapEncodeTiled`).
+    /// Check every rule and encode the map (`cuTensorMapEncodeTiled`, or
+    /// `cuTensorMapEncodeIm2col` after [`TensorMapBuilder::im2col`]).
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
@@ -512,6 +556,32 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         self.ctx.call(
             || format!("tensor map at {base:#x}"),
             |d| {
+                if let Some(i) = self.im2col {
+                    // SAFETY: as below; the corner arrays hold rank - 2 values
+                    // (checked).
+                    return unsafe {
+                        cu!(
+                            d,
+                            cuTensorMapEncodeIm2col(
+                                &mut raw,
+                                self.data_type.to_driver(),
+                                p.rank as u32,
+                                base as *mut c_void,
+                                p.shape.dims.v.as_ptr(),
+                                p.shape.strides.v.as_ptr(),
+                                i.lower.v.as_ptr(),
+                                i.upper.v.as_ptr(),
+                                i.channels_per_pixel,
+                                i.pixels_per_column,
+                                p.element_strides.as_ptr(),
+                                interleave_raw(self.interleave),
+                                swizzle_raw(self.swizzle),
+                                l2_raw(self.l2_promotion),
+                                oob_raw(self.oob_fill),
+                            )
+                        )
+                    };
+                }
                 // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
                 // holds at least `rank` values (checked); the address and every
                 // size were checked against the memory, which `'a` keeps alive.
@@ -571,6 +641,9 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         let rank = dims.len;
         if rank == 0 {
             return fail("the rank must be 1..=5: no sizes given".into());
+        }
+        if self.im2col.is_some() && rank < 3 {
+            return fail(format!("an im2col map needs rank 3, 4 or 5: rank {rank}"));
         }
         let interleaved = self.interleave != Interleave::None;
         if interleaved && rank < 3 {
@@ -640,7 +713,21 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         let extent = u64::try_from(extent).unwrap_or(u64::MAX);
         check_extent(extent, self.bytes, &dims, &strides)?;
 
+        if let Some(i) = &self.im2col {
+            check_im2col(
+                i,
+                rank,
+                esize,
+                interleaved,
+                self.swizzle,
+                self.box_dims.is_some(),
+            )?;
+        }
         let box_dims = match self.box_dims {
+            _ if self.im2col.is_some() => Dims {
+                len: rank,
+                v: [1; TENSOR_MAP_MAX_RANK],
+            },
             Some(b) if b.len != rank => {
                 return fail(format!("{} box sizes given for rank {rank}", b.len));
             }
@@ -660,7 +747,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             }
         }
         let inner = u64::from(box_dims.v[0]) * esize;
-        if !interleaved {
+        if !interleaved && self.im2col.is_none() {
             if !inner.is_multiple_of(16) {
                 return fail(format!(
                     "without interleave the inner box row (box size 0 x element size = {} x \
@@ -712,6 +799,74 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             element_strides: element_strides.v,
         })
     }
+}
+
+/// The im2col rules: corners (rank - 2 of each) within the range the rank
+/// allows, channels 1..=256 (their row a multiple of 16 bytes without interleave,
+/// within the swizzle span), pixels 1..=1024, no box sizes.
+fn check_im2col(
+    i: &Im2col,
+    rank: usize,
+    esize: u64,
+    interleaved: bool,
+    swizzle: Swizzle,
+    has_box: bool,
+) -> Result<()> {
+    let fail = |text: String| Err(invalid_arg(format!("tensor map: {text}")));
+    if has_box {
+        return fail("box sizes do not apply to an im2col map (it gathers pixels)".into());
+    }
+    let spatial = rank - 2;
+    for (what, c) in [("lower", &i.lower), ("upper", &i.upper)] {
+        if c.len != spatial {
+            return fail(format!(
+                "{} {what} corners given for rank {rank}: give rank - 2 = {spatial}",
+                c.len
+            ));
+        }
+    }
+    // The corner fields are 16, 8 or 5 bits wide as the rank grows.
+    let bits = match rank {
+        3 => 16,
+        4 => 8,
+        _ => 5,
+    };
+    let (min, max) = (-(1i32 << (bits - 1)), (1i32 << (bits - 1)) - 1);
+    for (what, c) in [("lower", &i.lower), ("upper", &i.upper)] {
+        for (k, &v) in c.get().iter().enumerate() {
+            if v < min || v > max {
+                return fail(format!(
+                    "{what} corner {k} must be in {min}..={max} for rank {rank}: {v}"
+                ));
+            }
+        }
+    }
+    let c = i.channels_per_pixel;
+    if c == 0 || c > 256 {
+        return fail(format!("channels per pixel must be in 1..=256: {c}"));
+    }
+    let p = i.pixels_per_column;
+    if p == 0 || p > 1024 {
+        return fail(format!("pixels per column must be in 1..=1024: {p}"));
+    }
+    let row = u64::from(c) * esize;
+    if !interleaved {
+        if !row.is_multiple_of(16) {
+            return fail(format!(
+                "without interleave a pixel's channels ({c} x {esize} = {row} bytes) must be \
+                 a multiple of 16 bytes"
+            ));
+        }
+        if let Some(span) = swizzle.span() {
+            if row > span {
+                return fail(format!(
+                    "a pixel's channels ({row} bytes) must fit the swizzle span of {span} \
+                     bytes ({swizzle:?})"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// What `check` settled.

@@ -216,6 +216,95 @@ fn encoded_fields_reach_the_driver_unchanged() {
     assert!(e.to_string().contains("beyond the 16384 bytes"), "{e}");
 }
 
+fn im2col_rules_are_refused_before_the_driver() {
+    let reg = setup();
+    let s = reg.stream();
+    // NHWC: 2 images of 8 x 8 pixels of 16 f32 channels.
+    let buf = DeviceBuffer::<f32>::alloc(s, 2 * 8 * 8 * 16).unwrap();
+    let nhwc = || TensorMap::tiled(&buf).dims(&[16, 8, 8, 2]);
+    refused(
+        TensorMap::tiled(&buf)
+            .dims(&[16, 128])
+            .im2col(&[], &[], 16, 8),
+        "an im2col map needs rank 3, 4 or 5: rank 2",
+    );
+    refused(
+        nhwc().im2col(&[-1], &[-1, -1], 16, 8),
+        "1 lower corners given for rank 4: give rank - 2 = 2",
+    );
+    refused(
+        nhwc().im2col(&[-1, -129], &[0, 0], 16, 8),
+        "lower corner 1 must be in -128..=127 for rank 4: -129",
+    );
+    refused(
+        nhwc().im2col(&[-1, -1], &[128, 0], 16, 8),
+        "upper corner 0 must be in -128..=127 for rank 4: 128",
+    );
+    refused(
+        nhwc().im2col(&[-1, -1], &[0, 0], 0, 8),
+        "channels per pixel must be in 1..=256: 0",
+    );
+    refused(
+        nhwc().im2col(&[-1, -1], &[0, 0], 16, 1025),
+        "pixels per column must be in 1..=1024: 1025",
+    );
+    refused(
+        nhwc().im2col(&[-1, -1], &[0, 0], 2, 8),
+        "without interleave a pixel's channels (2 x 4 = 8 bytes) must be a multiple of 16 bytes",
+    );
+    refused(
+        nhwc()
+            .im2col(&[-1, -1], &[0, 0], 16, 8)
+            .swizzle(Swizzle::B32),
+        "a pixel's channels (64 bytes) must fit the swizzle span of 32 bytes (B32)",
+    );
+    refused(
+        nhwc()
+            .box_dims(&[16, 1, 1, 1])
+            .im2col(&[-1, -1], &[0, 0], 16, 8),
+        "box sizes do not apply to an im2col map (it gathers pixels)",
+    );
+    let five = DeviceBuffer::<f32>::alloc(s, 16 * 4 * 4 * 4 * 2).unwrap();
+    refused(
+        TensorMap::tiled(&five)
+            .dims(&[16, 4, 4, 4, 2])
+            .im2col(&[-17, 0, 0], &[0, 0, 0], 16, 8),
+        "lower corner 0 must be in -16..=15 for rank 5: -17",
+    );
+    assert_eq!(fake().calls("cuTensorMapEncodeIm2col"), 0);
+}
+
+fn im2col_fields_reach_the_driver_unchanged() {
+    let reg = setup();
+    let s = reg.stream();
+    let buf = DeviceBuffer::<f32>::alloc(s, 2 * 8 * 8 * 16).unwrap();
+    let map = TensorMap::tiled(&buf)
+        .dims(&[16, 8, 8, 2])
+        .im2col(&[-1, -2], &[3, -4], 16, 64)
+        .element_strides(&[1, 2, 2, 1])
+        .swizzle(Swizzle::B64)
+        .encode()
+        .unwrap();
+    assert_eq!(fake().calls("cuTensorMapEncodeIm2col"), 1);
+    assert_eq!(fake().calls("cuTensorMapEncodeTiled"), 0);
+    let e = encoded(&map);
+    assert!(e.valid && e.im2col);
+    assert_eq!((e.data_type, e.rank, e.address), (7, 4, buf.device_ptr()));
+    assert_eq!(e.dims, [16, 8, 8, 2]);
+    assert_eq!(e.strides, [64, 512, 4096]);
+    assert_eq!((e.lower, e.upper), (vec![-1, -2], vec![3, -4]));
+    assert_eq!((e.channels_per_pixel, e.pixels_per_column), (16, 64));
+    assert_eq!(e.element_strides, [1, 2, 2, 1]);
+    assert_eq!(e.modes, [0, 2, 0, 0]);
+    // The extent rule holds for im2col maps too.
+    let e = TensorMap::tiled(&buf)
+        .dims(&[16, 8, 8, 3])
+        .im2col(&[0, 0], &[0, 0], 16, 8)
+        .encode()
+        .unwrap_err();
+    assert!(e.to_string().contains("beyond the 8192 bytes"), "{e}");
+}
+
 fn a_driver_failure_names_the_call_and_the_address() {
     let reg = setup();
     let buf = DeviceBuffer::<u32>::alloc(reg.stream(), 64).unwrap();
@@ -350,6 +439,14 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "tensor_map::encoded_fields_reach_the_driver_unchanged",
             run: encoded_fields_reach_the_driver_unchanged,
+        },
+        Test {
+            name: "tensor_map::im2col_rules_are_refused_before_the_driver",
+            run: im2col_rules_are_refused_before_the_driver,
+        },
+        Test {
+            name: "tensor_map::im2col_fields_reach_the_driver_unchanged",
+            run: im2col_fields_reach_the_driver_unchanged,
         },
         Test {
             name: "tensor_map::a_driver_failure_names_the_call_and_the_address",

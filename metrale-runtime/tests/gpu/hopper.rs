@@ -102,6 +102,15 @@ fn the_driver_encodes_what_the_checks_accept() {
     assert!(map.as_raw().opaque.iter().any(|&q| q != 0));
     let flat = TensorMap::tiled(&buf).box_dims(&[256]).encode().unwrap();
     assert!(flat.as_raw().opaque.iter().any(|&q| q != 0));
+    // An im2col map of NHWC f32 (2 images, 8 x 8 pixels, 16 channels), the box of
+    // a 3 x 3 convolution with padding 1.
+    let nhwc = DeviceBuffer::<f32>::alloc(s, 2 * 8 * 8 * 16).unwrap();
+    let im2col = TensorMap::tiled(&nhwc)
+        .dims(&[16, 8, 8, 2])
+        .im2col(&[-1, -1], &[-1, -1], 16, 64)
+        .encode()
+        .unwrap();
+    assert!(im2col.as_raw().opaque.iter().any(|&q| q != 0));
 }
 
 /// Two green contexts of half the device's SMs each (rounded down to the
