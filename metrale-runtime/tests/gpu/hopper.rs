@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::harness::Test;
+use crate::harness::{run_child, Child, Test};
 
 pub static TMA_PTX: &[u8] = include_bytes!("../fixtures/tma.ptx");
 
@@ -229,6 +229,47 @@ fn a_kernel_on_half_the_sms_takes_two_waves_and_two_halves_run_side_by_side() {
     );
 }
 
+/// Green contexts and their streams dropped after an outside reset of the primary
+/// context: no crash, at most the one "reset outside metrale" line.
+fn green_contexts_dropped_after_a_reset_are_quiet() {
+    let out = run_child("green_drop_after_ctx_reset", &[]);
+    assert!(out.status.success(), "{out:?}");
+    eprintln!("    {}", String::from_utf8_lossy(&out.stdout).trim());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.lines().count() <= 1, "at most one line: {err}");
+    assert!(
+        err.is_empty()
+            || err.starts_with("metrale: device 0: the context was reset outside metrale"),
+        "{err}"
+    );
+}
+
+fn child_green_drop_after_ctx_reset() {
+    let reg = registry();
+    let Some((_split, a, b)) = halves(&reg) else {
+        println!("green contexts: not supported by this driver");
+        return;
+    };
+    let s = CudaStream::on_green_context(&a).unwrap();
+    let buf = DeviceBuffer::<f32>::zeroed(&s, 1000).unwrap();
+    s.synchronize().unwrap();
+    let h = Arc::clone(reg.host());
+    let d = sys::driver().unwrap();
+    // SAFETY: resets the device's primary context; the handles above die with it.
+    let status = unsafe { (d.cuDevicePrimaryCtxReset_v2().unwrap())(h.ctx().device()) };
+    println!("green contexts: cuDevicePrimaryCtxReset {status}");
+    drop((buf, s, a, b, reg));
+    release(0);
+    drop(h);
+}
+
+pub fn children() -> Vec<Child> {
+    vec![Child {
+        name: "green_drop_after_ctx_reset",
+        run: child_green_drop_after_ctx_reset,
+    }]
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -238,6 +279,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "hopper::the_driver_encodes_what_the_checks_accept",
             run: the_driver_encodes_what_the_checks_accept,
+        },
+        Test {
+            name: "hopper::green_contexts_dropped_after_a_reset_are_quiet",
+            run: green_contexts_dropped_after_a_reset_are_quiet,
         },
         Test {
             name: "hopper::green_contexts_split_the_device_and_read_their_sms_back",
