@@ -396,9 +396,10 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         ctx.call(
             || format!("tensor map at {base:#x}"),
             |d| {
-                // SAFETY: `raw` is a map the driver encoded (64-byte aligned, a
-                // field of this aligned value); the new address was checked above
-                // against the map's alignment and extent.
+                // SAFETY: `raw` is a copy of a map the driver encoded, in a local
+                // of the 128-byte aligned CUtensorMap type; the new address was
+                // checked above against the map's alignment and extent, and `'b`
+                // keeps that memory alive as long as the returned map.
                 unsafe { cu!(d, cuTensorMapReplaceAddress(&mut raw, base as *mut c_void)) }
             },
         )?;
