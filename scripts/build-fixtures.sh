@@ -6,6 +6,8 @@
 #   kernels.fatbin           sm_80 and sm_90 cubins plus compute_90 PTX
 #   conditional.ptx          PTX for compute_90           (from conditional.cu)
 #   conditional.sm_90.cubin  cubin for sm_90
+# tma.ptx (the TMA copy of the tensor-map test) is hand-written PTX for sm_90a with
+# no source; it is only checked here, with ptxas.
 # Usage: scripts/build-fixtures.sh [OUTPUT_DIR]   (default: beside the source)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -22,4 +24,5 @@ nvcc -fatbin \
   -o "$out/kernels.fatbin" "$src"
 nvcc -ptx -arch=compute_90 -o "$out/conditional.ptx" "$dir/conditional.cu"
 nvcc -cubin -arch=sm_90 -o "$out/conditional.sm_90.cubin" "$dir/conditional.cu"
+ptxas -arch=sm_90a "$dir/tma.ptx" -o /dev/null && echo "tma.ptx: ptxas sm_90a ok"
 ls -l "$out"/kernels.* "$out"/conditional.*

@@ -24,6 +24,12 @@
  *    jobs left is not idle (query says NOT_READY, synchronize waits), an event
  *    recorded after a job completes when the job has run, and a stream waiting
  *    on such an event queues a job that waits for it;
+ *  - a tensor map's encoding is the arguments it was given, written into its
+ *    128 bytes (see the tensor-map section), so tests can read them back;
+ *  - green contexts: device 0 has 132 SMs (device 1: 66), split in groups of 8;
+ *    a green context's streams belong to the device's primary context (kernels
+ *    and memory of the device work on them); destroying a green context that
+ *    still has streams is counted (fakecuda_green_orphans);
  *  - a launch records its configuration and the bytes of each parameter; on a
  *    capturing stream it becomes a graph node instead; replaying an executable
  *    graph records each kernel node as a launch.
@@ -105,6 +111,7 @@ static int shut_down;
 static int initialised;
 static int driver_version = 13000;
 static int no_error_strings;
+static long green_orphans; /* green contexts destroyed while streams of theirs lived */
 
 static struct call_slot *slot(const char *name) {
     for (int i = 0; i < MAX_NAMES; i++) {
@@ -148,6 +155,8 @@ enum kind {
     K_GRAPH,
     K_EXEC,
     K_NODE,
+    K_GREEN,
+    K_DESC,
     K_TOMB = 99,
 };
 #define TABLE (1 << 16)
@@ -384,6 +393,7 @@ struct node;
 struct job;
 struct stream {
     struct ctx *ctx;
+    void *green; /* the green context it was made on (cuGreenCtxStreamCreate), or NULL */
     /* Jobs (host functions, memory operations) in FIFO order, run by `worker`. */
     struct job *head, *tail;
     long enq, done; /* jobs queued and run so far */
@@ -688,6 +698,7 @@ EXPORT void fakecuda_reset(void) {
     launches = 0;
     last_free_stream = NULL;
     last_prefetch_dev = -99;
+    green_orphans = 0;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_fail(const char *name, int status, long from_call, long times) {
@@ -1763,8 +1774,9 @@ EXPORT CUresult cuOccupancyMaxPotentialBlockSize(int *grid, int *block, void *f,
 static CUresult alloc_device(CUdeviceptr *p, size_t bytes) {
     if (!p || !bytes) return INVALID_VALUE;
     if (bytes > TOTAL_MEMORY) return OUT_OF_MEMORY;
-    void *m = malloc(bytes);
-    if (!m) return OUT_OF_MEMORY;
+    /* 256-byte aligned, as the driver's allocations are. */
+    void *m = NULL;
+    if (posix_memalign(&m, 256, bytes) != 0 || !m) return OUT_OF_MEMORY;
     track(m, K_DEVMEM, bytes, current->dev);
     *p = (CUdeviceptr)(uintptr_t)m;
     return SUCCESS;
@@ -2634,3 +2646,213 @@ static CUresult do_host_node_params(void *node, struct host_params *p) {
 EXPORT CUresult cuGraphHostNodeGetParams(void *node, struct host_params *p) {
     LOCKED(do_host_node_params(node, p));
 }
+
+/* ---- tensor maps (CUDA 12.0+) --------------------------------------------- */
+/* The stand-in's "encoding" writes the arguments it received into the 128-byte
+ * map, so tests can read back exactly what reached the driver:
+ *   q0: 'TMAP' magic (low 32 bits), data type (bits 32..39), rank (40..47),
+ *       interleave (48..51), swizzle (52..55), L2 promotion (56..59), OOB fill (60..63)
+ *   q1: global address;  q2..q6: sizes;  q7..q10: byte strides;
+ *   q11: box sizes 0..3 (16 bits each);  q12: box size 4 (bits 0..15), element
+ *       strides (8 bits each from bit 16). */
+#define TMAP_MAGIC 0x50414d54ull
+#ifndef FAKECUDA_OLD
+static CUresult do_tmap_encode(unsigned long long *map, unsigned dtype, unsigned rank, void *addr,
+                               const unsigned long long *dims, const unsigned long long *strides,
+                               const unsigned *box, const unsigned *estrides, unsigned interleave,
+                               unsigned swizzle, unsigned l2, unsigned oob) {
+    if (!map || ((uintptr_t)map % 64) || !dims || !box || !estrides) return INVALID_VALUE;
+    if (rank < 1 || rank > 5 || (rank > 1 && !strides)) return INVALID_VALUE;
+    if (dtype > 15 || interleave > 2 || swizzle > 6 || l2 > 3 || oob > 1) return INVALID_VALUE;
+    memset(map, 0, 128);
+    map[0] = TMAP_MAGIC | ((unsigned long long)dtype << 32) | ((unsigned long long)rank << 40) |
+             ((unsigned long long)interleave << 48) | ((unsigned long long)swizzle << 52) |
+             ((unsigned long long)l2 << 56) | ((unsigned long long)oob << 60);
+    map[1] = (unsigned long long)(uintptr_t)addr;
+    for (unsigned i = 0; i < rank; i++) map[2 + i] = dims[i];
+    for (unsigned i = 0; i + 1 < rank; i++) map[7 + i] = strides[i];
+    for (unsigned i = 0; i < rank && i < 4; i++) map[11] |= (unsigned long long)(box[i] & 0xffff) << (16 * i);
+    if (rank == 5) map[12] |= box[4] & 0xffff;
+    for (unsigned i = 0; i < rank; i++) map[12] |= (unsigned long long)(estrides[i] & 0xff) << (16 + 8 * i);
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapEncodeTiled(unsigned long long *map, unsigned dtype, unsigned rank,
+                                       void *addr, const unsigned long long *dims,
+                                       const unsigned long long *strides, const unsigned *box,
+                                       const unsigned *estrides, unsigned interleave,
+                                       unsigned swizzle, unsigned l2, unsigned oob) {
+    LOCKED(do_tmap_encode(map, dtype, rank, addr, dims, strides, box, estrides, interleave, swizzle,
+                          l2, oob));
+}
+/* An im2col map: as a tiled one without box sizes, and
+ *   q13: lower corners (16 bits each, two's complement), q14: upper corners,
+ *   q15: 1 (im2col) | channels per pixel << 8 | pixels per column << 32. */
+static CUresult do_tmap_im2col(unsigned long long *map, unsigned dtype, unsigned rank, void *addr,
+                               const unsigned long long *dims, const unsigned long long *strides,
+                               const int *lower, const int *upper, unsigned channels,
+                               unsigned pixels, const unsigned *estrides, unsigned interleave,
+                               unsigned swizzle, unsigned l2, unsigned oob) {
+    if (rank < 3 || !lower || !upper) return INVALID_VALUE;
+    static const unsigned ones[5] = {1, 1, 1, 1, 1};
+    CUresult r = do_tmap_encode(map, dtype, rank, addr, dims, strides, ones, estrides, interleave,
+                                swizzle, l2, oob);
+    if (r) return r;
+    map[11] = 0;
+    map[12] &= ~0xffffull;
+    for (unsigned i = 0; i + 2 < rank; i++) {
+        map[13] |= (unsigned long long)((unsigned)lower[i] & 0xffff) << (16 * i);
+        map[14] |= (unsigned long long)((unsigned)upper[i] & 0xffff) << (16 * i);
+    }
+    map[15] = 1 | ((unsigned long long)(channels & 0xffffff) << 8) | ((unsigned long long)pixels << 32);
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapEncodeIm2col(unsigned long long *map, unsigned dtype, unsigned rank,
+                                        void *addr, const unsigned long long *dims,
+                                        const unsigned long long *strides, const int *lower,
+                                        const int *upper, unsigned channels, unsigned pixels,
+                                        const unsigned *estrides, unsigned interleave,
+                                        unsigned swizzle, unsigned l2, unsigned oob) {
+    LOCKED(do_tmap_im2col(map, dtype, rank, addr, dims, strides, lower, upper, channels, pixels,
+                          estrides, interleave, swizzle, l2, oob));
+}
+static CUresult do_tmap_replace(unsigned long long *map, void *addr) {
+    if (!map || ((uintptr_t)map % 64) || (map[0] & 0xffffffffull) != TMAP_MAGIC) return INVALID_VALUE;
+    map[1] = (unsigned long long)(uintptr_t)addr;
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapReplaceAddress(unsigned long long *map, void *addr) {
+    LOCKED(do_tmap_replace(map, addr));
+}
+#endif
+
+/* ---- green contexts (CUDA 12.4+) ------------------------------------------ */
+/* CUdevResource as the header lays it out: type, 92 bytes of padding, then the
+ * SM fields (smCount, minSmPartitionSize, smCoscheduledAlignment), 144 bytes. */
+struct dev_resource {
+    unsigned type;
+    unsigned char pad[92];
+    unsigned sm_count, min_partition, alignment;
+    unsigned char rest[36];
+};
+struct green {
+    int dev;
+    unsigned sms;
+};
+struct desc {
+    unsigned sms;
+};
+EXPORT long fakecuda_green_orphans(void) { return green_orphans; }
+/* The green context a stream was made on, or NULL. */
+EXPORT void *fakecuda_stream_green(void *s) {
+    pthread_mutex_lock(&lock);
+    void *g = find(s, K_STREAM) ? ((struct stream *)s)->green : NULL;
+    pthread_mutex_unlock(&lock);
+    return g;
+}
+#ifndef FAKECUDA_OLD
+static void sm_resource(struct dev_resource *r, unsigned sms) {
+    memset(r, 0, sizeof *r);
+    r->type = 1;
+    r->sm_count = sms;
+    r->min_partition = 8;
+    r->alignment = 8;
+}
+static CUresult do_dev_resource(int dev, struct dev_resource *r, unsigned type) {
+    NEED_INIT();
+    NEED_DEV(dev);
+    if (!r || type != 1) return INVALID_VALUE;
+    sm_resource(r, dev == 0 ? 132 : 66);
+    return SUCCESS;
+}
+EXPORT CUresult cuDeviceGetDevResource(int dev, struct dev_resource *r, unsigned type) {
+    LOCKED(do_dev_resource(dev, r, type));
+}
+static CUresult do_split(struct dev_resource *result, unsigned *groups, const struct dev_resource *in,
+                         struct dev_resource *remaining, unsigned flags, unsigned min_count) {
+    NEED_INIT();
+    if (!groups || !in || in->type != 1 || flags > 3) return INVALID_VALUE;
+    unsigned count = min_count < 8 ? 8 : (min_count + 7) / 8 * 8;
+    if (count > in->sm_count) return INVALID_VALUE; /* CUDA_ERROR_INVALID_RESOURCE_CONFIGURATION in 13.0 */
+    unsigned n = in->sm_count / count;
+    if (result && *groups < n) n = *groups;
+    if (result && n == 0) return INVALID_VALUE;
+    for (unsigned i = 0; result && i < n; i++) sm_resource(&result[i], count);
+    if (remaining) sm_resource(remaining, in->sm_count - n * count);
+    *groups = n;
+    return SUCCESS;
+}
+EXPORT CUresult cuDevSmResourceSplitByCount(struct dev_resource *result, unsigned *groups,
+                                            const struct dev_resource *in,
+                                            struct dev_resource *remaining, unsigned flags,
+                                            unsigned min_count) {
+    LOCKED(do_split(result, groups, in, remaining, flags, min_count));
+}
+static CUresult do_gen_desc(void **desc, struct dev_resource *r, unsigned n) {
+    NEED_INIT();
+    if (!desc || !r || n == 0) return INVALID_VALUE;
+    struct desc *d = calloc(1, sizeof *d);
+    for (unsigned i = 0; i < n; i++) {
+        if (r[i].type != 1) { free(d); return INVALID_VALUE; }
+        d->sms += r[i].sm_count;
+    }
+    track(d, K_DESC, 0, -1);
+    *desc = d;
+    return SUCCESS;
+}
+EXPORT CUresult cuDevResourceGenerateDesc(void **desc, struct dev_resource *r, unsigned n) {
+    LOCKED(do_gen_desc(desc, r, n));
+}
+static CUresult do_green_create(void **g, void *desc, int dev, unsigned flags) {
+    NEED_INIT();
+    NEED_DEV(dev);
+    if (!g || flags != 1) return INVALID_VALUE;
+    if (!find(desc, K_DESC)) return INVALID_VALUE;
+    struct green *gc = calloc(1, sizeof *gc);
+    gc->dev = dev;
+    gc->sms = ((struct desc *)desc)->sms;
+    track(gc, K_GREEN, 0, dev);
+    *g = gc;
+    return SUCCESS;
+}
+EXPORT CUresult cuGreenCtxCreate(void **g, void *desc, int dev, unsigned flags) {
+    LOCKED(do_green_create(g, desc, dev, flags));
+}
+static CUresult do_green_destroy(void *g) {
+    struct handle *h = find(g, K_GREEN);
+    if (!h) return INVALID_HANDLE;
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && ((struct stream *)handles[i].p)->green == g) green_orphans++;
+    untrack(h);
+    free(g);
+    return SUCCESS;
+}
+EXPORT CUresult cuGreenCtxDestroy(void *g) { LOCKED(do_green_destroy(g)); }
+static CUresult do_green_resource(void *g, struct dev_resource *r, unsigned type) {
+    if (!find(g, K_GREEN)) return INVALID_HANDLE;
+    if (!r || type != 1) return INVALID_VALUE;
+    sm_resource(r, ((struct green *)g)->sms);
+    return SUCCESS;
+}
+EXPORT CUresult cuGreenCtxGetDevResource(void *g, struct dev_resource *r, unsigned type) {
+    LOCKED(do_green_resource(g, r, type));
+}
+static CUresult do_green_stream(void **s, void *g, unsigned flags, int priority) {
+    if (!find(g, K_GREEN)) return INVALID_HANDLE;
+    if (!s || !(flags & 1)) return INVALID_VALUE; /* CU_STREAM_NON_BLOCKING is required */
+    struct ctx *primary = &primaries[((struct green *)g)->dev];
+    if (!primary->alive) return INVALID_CONTEXT;
+    if (priority > 0) priority = 0;
+    if (priority < -5) priority = -5;
+    struct stream *st = calloc(1, sizeof *st);
+    st->ctx = primary;
+    st->green = g;
+    st->flags = flags;
+    st->priority = priority;
+    *s = st;
+    track(st, K_STREAM, 0, primary->dev);
+    return SUCCESS;
+}
+EXPORT CUresult cuGreenCtxStreamCreate(void **s, void *g, unsigned flags, int priority) {
+    LOCKED(do_green_stream(s, g, flags, priority));
+}
+#endif

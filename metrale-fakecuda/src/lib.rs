@@ -21,7 +21,7 @@ pub fn library_path() -> &'static Path {
 /// `cuFuncGetName`, `cuFuncGetParamInfo`, `cuCtxGetId`, the library API
 /// (`cuLibrary*`, `cuKernel*`), stream-ordered allocation and pools (and reports
 /// `CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED` as 0), `cuMemPrefetchAsync_v2`
-/// and conditional graph nodes.
+/// conditional graph nodes, tensor maps and green contexts.
 pub fn old_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakecuda_old.so"))
 }
@@ -62,6 +62,8 @@ pub enum Live {
     Execs = 11,
     /// Graph nodes.
     Nodes = 12,
+    /// Green contexts.
+    GreenContexts = 13,
 }
 
 /// The last launch the stand-in accepted.
@@ -329,6 +331,26 @@ impl Fake {
         }
     }
 
+    /// Green contexts destroyed while streams made on them were still alive.
+    pub fn green_orphans(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_green_orphans",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// The green context a live stream was made on (null for other streams).
+    pub fn stream_green(&self, stream: *mut c_void) -> *mut c_void {
+        call!(
+            self,
+            "fakecuda_stream_green",
+            unsafe extern "C" fn(*mut c_void) -> *mut c_void,
+            stream
+        )
+    }
+
     /// The first 8 bytes (zero-padded, native order) of parameter `i` of the last launch.
     pub fn last_param(&self, i: i32) -> u64 {
         call!(
@@ -481,4 +503,81 @@ impl FakeNccl {
             comm
         )
     }
+}
+/// What the stand-in's `cuTensorMapEncodeTiled` received, read back from the 128
+/// bytes it wrote (its "encoding" is its arguments).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct EncodedTensorMap {
+    /// Whether the bytes carry the stand-in's mark (an encoded map).
+    pub valid: bool,
+    /// `CUtensorMapDataType` value.
+    pub data_type: u32,
+    /// Rank.
+    pub rank: u32,
+    /// Global address.
+    pub address: u64,
+    /// Sizes (rank of them).
+    pub dims: Vec<u64>,
+    /// Byte strides (rank - 1).
+    pub strides: Vec<u64>,
+    /// Box sizes (rank).
+    pub box_dims: Vec<u32>,
+    /// Element strides (rank).
+    pub element_strides: Vec<u32>,
+    /// Interleave, swizzle, L2 promotion, OOB fill values.
+    pub modes: [u32; 4],
+    /// Whether `cuTensorMapEncodeIm2col` made it (then `box_dims` are ones).
+    pub im2col: bool,
+    /// Im2col: the pixel box's lower corners (rank - 2).
+    pub lower: Vec<i32>,
+    /// Im2col: the pixel box's upper corners (rank - 2).
+    pub upper: Vec<i32>,
+    /// Im2col: channels per pixel.
+    pub channels_per_pixel: u32,
+    /// Im2col: pixels per column.
+    pub pixels_per_column: u32,
+}
+
+/// Decode a map the stand-in encoded.
+pub fn decode_tensor_map(q: &[u64; 16]) -> EncodedTensorMap {
+    let rank = ((q[0] >> 40) & 0xff) as usize;
+    if q[0] & 0xffff_ffff != 0x5041_4d54 || !(1..=5).contains(&rank) {
+        return EncodedTensorMap::default();
+    }
+    let field = |shift: u32, mask: u64| ((q[0] >> shift) & mask) as u32;
+    EncodedTensorMap {
+        valid: true,
+        data_type: field(32, 0xff),
+        rank: rank as u32,
+        address: q[1],
+        dims: q[2..2 + rank].to_vec(),
+        strides: q[7..7 + rank - 1].to_vec(),
+        box_dims: (0..rank)
+            .map(|i| {
+                let (word, shift) = if i < 4 { (q[11], 16 * i) } else { (q[12], 0) };
+                ((word >> shift) & 0xffff) as u32
+            })
+            .collect(),
+        element_strides: (0..rank)
+            .map(|i| ((q[12] >> (16 + 8 * i)) & 0xff) as u32)
+            .collect(),
+        modes: [
+            field(48, 0xf),
+            field(52, 0xf),
+            field(56, 0xf),
+            field(60, 0xf),
+        ],
+        im2col: q[15] & 0xff == 1,
+        lower: corners(q[13], rank),
+        upper: corners(q[14], rank),
+        channels_per_pixel: ((q[15] >> 8) & 0xff_ffff) as u32,
+        pixels_per_column: (q[15] >> 32) as u32,
+    }
+}
+
+/// Im2col corners: rank - 2 signed 16-bit fields.
+fn corners(word: u64, rank: usize) -> Vec<i32> {
+    (0..rank.saturating_sub(2))
+        .map(|i| i32::from(((word >> (16 * i)) & 0xffff) as u16 as i16))
+        .collect()
 }

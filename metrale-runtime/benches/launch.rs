@@ -12,6 +12,9 @@
 //! 1,000 futures wait on 1 ms kernels, and the submit cost of `launch_host_fn`,
 //! `write_value32` and `wait_value32` with the raw calls.
 //!
+//! Then (`launch/tensor_map_rows.rs`) the cost of encoding a tensor map and of
+//! replacing its address, beside the raw calls.
+//!
 //! Options (after `--`): `--rounds N` (default 31), `--quick` (fewer, smaller).
 //! Without a driver it exits with status 2 and the loader's message.
 
@@ -20,6 +23,8 @@
 #[path = "launch/async_rows.rs"]
 mod async_rows;
 mod common;
+#[path = "launch/tensor_map_rows.rs"]
+mod tensor_map_rows;
 
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -438,6 +443,8 @@ fn run() -> Result<(), MetraleError> {
     drop(buf);
     // Issue 22: futures, host functions, stream memory operations.
     async_rows::run(&reg, rounds.min(11), quick)?;
+    // Issue 23: tensor-map encode and address replacement.
+    tensor_map_rows::run(&reg, rounds.min(11), quick)?;
     Ok(())
 }
 

@@ -24,6 +24,7 @@
 //! | --- | --- |
 //! | [`error`] | [`MetraleError`], [`Result`], [`cuda_error_text`], [`is_teardown_noop`] |
 //! | [`context`](mod@context) | `cuInit`, [`CudaContext`], binding, the release rule, [`ContextGuard`] |
+//! | [`green`] | green contexts: [`SmResource`], splits, [`GreenContext`] and its streams |
 //! | [`device`] | [`Device`]: count, name, UUID, memory, attributes, peer access |
 //! | [`stream`] | [`CudaStream`], [`CudaEvent`] |
 //! | [`blob`] | what a kernel blob is, checked before the driver sees it |
@@ -31,7 +32,7 @@
 //! | [`host`](mod@host) | [`CudaHost`]: a device's context and default stream |
 //! | [`function`] | [`CudaFunction`], [`RawCudaFunc`], attributes, parameter layout |
 //! | [`memory`] | buffers, slices, pools, symbols, copies and fills |
-//! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, the launch path |
+//! | [`launch`] | [`LaunchConfig`], [`LaunchAttributes`], typed arguments, [`TensorMap`], the launch path |
 //! | [`registry`] | [`MetraleRegistry`], the seed's facade |
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
@@ -73,6 +74,7 @@ pub mod device;
 pub mod error;
 pub mod function;
 pub mod graph;
+pub mod green;
 pub mod host;
 pub mod launch;
 pub mod memory;
@@ -107,8 +109,12 @@ pub use graph::{
     CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
     InstantiateOptions, KernelNode,
 };
+pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
-pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
+pub use launch::{
+    Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,
+    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TENSOR_MAP_MAX_RANK,
+};
 pub use memory::{
     deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
     DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,

@@ -17,6 +17,8 @@ mod errors;
 mod futures;
 #[path = "fault/graph.rs"]
 mod graph;
+#[path = "fault/green.rs"]
+mod green;
 #[path = "fault/launch.rs"]
 mod launch;
 #[path = "fault/memory.rs"]
@@ -33,6 +35,8 @@ mod soundness;
 mod streams;
 #[path = "fault/teardown.rs"]
 mod teardown;
+#[path = "fault/tensor_map.rs"]
+mod tensor_map;
 
 use std::process::ExitCode;
 
@@ -56,6 +60,8 @@ fn main() -> ExitCode {
         signals::tests(),
         memory::tests(),
         launch::tests(),
+        tensor_map::tests(),
+        green::tests(),
         graph::tests(),
         multi::tests(),
         teardown::tests(),
@@ -75,7 +81,11 @@ fn main() -> ExitCode {
     // The stand-in is built with this crate's dev-dependencies: it is always required.
     harness::main(
         &tests,
-        &teardown::children(),
+        &teardown::children()
+            .into_iter()
+            .chain(tensor_map::children())
+            .chain(green::children())
+            .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
     )

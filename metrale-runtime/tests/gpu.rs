@@ -17,6 +17,8 @@ mod common;
 mod futures;
 #[path = "gpu/graphs.rs"]
 mod graphs;
+#[path = "gpu/hopper.rs"]
+mod hopper;
 #[path = "gpu/layout.rs"]
 mod layout;
 #[path = "gpu/memory.rs"]
@@ -54,6 +56,7 @@ fn main() -> ExitCode {
         futures::tests(),
         memory::tests(),
         graphs::tests(),
+        hopper::tests(),
         layout::tests(),
         soundness::tests(),
         #[cfg(feature = "nvrtc")]
@@ -68,6 +71,7 @@ fn main() -> ExitCode {
     #[allow(unused_mut)]
     let mut children = basic::children();
     children.extend(futures::children());
+    children.extend(hopper::children());
     #[cfg(feature = "nccl")]
     children.extend(nccl::children());
     harness::main(

@@ -1,5 +1,6 @@
 //! Launching kernels: [`LaunchConfig`] and its checks, [`LaunchAttributes`] for
-//! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), and the one
+//! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), tensor maps
+//! ([`TensorMap`], in `tensor_map.rs`), and the one
 //! launch path every launch of the crate goes through (plain or extended, typed or
 //! raw, from a stream, the registry or a graph update).
 //!
@@ -29,8 +30,13 @@ use crate::stream::captures_in_progress;
 use crate::stream::CudaStream;
 
 mod args;
+mod tensor_map;
 
 pub use args::{KernelArg, KernelArgs};
+pub use tensor_map::{
+    Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
+    TensorMapBuilder, TENSOR_MAP_MAX_RANK,
+};
 
 /// Dynamic shared memory a kernel may use without opting in (48 KiB).
 pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;

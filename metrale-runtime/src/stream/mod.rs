@@ -28,6 +28,7 @@ use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, MetraleError, Result};
+use crate::green::GreenContext;
 
 mod future;
 mod host_fn;
@@ -98,6 +99,9 @@ struct StreamInner {
     /// capture-joining wait, and by sections that find the stream marked, so the
     /// driver's answer "not capturing" stays true for the whole section.
     capture_lock: Mutex<()>,
+    /// The green context the stream runs on, held so that it is destroyed only
+    /// after the stream (fields drop after `Drop::drop` destroyed the stream).
+    green: Option<Arc<GreenContext>>,
 }
 
 /// A raw event handle owned by a stream's inner state.
@@ -288,11 +292,61 @@ impl CudaStream {
         CudaStream::wrap(ctx.context(), raw, false)
     }
 
+    /// A new non-blocking stream on a green context (`cuGreenCtxStreamCreate`,
+    /// default priority): work queued on it runs on the green context's SMs. It
+    /// is an ordinary stream of the device's context for everything else:
+    /// kernels loaded for the device, memory, copies, events and graphs. The
+    /// stream keeps the green context alive.
+    ///
+    /// # Errors
+    /// The driver's status naming the device; a missing-symbol error before CUDA
+    /// 12.4.
+    pub fn on_green_context(green: &Arc<GreenContext>) -> Result<CudaStream> {
+        let ctx = green.context();
+        let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
+        let g = green.raw();
+        let mut raw: CUstream = std::ptr::null_mut();
+        ctx.call(
+            || {
+                format!(
+                    "device {}: creating a stream on green context {g:p}",
+                    ctx.ordinal()
+                )
+            },
+            // SAFETY: a live green context (held by `green`); writes one CUstream;
+            // CU_STREAM_NON_BLOCKING is the flag the driver requires.
+            |d| unsafe { cu!(d, cuGreenCtxStreamCreate(&mut raw, g, flags as c_uint, 0)) },
+        )?;
+        Ok(CudaStream::wrap_made(
+            ctx,
+            raw,
+            true,
+            green.made(),
+            Some(Arc::clone(green)),
+        ))
+    }
+
+    /// The green context the stream runs on, for a stream made by
+    /// [`CudaStream::on_green_context`].
+    pub fn green_context(&self) -> Option<&Arc<GreenContext>> {
+        self.inner.green.as_ref()
+    }
+
     fn wrap(ctx: &Arc<CudaContext>, raw: CUstream, owned: bool) -> CudaStream {
+        CudaStream::wrap_made(ctx, raw, owned, ctx.generation(), None)
+    }
+
+    fn wrap_made(
+        ctx: &Arc<CudaContext>,
+        raw: CUstream,
+        owned: bool,
+        made: Generation,
+        green: Option<Arc<GreenContext>>,
+    ) -> CudaStream {
         CudaStream {
             inner: Arc::new(StreamInner {
                 raw,
-                made: ctx.generation(),
+                made,
                 ctx: Arc::clone(ctx),
                 owned,
                 capture_marks: AtomicU32::new(0),
@@ -300,6 +354,7 @@ impl CudaStream {
                 done: OnceLock::new(),
                 capturing: AtomicBool::new(false),
                 capture_lock: Mutex::new(()),
+                green,
             }),
         }
     }

@@ -1,0 +1,130 @@
+//! Issue 23: the cost of encoding a tensor map (a 2-D f32 map, 32 x 32 boxes,
+//! 128-byte swizzle) through `TensorMap::tiled(..).encode()` beside the raw
+//! `cuTensorMapEncodeTiled` with the same arguments, and of `replace_address`
+//! beside `cuTensorMapReplaceAddress`. Batches of 1,000 calls, paths interleaved.
+
+use std::ffi::c_void;
+
+use crate::common::{header, line, ratios, time, Row};
+use metrale_runtime::sys::{self, CUtensorMap};
+use metrale_runtime::{DeviceBuffer, MetraleError, MetraleRegistry, Swizzle, TensorMap};
+
+pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), MetraleError> {
+    let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
+    let (Ok(encode), Ok(replace)) = (d.cuTensorMapEncodeTiled(), d.cuTensorMapReplaceAddress())
+    else {
+        println!("tensor maps: the driver lacks cuTensorMapEncodeTiled; rows skipped");
+        return Ok(());
+    };
+    let s = reg.stream();
+    let (rows, cols) = (256u64, 512u64);
+    let a = DeviceBuffer::<f32>::alloc(s, (rows * cols) as usize)?;
+    let b = DeviceBuffer::<f32>::alloc(s, (rows * cols) as usize)?;
+    let dims = [cols, rows];
+    let strides = [cols * 4];
+    let boxes = [32u32, 32];
+    let estrides = [1u32, 1];
+    let ours = || {
+        TensorMap::tiled(&a)
+            .dims(&dims)
+            .strides(&strides)
+            .box_dims(&boxes)
+            .swizzle(Swizzle::B128)
+            .encode()
+            .unwrap()
+    };
+    let raw = || {
+        let mut m = CUtensorMap { opaque: [0; 16] };
+        // SAFETY: a writable map; arrays of the rank's length; `a` covers the tensor.
+        let st = unsafe {
+            encode(
+                &mut m,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+                2,
+                a.device_ptr() as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                boxes.as_ptr(),
+                estrides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        };
+        assert!(st.is_success(), "cuTensorMapEncodeTiled: {st}");
+        m
+    };
+    let batch = if quick { 200 } else { 1_000 };
+    let (mut e_raw, mut e_ours) = (Row::default(), Row::default());
+    let (mut r_raw, mut r_ours) = (Row::default(), Row::default());
+    let mut base = raw();
+    for round in 0..rounds {
+        let mut er = 0.0;
+        let mut eo = 0.0;
+        for k in 0..2 {
+            if (round + k) % 2 == 0 {
+                er += time(|| {
+                    (0..batch).for_each(|_| {
+                        std::hint::black_box(raw());
+                    })
+                });
+            } else {
+                eo += time(|| (0..batch).for_each(|_| drop(std::hint::black_box(ours()))));
+            }
+        }
+        e_raw.push(er * 1e9 / batch as f64);
+        e_ours.push(eo * 1e9 / batch as f64);
+        let rr = time(|| {
+            for i in 0..batch {
+                let p = if i % 2 == 0 {
+                    b.device_ptr()
+                } else {
+                    a.device_ptr()
+                };
+                // SAFETY: an encoded map; both addresses cover the tensor.
+                let st = unsafe { replace(&mut base, p as *mut c_void) };
+                assert!(st.is_success(), "cuTensorMapReplaceAddress: {st}");
+            }
+        });
+        let mut map = Some(ours());
+        let ro = time(|| {
+            for i in 0..batch {
+                let m = map.take().unwrap();
+                map = Some(if i % 2 == 0 {
+                    m.replace_address(&b).unwrap()
+                } else {
+                    m.replace_address(&a).unwrap()
+                });
+            }
+        });
+        r_raw.push(rr * 1e9 / batch as f64);
+        r_ours.push(ro * 1e9 / batch as f64);
+    }
+    header("tensor maps (ns per call)");
+    line(
+        "tensor map encode: cuTensorMapEncodeTiled",
+        &e_raw,
+        "ns",
+        Some(&ratios(&e_raw, &e_raw)),
+    );
+    line(
+        "tensor map encode: TensorMap::tiled().encode()",
+        &e_ours,
+        "ns",
+        Some(&ratios(&e_ours, &e_raw)),
+    );
+    line(
+        "replace address: cuTensorMapReplaceAddress",
+        &r_raw,
+        "ns",
+        Some(&ratios(&r_raw, &r_raw)),
+    );
+    line(
+        "replace address: TensorMap::replace_address",
+        &r_ours,
+        "ns",
+        Some(&ratios(&r_ours, &r_raw)),
+    );
+    Ok(())
+}
