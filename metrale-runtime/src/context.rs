@@ -321,6 +321,17 @@ impl CudaContext {
         }
     }
 
+    /// Run `f` with the driver table without binding, naming `subject` on failure:
+    /// for host-side calls that need no current context (tensor-map encoding).
+    #[inline]
+    pub(crate) fn call_unbound<R, S: fmt::Display>(
+        &self,
+        subject: impl FnOnce() -> S,
+        f: impl FnOnce(&'static sys::Driver) -> Result<R, CallError>,
+    ) -> Result<R> {
+        f(self.driver).map_err(|e| e.about(subject()))
+    }
+
     /// Bind and run `f`, leaving the [`CallError`] to the caller to describe.
     #[inline]
     pub(crate) fn with<R>(

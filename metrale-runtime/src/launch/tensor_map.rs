@@ -393,7 +393,8 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
             &self.shape.strides,
         )?;
         let mut raw = self.raw;
-        ctx.call(
+        ctx.call_unbound(
+            // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
                 // SAFETY: `raw` is a copy of a map the driver encoded, in a local
@@ -554,7 +555,8 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         let p = self.check()?;
         let mut raw = sys::CUtensorMap { opaque: [0; 16] };
         let base = self.base;
-        self.ctx.call(
+        self.ctx.call_unbound(
+            // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
                 if let Some(i) = self.im2col {
