@@ -39,6 +39,10 @@
  * Not thread-safe beyond one big lock: every entry point takes it.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <time.h>
 #include <stdint.h>
@@ -148,6 +152,9 @@ enum kind {
     K_GRAPH,
     K_EXEC,
     K_NODE,
+    K_PHYS,    /* cuMemCreate / import: until released and unmapped */
+    K_VRANGE,  /* cuMemAddressReserve */
+    K_MAPPING, /* cuMemMap: counted from the mapping table */
     K_TOMB = 99,
 };
 #define TABLE (1 << 16)
@@ -204,7 +211,9 @@ static struct handle *find(const void *p, enum kind k) {
     return NULL;
 }
 static void untrack(struct handle *h) { h->kind = K_TOMB; }
+static int live_mappings(void);
 static int live(enum kind k) {
+    if (k == K_MAPPING) return live_mappings();
     int n = 0;
     for (int i = 0; i < TABLE; i++) n += handles[i].kind == k;
     return n;
@@ -621,7 +630,9 @@ static int in_module(struct module *m, CUdeviceptr p, size_t n) {
 }
 
 /* The live device range (allocation or module global) holding [p, p + n). */
+static int mapped_range_ok(CUdeviceptr p, size_t n);
 static int device_range_ok(CUdeviceptr p, size_t n) {
+    if (mapped_range_ok(p, n)) return 1;
     for (int i = 0; i < TABLE; i++) {
         struct handle *h = &handles[i];
         if (h->kind == K_DEVMEM) {
@@ -638,6 +649,7 @@ static int device_range_ok(CUdeviceptr p, size_t n) {
     return 0;
 }
 
+static void free_vmm(enum kind k, void *p, size_t bytes);
 /* Frees every resource of device `dev` (all devices for -1). */
 static void free_all_handles(int dev) {
     for (int i = 0; i < TABLE; i++) {
@@ -652,6 +664,7 @@ static void free_all_handles(int dev) {
         case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
             untrack(h); free(p); break;
         case K_GRAPH: untrack(h); free_graph(p); break;
+        case K_PHYS: case K_VRANGE: untrack(h); free_vmm(h->kind, p, h->bytes); break;
         case K_EXEC: untrack(h); free_graph(((struct gexec *)p)->g); free(p); break;
         default: break;
         }
@@ -1769,7 +1782,8 @@ static CUresult do_mem_info(size_t *free_bytes, size_t *total) {
     NEED_CTX();
     size_t used = 0;
     for (int i = 0; i < TABLE; i++)
-        if (handles[i].kind == K_DEVMEM && handles[i].dev == current->dev) used += handles[i].bytes;
+        if ((handles[i].kind == K_DEVMEM || handles[i].kind == K_PHYS) && handles[i].dev == current->dev)
+            used += handles[i].bytes;
     if (free_bytes) *free_bytes = TOTAL_MEMORY - used;
     if (total) *total = TOTAL_MEMORY;
     return SUCCESS;
@@ -1798,6 +1812,276 @@ static CUresult do_free_host(void *p) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
+
+/* ---- virtual memory management -------------------------------------------
+ * Physical memory is a memfd (so an exported descriptor is a real one another
+ * process can map); a reserved range is PROT_NONE address space; a mapping maps
+ * the memfd at its address with MAP_FIXED, and unmapping puts PROT_NONE back.
+ * Copies reach mapped memory only where every byte is mapped with access set.
+ * cuMemUnmap does not wait for queued work here (the runtime must order it). */
+
+#define VMM_GRANULARITY ((size_t)2 << 20)
+struct phys {
+    int fd;
+    size_t size;
+    int dev;
+    unsigned handle_types;
+    int released; /* cuMemRelease was called */
+    int mapped;   /* live mappings of it */
+};
+#define MAX_MAPPINGS 4096
+static struct mapping {
+    int used;
+    CUdeviceptr addr;
+    size_t size;
+    struct phys *ph;
+    unsigned access; /* bit d: device d may access */
+} maps[MAX_MAPPINGS];
+
+static int live_mappings(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_MAPPINGS; i++) n += maps[i].used;
+    return n;
+}
+static int mapped_range_ok(CUdeviceptr p, size_t n) {
+    CUdeviceptr at = p, end = p + n;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].access && at >= maps[i].addr && at < maps[i].addr + maps[i].size) {
+                at = maps[i].addr + maps[i].size;
+                found = 1;
+                break;
+            }
+        if (!found) return 0;
+    }
+    return n > 0;
+}
+static void phys_maybe_free(struct phys *ph) {
+    if (!ph->released || ph->mapped) return;
+    struct handle *h = find(ph, K_PHYS);
+    if (h) untrack(h);
+    close(ph->fd);
+    free(ph);
+}
+static void free_vmm(enum kind k, void *p, size_t bytes) {
+    if (k == K_PHYS) {
+        struct phys *ph = p;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].ph == ph) maps[i].used = 0;
+        close(ph->fd);
+        free(ph);
+    } else {
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)p;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].addr >= b && maps[i].addr < b + bytes) maps[i].used = 0;
+        munmap(p, bytes);
+    }
+}
+
+struct alloc_prop { int type; unsigned handle_types; int loc_type; int loc_id; };
+static CUresult prop_ok(const struct alloc_prop *prop) {
+    if (!prop || prop->type != 1 || prop->loc_type != 1) return INVALID_VALUE;
+    if (prop->loc_id < 0 || prop->loc_id >= device_count) return INVALID_DEVICE;
+    if (prop->handle_types & ~1u) return NOT_SUPPORTED;
+    return SUCCESS;
+}
+
+static CUresult do_granularity(size_t *g, const struct alloc_prop *prop, int option) {
+    if (!g || (option != 0 && option != 1)) return INVALID_VALUE;
+    CUresult r = prop_ok(prop);
+    if (r) return r;
+    *g = VMM_GRANULARITY;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    LOCKED(do_granularity(g, prop, option));
+}
+
+static struct phys *new_phys(int fd, size_t size, int dev, unsigned types) {
+    struct phys *ph = calloc(1, sizeof *ph);
+    if (!ph) return NULL;
+    ph->fd = fd;
+    ph->size = size;
+    ph->dev = dev;
+    ph->handle_types = types;
+    track(ph, K_PHYS, size, dev);
+    return ph;
+}
+static CUresult do_mem_create(unsigned long long *handle, size_t size, const struct alloc_prop *prop,
+                              unsigned long long flags) {
+    NEED_CTX();
+    if (!handle || flags) return INVALID_VALUE;
+    CUresult r = prop_ok(prop);
+    if (r) return r;
+    if (!size || size % VMM_GRANULARITY) return INVALID_VALUE;
+    if (size > TOTAL_MEMORY) return OUT_OF_MEMORY;
+    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
+    struct phys *ph = new_phys(fd, size, prop->loc_id, prop->handle_types);
+    if (!ph) { close(fd); return OUT_OF_MEMORY; }
+    *handle = (unsigned long long)(uintptr_t)ph;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemCreate(unsigned long long *handle, size_t size, const void *prop, unsigned long long flags) {
+    LOCKED(do_mem_create(handle, size, prop, flags));
+}
+
+static CUresult do_mem_release(unsigned long long handle) {
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_VALUE;
+    ph->released = 1;
+    phys_maybe_free(ph);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemRelease(unsigned long long handle) { LOCKED(do_mem_release(handle)); }
+
+static CUresult do_reserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    NEED_CTX();
+    if (!p || flags || !size || size % VMM_GRANULARITY) return INVALID_VALUE;
+    if (align == 0) align = VMM_GRANULARITY;
+    if (align & (align - 1)) return INVALID_VALUE;
+    (void)addr; /* a hint */
+    size_t total = size + align;
+    char *m = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    uintptr_t base = ((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1);
+    if (base > (uintptr_t)m) munmap(m, base - (uintptr_t)m);
+    uintptr_t tail = (uintptr_t)m + total, end = base + size;
+    if (tail > end) munmap((void *)end, tail - end);
+    track((void *)base, K_VRANGE, size, current->dev);
+    *p = (CUdeviceptr)base;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    LOCKED(do_reserve(p, size, align, addr, flags));
+}
+
+static struct handle *range_of(CUdeviceptr p, size_t n) {
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)h->p;
+        if (h->kind == K_VRANGE && p >= b && p + n <= b + h->bytes && p + n > p) return h;
+    }
+    return NULL;
+}
+static CUresult do_address_free(CUdeviceptr p, size_t size) {
+    struct handle *h = find((void *)(uintptr_t)p, K_VRANGE);
+    if (!h || h->bytes != size) return INVALID_VALUE;
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr >= p && maps[i].addr < p + size) return INVALID_VALUE; /* still mapped */
+    untrack(h);
+    munmap((void *)(uintptr_t)p, size);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { LOCKED(do_address_free(p, size)); }
+
+static CUresult do_map(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                       unsigned long long flags) {
+    NEED_CTX();
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (flags || !size || size % VMM_GRANULARITY || p % VMM_GRANULARITY || offset % VMM_GRANULARITY)
+        return INVALID_VALUE;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_HANDLE;
+    if (offset > ph->size || size > ph->size - offset) return INVALID_VALUE;
+    if (!range_of(p, size)) return INVALID_VALUE;
+    int slot_i = -1;
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (maps[i].used && p < maps[i].addr + maps[i].size && maps[i].addr < p + size)
+            return INVALID_VALUE; /* over a mapping */
+        if (!maps[i].used && slot_i < 0) slot_i = i;
+    }
+    if (slot_i < 0) return OUT_OF_MEMORY;
+    void *m = mmap((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, ph->fd, (off_t)offset);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    maps[slot_i] = (struct mapping){1, p, size, ph, 0};
+    ph->mapped++;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                         unsigned long long flags) {
+    LOCKED(do_map(p, size, offset, handle, flags));
+}
+
+static CUresult do_unmap(CUdeviceptr p, size_t size) {
+    int i;
+    for (i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr == p && maps[i].size == size) break;
+    if (i == MAX_MAPPINGS) return INVALID_VALUE;
+    mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    maps[i].used = 0;
+    maps[i].ph->mapped--;
+    phys_maybe_free(maps[i].ph);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) { LOCKED(do_unmap(p, size)); }
+
+struct access_desc { int loc_type; int loc_id; int flags; };
+static CUresult do_set_access(CUdeviceptr p, size_t size, const struct access_desc *desc, size_t count) {
+    NEED_CTX();
+    if (!desc || !count) return INVALID_VALUE;
+    /* every byte must be mapped */
+    CUdeviceptr at = p, end = p + size;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && at >= maps[i].addr && at < maps[i].addr + maps[i].size) {
+                at = maps[i].addr + maps[i].size;
+                found = 1;
+                break;
+            }
+        if (!found) return INVALID_VALUE;
+    }
+    unsigned set = 0, clear = 0;
+    for (size_t k = 0; k < count; k++) {
+        if (desc[k].loc_type != 1) return INVALID_VALUE;
+        if (desc[k].loc_id < 0 || desc[k].loc_id >= device_count) return INVALID_DEVICE;
+        if (desc[k].flags == 3 || desc[k].flags == 1) set |= 1u << desc[k].loc_id;
+        else if (desc[k].flags == 0) clear |= 1u << desc[k].loc_id;
+        else return INVALID_VALUE;
+    }
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr >= p && maps[i].addr < end)
+            maps[i].access = (maps[i].access | set) & ~clear;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const void *desc, size_t count) {
+    LOCKED(do_set_access(p, size, desc, count));
+}
+
+static CUresult do_export(void *out, unsigned long long handle, int type, unsigned long long flags) {
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (!out || flags) return INVALID_VALUE;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_HANDLE;
+    if (type != 1 || !(ph->handle_types & 1u)) return INVALID_VALUE;
+    int fd = dup(ph->fd);
+    if (fd < 0) return OUT_OF_MEMORY;
+    *(int *)out = fd;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemExportToShareableHandle(void *out, unsigned long long handle, int type,
+                                             unsigned long long flags) {
+    LOCKED(do_export(out, handle, type, flags));
+}
+
+static CUresult do_import(unsigned long long *handle, void *os_handle, int type) {
+    NEED_CTX();
+    if (!handle || type != 1) return INVALID_VALUE;
+    int fd = (int)(intptr_t)os_handle;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
+    int mine = dup(fd);
+    if (mine < 0) return OUT_OF_MEMORY;
+    struct phys *ph = new_phys(mine, (size_t)st.st_size, current->dev, 1);
+    if (!ph) { close(mine); return OUT_OF_MEMORY; }
+    *handle = (unsigned long long)(uintptr_t)ph;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemImportFromShareableHandle(unsigned long long *handle, void *os_handle, int type) {
+    LOCKED(do_import(handle, os_handle, type));
+}
 
 /* Queued work on a capturing stream would become a graph node; the stand-in
  * models only kernel nodes, so other work invalidates the capture. */

@@ -54,6 +54,12 @@ pub enum Live {
     Execs = 11,
     /// Graph nodes.
     Nodes = 12,
+    /// Physical memory (`cuMemCreate`, imports) not yet released and unmapped.
+    PhysicalMemory = 13,
+    /// Reserved address ranges (`cuMemAddressReserve`).
+    ReservedRanges = 14,
+    /// Mappings (`cuMemMap`).
+    Mappings = 15,
 }
 
 /// The last launch the stand-in accepted.

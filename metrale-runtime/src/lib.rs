@@ -108,10 +108,11 @@ pub use graph::{
 pub use host::{host, release, CudaHost};
 pub use launch::{KernelArg, KernelArgs, LaunchAttributes, LaunchConfig};
 pub use memory::{
-    deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
-    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,
-    PendingCopy, PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, WaitCondition, WaitFlags,
-    WriteFlags,
+    deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,
+    DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
+    HandleTypes, ManagedBuffer, MappedWords, MemOp, MemPool, PendingCopy, PhysicalMemory,
+    PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
+    VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags,
 };
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]

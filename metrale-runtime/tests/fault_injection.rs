@@ -33,6 +33,8 @@ mod soundness;
 mod streams;
 #[path = "fault/teardown.rs"]
 mod teardown;
+#[path = "fault/vmm.rs"]
+mod vmm;
 
 use std::process::ExitCode;
 
@@ -60,6 +62,7 @@ fn main() -> ExitCode {
         multi::tests(),
         teardown::tests(),
         soundness::tests(),
+        vmm::tests(),
     ]
     .into_iter()
     .flatten()

@@ -10,6 +10,7 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
+//! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], [`GrowableBuffer`], sleep and wake |
 //! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
@@ -48,6 +49,7 @@ mod pinned;
 mod pool;
 mod signal;
 mod symbol;
+mod vmm;
 
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
@@ -59,6 +61,10 @@ pub use signal::{
     MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
 };
 pub use symbol::DeviceSymbol;
+pub use vmm::{
+    granularity, Access, Granularity, GrowableBuffer, HandleTypes, PhysicalMemory, SleepError,
+    SleepState, SleepingBuffer, VirtualRange, WakeError,
+};
 
 /// A type that can be copied to the device and passed to kernels by value: `Copy`,
 /// with no padding bytes (so no uninitialised byte is ever read), laid out as the

@@ -1,0 +1,311 @@
+//! Virtual memory: granularity checks, reservation, mapping and access, the
+//! growable buffer, sleep and wake, failure injection; nothing leaks (the
+//! stand-in counts physical memory, ranges and mappings).
+
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::harness::Test;
+
+const MIB: usize = 1 << 20;
+
+fn vmm_counts() -> (i32, i32, i32) {
+    (
+        fake().live(Live::PhysicalMemory),
+        fake().live(Live::ReservedRanges),
+        fake().live(Live::Mappings),
+    )
+}
+
+fn granularity_is_checked_and_said() {
+    let reg = setup();
+    let s = reg.stream();
+    let g = granularity(s, HandleTypes::NONE).unwrap();
+    assert_eq!((g.minimum, g.recommended), (2 * MIB, 2 * MIB));
+    let e = VirtualRange::reserve(s, 3 * MIB).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: device 0: reserving address space: size 3145728 bytes is not a non-zero multiple of the allocation granularity (2097152 bytes)"
+    );
+    let e = PhysicalMemory::new(s, MIB, HandleTypes::NONE).unwrap_err();
+    assert!(e.to_string().contains("granularity (2097152 bytes)"), "{e}");
+    assert!(PhysicalMemory::new(s, 0, HandleTypes::NONE).is_err());
+    assert_eq!(vmm_counts(), (0, 0, 0), "nothing made by refused calls");
+    done(reg);
+}
+
+fn map_access_and_unmap() {
+    let reg = setup();
+    let s = reg.stream();
+    let ctx = Arc::clone(s.context());
+    let mut range = VirtualRange::reserve(s, 8 * MIB).unwrap();
+    assert_eq!(range.size(), 8 * MIB);
+    assert_eq!(range.device_ptr() % (2 * MIB) as u64, 0);
+    let phys = Arc::new(PhysicalMemory::new(s, 4 * MIB, HandleTypes::NONE).unwrap());
+    assert_eq!(vmm_counts(), (1, 1, 0));
+    let rw = [(&ctx, Access::ReadWrite)];
+    // Unaligned offset, past the end of the range, past the end of the memory.
+    let e = range
+        .map(MIB, Arc::clone(&phys), 0, 2 * MIB, &rw)
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "mapping: offset 1048576 bytes is not a multiple of the allocation granularity (2097152 bytes)"
+        ),
+        "{e}"
+    );
+    let e = range
+        .map(6 * MIB, Arc::clone(&phys), 0, 4 * MIB, &rw)
+        .unwrap_err();
+    assert!(e.to_string().contains("reach past the end"), "{e}");
+    let e = range
+        .map(0, Arc::clone(&phys), 2 * MIB, 4 * MIB, &rw)
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("past the end of the physical memory (4194304 bytes)"),
+        "{e}"
+    );
+    range.map(0, Arc::clone(&phys), 0, 4 * MIB, &rw).unwrap();
+    assert_eq!(vmm_counts(), (1, 1, 1));
+    // Over a mapped part: refused before the driver.
+    let maps = fake().calls("cuMemMap");
+    let other = Arc::new(PhysicalMemory::new(s, 4 * MIB, HandleTypes::NONE).unwrap());
+    let e = range
+        .map(2 * MIB, Arc::clone(&other), 0, 4 * MIB, &rw)
+        .unwrap_err();
+    assert!(e.to_string().contains("that part is already mapped"), "{e}");
+    assert_eq!(fake().calls("cuMemMap"), maps);
+    range
+        .map(4 * MIB, Arc::clone(&other), 0, 4 * MIB, &[])
+        .unwrap();
+    assert_eq!(
+        range.mappings().collect::<Vec<_>>(),
+        [(0, 4 * MIB), (4 * MIB, 4 * MIB)]
+    );
+    // Access is set for part of the range only where it is all mapped.
+    range.set_access(4 * MIB, 4 * MIB, &rw).unwrap();
+    // Releasing our handles: the mappings keep the memory.
+    drop((phys, other));
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    let e = range.unmap(2 * MIB).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("no mapping starts at offset 2097152"),
+        "{e}"
+    );
+    let back = range.unmap(0).unwrap();
+    assert_eq!(back.size(), 4 * MIB);
+    drop(back);
+    assert_eq!(vmm_counts(), (1, 1, 1));
+    let e = range.set_access(0, 8 * MIB, &rw).unwrap_err();
+    assert!(e.to_string().contains("are not all mapped"), "{e}");
+    // Drop unmaps what is left, then frees the range.
+    drop(range);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    drop(ctx);
+    done(reg);
+}
+
+fn growable_buffer_keeps_its_address() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::new(s, 16 * MIB).unwrap();
+    assert_eq!(buf.capacity(), 16 * MIB);
+    assert!(buf.is_empty());
+    assert_eq!(vmm_counts(), (0, 1, 0));
+    let p = buf.device_ptr();
+    buf.grow_to(1000).unwrap();
+    assert_eq!((buf.len(), buf.mapped_bytes()), (1000, 2 * MIB));
+    let first: Vec<u32> = (0..1000).collect();
+    s.copy_h2d(&first, &mut buf).unwrap();
+    buf.grow_to(MIB).unwrap(); // 4 MiB of u32
+    assert_eq!(buf.device_ptr(), p, "element 0 never moves");
+    assert_eq!(buf.mapped_bytes(), 4 * MIB);
+    assert_eq!(buf.range().mappings().count(), 2);
+    assert_eq!(s.to_vec(&buf.slice(..1000).unwrap()).unwrap(), first);
+    // Across the boundary of the two pieces.
+    let across: Vec<u32> = (0..2000).map(|i| i * 3 + 1).collect();
+    let start = 2 * MIB / 4 - 1000;
+    s.copy_h2d(&across, &mut buf.slice_mut(start..start + 2000).unwrap())
+        .unwrap();
+    assert_eq!(
+        s.to_vec(&buf.slice(start..start + 2000).unwrap()).unwrap(),
+        across
+    );
+    s.memset_u32(&mut buf.slice_mut(MIB - 10..).unwrap(), 7)
+        .unwrap();
+    assert_eq!(s.to_vec(&buf.slice(MIB - 10..).unwrap()).unwrap(), [7; 10]);
+    // Shrinking changes nothing; past the capacity is refused.
+    buf.grow_to(10).unwrap();
+    assert_eq!(buf.len(), MIB);
+    let e = buf.grow_to(16 * MIB + 1).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: growing a buffer to 16777217 elements: its capacity is 16777216 elements"
+    );
+    assert!(buf.slice(..MIB + 1).is_err(), "slices end at len()");
+    // A kernel argument is the address of element 0.
+    let k = reg.function("kernels", "fill_index").unwrap();
+    let n = u32::try_from(buf.len()).unwrap();
+    let cfg = LaunchConfig::for_num_elems(buf.len(), 256).unwrap();
+    // SAFETY: the stand-in only records the arguments.
+    unsafe { s.launch(&k, cfg, (&mut buf, n, 5u32)) }.unwrap();
+    assert_eq!(fake().last_param(0), p);
+    drop(k);
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    drop(buf);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+/// A copy still queued when the buffer is dropped: the stand-in's unmap does not
+/// wait (its deferred copy would read unmapped memory and crash the process), so
+/// the buffer must wait first.
+fn dropping_waits_for_queued_work() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
+    buf.grow_to(4096).unwrap();
+    let values: Vec<u32> = (0..4096).map(|i| i ^ 0x5a5a).collect();
+    s.copy_h2d(&values, &mut buf).unwrap();
+    let pinned = PinnedBuffer::<u32>::zeroed(s, 4096).unwrap();
+    let pending = s.copy_d2h_pinned(&buf, pinned).unwrap();
+    assert!(fake().pending(raw(s)) > 0, "the copy is still queued");
+    drop(buf);
+    assert_eq!(fake().pending(raw(s)), 0, "the drop waited for it");
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    let back = pending.wait().unwrap();
+    assert_eq!(&back[..], &values[..]);
+    drop(back);
+    done(reg);
+}
+
+fn failures_leave_the_buffer_as_it_was() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u8>::new(s, 8 * MIB).unwrap();
+    buf.grow_to(MIB).unwrap();
+    fake().fail("cuMemCreate", 2, 1, Some(1));
+    let e = buf.grow_to(3 * MIB).unwrap_err();
+    assert_eq!(e.status(), Some(CUresult(2)));
+    assert!(e.to_string().contains("cuMemCreate"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("creating 2097152 bytes of physical memory"),
+        "{e}"
+    );
+    fake().fail("cuMemMap", 2, 1, Some(1));
+    assert!(buf.grow_to(3 * MIB).is_err());
+    assert_eq!(vmm_counts(), (1, 1, 1), "the refused piece was released");
+    fake().fail("cuMemSetAccess", 999, 1, Some(1));
+    let e = buf.grow_to(3 * MIB).unwrap_err();
+    assert!(e.to_string().contains("cuMemSetAccess"), "{e}");
+    assert_eq!(vmm_counts(), (1, 1, 1), "the mapping was undone");
+    assert_eq!((buf.len(), buf.mapped_bytes()), (MIB, 2 * MIB));
+    buf.grow_to(3 * MIB).unwrap();
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    // A failed wait keeps the mapping: nothing is unmapped under queued work.
+    let mut range = VirtualRange::reserve(s, 2 * MIB).unwrap();
+    let phys = Arc::new(PhysicalMemory::new(s, 2 * MIB, HandleTypes::NONE).unwrap());
+    range.map(0, phys, 0, 2 * MIB, &[]).unwrap();
+    fake().fail("cuCtxSynchronize", 999, 1, Some(1));
+    let e = range.unmap(0).unwrap_err();
+    assert!(e.to_string().contains("cuCtxSynchronize"), "{e}");
+    assert_eq!(range.mappings().count(), 1);
+    drop(range);
+    drop(buf);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+fn sleep_and_wake_restore_every_byte() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::new(s, 4 * MIB).unwrap();
+    buf.grow_to(MIB / 2).unwrap(); // 2 MiB
+    buf.grow_to(MIB + 3).unwrap(); // two more granules
+    let values: Vec<u32> = (0..MIB as u32 + 3)
+        .map(|i| i.wrapping_mul(2654435761))
+        .collect();
+    s.copy_h2d(&values, &mut buf).unwrap();
+    let p = buf.device_ptr();
+    let (free_awake, _) = memory_info(s).unwrap();
+    let asleep = buf.sleep(Some(s)).unwrap();
+    assert!(asleep.is_saved());
+    assert_eq!((asleep.len(), asleep.device_ptr()), (MIB + 3, p));
+    let (free_asleep, _) = memory_info(s).unwrap();
+    assert_eq!(
+        free_asleep - free_awake,
+        6 * MIB,
+        "the physical memory went"
+    );
+    assert_eq!(vmm_counts(), (0, 1, 0), "addresses kept, memory released");
+    let buf = asleep.wake(s).unwrap();
+    assert_eq!(buf.device_ptr(), p);
+    assert_eq!(
+        buf.range().mappings().collect::<Vec<_>>(),
+        [(0, 2 * MIB), (2 * MIB, 4 * MIB)]
+    );
+    assert_eq!(s.to_vec(&buf).unwrap(), values);
+    // Without saving: the length and addresses come back.
+    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    assert!(!asleep.is_saved());
+    let mut buf = asleep.wake(s).unwrap();
+    assert_eq!((buf.len(), buf.device_ptr()), (MIB + 3, p));
+    s.zero(&mut buf).unwrap();
+    // A failed save releases nothing and hands the buffer back.
+    fake().fail("cuMemcpyDtoHAsync_v2", 999, 1, Some(1));
+    let err = buf.sleep(Some(s)).unwrap_err();
+    assert!(
+        err.error.to_string().contains("cuMemcpyDtoHAsync_v2"),
+        "{}",
+        err.error
+    );
+    let SleepState::Awake(buf) = err.buffer else {
+        panic!("nothing was released, the buffer is awake");
+    };
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    // A failed wake keeps it asleep; waking again maps only what is missing.
+    let asleep = buf.sleep(Some(s)).unwrap();
+    fake().fail("cuMemCreate", 2, 2, Some(1));
+    let err = asleep.wake(s).unwrap_err();
+    assert_eq!(err.error.status(), Some(CUresult(2)));
+    assert_eq!(vmm_counts(), (1, 1, 1), "the first piece is mapped again");
+    let buf = err.buffer.wake(s).unwrap();
+    assert_eq!(s.to_vec(&buf).unwrap(), vec![0; MIB + 3]);
+    // A sleeping buffer dropped frees everything.
+    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    drop(asleep);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+pub fn tests() -> Vec<Test> {
+    vec![
+        Test {
+            name: "vmm::granularity_is_checked_and_said",
+            run: granularity_is_checked_and_said,
+        },
+        Test {
+            name: "vmm::map_access_and_unmap",
+            run: map_access_and_unmap,
+        },
+        Test {
+            name: "vmm::growable_buffer_keeps_its_address",
+            run: growable_buffer_keeps_its_address,
+        },
+        Test {
+            name: "vmm::dropping_waits_for_queued_work",
+            run: dropping_waits_for_queued_work,
+        },
+        Test {
+            name: "vmm::failures_leave_the_buffer_as_it_was",
+            run: failures_leave_the_buffer_as_it_was,
+        },
+        Test {
+            name: "vmm::sleep_and_wake_restore_every_byte",
+            run: sleep_and_wake_restore_every_byte,
+        },
+    ]
+}
