@@ -28,6 +28,8 @@ mod nvrtc;
 mod soundness;
 #[path = "gpu/streams.rs"]
 mod streams;
+#[path = "gpu/vmm.rs"]
+mod vmm;
 
 use std::process::ExitCode;
 
@@ -53,6 +55,7 @@ fn main() -> ExitCode {
         graphs::tests(),
         layout::tests(),
         soundness::tests(),
+        vmm::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
     ]
