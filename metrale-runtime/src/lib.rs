@@ -114,6 +114,8 @@ pub use memory::{
     PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
     VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags,
 };
+#[cfg(unix)]
+pub use memory::{recv_fd, send_fd};
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]

@@ -78,7 +78,10 @@ fn main() -> ExitCode {
     // The stand-in is built with this crate's dev-dependencies: it is always required.
     harness::main(
         &tests,
-        &teardown::children(),
+        &teardown::children()
+            .into_iter()
+            .chain(vmm::children())
+            .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
     )

@@ -11,6 +11,7 @@
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
 //! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], [`GrowableBuffer`], sleep and wake |
+//! | `ipc.rs` | sharing between processes: descriptors of physical memory, [`send_fd`] / [`recv_fd`] |
 //! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
@@ -44,6 +45,8 @@ use crate::stream::CudaStream;
 mod copy;
 mod device;
 mod free;
+#[cfg(unix)]
+mod ipc;
 mod managed;
 mod pinned;
 mod pool;
@@ -54,6 +57,8 @@ mod vmm;
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
+#[cfg(unix)]
+pub use ipc::{recv_fd, send_fd};
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;

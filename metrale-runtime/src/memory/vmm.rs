@@ -351,6 +351,14 @@ impl VirtualRange {
         self.mappings.iter().map(|m| (m.offset, m.size))
     }
 
+    /// The physical memory of the mapping that starts at `offset` (to export it).
+    pub fn physical(&self, offset: usize) -> Option<&Arc<PhysicalMemory>> {
+        self.mappings
+            .iter()
+            .find(|m| m.offset == offset)
+            .map(|m| &m.phys)
+    }
+
     /// Whether any byte of `[offset, offset + size)` is mapped.
     pub fn is_mapped(&self, offset: usize, size: usize) -> bool {
         let end = offset.saturating_add(size);
@@ -682,6 +690,8 @@ pub struct GrowableBuffer<T: DeviceRepr> {
     range: VirtualRange,
     /// Bytes mapped from the start of the range (a multiple of the granularity).
     mapped: usize,
+    /// What the physical memory it maps can be exported as.
+    types: HandleTypes,
     uses: Uses,
     _elem: std::marker::PhantomData<T>,
 }
@@ -694,6 +704,19 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// `InvalidArgument` for a zero or overflowing capacity, or a type whose
     /// alignment exceeds the granularity; the failing reservation.
     pub fn new(ctx: &impl AsContext, capacity: usize) -> Result<GrowableBuffer<T>> {
+        GrowableBuffer::with_handle_types(ctx, capacity, HandleTypes::NONE)
+    }
+
+    /// As [`GrowableBuffer::new`], with every piece of physical memory it maps
+    /// exportable as `types` (find a piece with [`VirtualRange::physical`]).
+    ///
+    /// # Errors
+    /// As [`GrowableBuffer::new`].
+    pub fn with_handle_types(
+        ctx: &impl AsContext,
+        capacity: usize,
+        types: HandleTypes,
+    ) -> Result<GrowableBuffer<T>> {
         let ctx = ctx.context();
         let bytes = byte_len::<T>(capacity, "growable buffer")?;
         if bytes == 0 {
@@ -707,6 +730,41 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             len: 0,
             range,
             mapped: 0,
+            types,
+            uses: Uses::new(None),
+            _elem: std::marker::PhantomData,
+        })
+    }
+
+    /// A buffer over all of `phys` (imported from another process, say): a range
+    /// of its size is reserved, `phys` is mapped there with read-write access for
+    /// its device, and every element is usable (`len() == capacity()`, which
+    /// does not grow further). Both processes see the same memory: order their
+    /// accesses yourself (an IPC event, a message on the socket).
+    ///
+    /// # Errors
+    /// `InvalidArgument` when the size is not a multiple of `T`'s size; the
+    /// failing reservation or mapping.
+    pub fn from_physical(phys: Arc<PhysicalMemory>) -> Result<GrowableBuffer<T>> {
+        let elem = std::mem::size_of::<T>();
+        if elem == 0 || !phys.size.is_multiple_of(elem) {
+            return Err(invalid_arg(format!(
+                "a buffer of {} over {} bytes of physical memory: not a whole number of elements",
+                std::any::type_name::<T>(),
+                phys.size
+            )));
+        }
+        let ctx = Arc::clone(&phys.ctx);
+        let (size, types) = (phys.size, phys.types);
+        let mut range = VirtualRange::reserve(&ctx, size)?;
+        super::device::check_alignment::<T>(range.base, "growable buffer")?;
+        range.map(0, phys, 0, size, &[(&ctx, Access::ReadWrite)])?;
+        Ok(GrowableBuffer {
+            ptr: range.base,
+            len: size / elem,
+            range,
+            mapped: size,
+            types,
             uses: Uses::new(None),
             _elem: std::marker::PhantomData,
         })
@@ -775,7 +833,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         if bytes > self.mapped {
             let piece = round_up(bytes - self.mapped, self.range.granularity)?;
             let ctx = Arc::clone(&self.range.ctx);
-            let phys = Arc::new(PhysicalMemory::new(&ctx, piece, HandleTypes::NONE)?);
+            let phys = Arc::new(PhysicalMemory::new(&ctx, piece, self.types)?);
             self.range
                 .map(self.mapped, phys, 0, piece, &[(&ctx, Access::ReadWrite)])?;
             self.mapped += piece;
@@ -992,7 +1050,7 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
             if self.buffer.range.is_mapped(offset, size) {
                 continue;
             }
-            let phys = Arc::new(PhysicalMemory::new(&ctx, size, HandleTypes::NONE)?);
+            let phys = Arc::new(PhysicalMemory::new(&ctx, size, self.buffer.types)?);
             self.buffer
                 .range
                 .map(offset, phys, 0, size, &[(&ctx, Access::ReadWrite)])?;

@@ -2,10 +2,13 @@
 //! growable buffer, sleep and wake, failure injection; nothing leaks (the
 //! stand-in counts physical memory, ranges and mappings).
 
+use std::io::{Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::harness::Test;
+use crate::harness::{run_child, Child, Test};
 
 const MIB: usize = 1 << 20;
 
@@ -281,8 +284,204 @@ fn sleep_and_wake_restore_every_byte() {
     done(reg);
 }
 
+fn shared_values(n: usize) -> Vec<u32> {
+    (0..n as u32).map(|i| i ^ 0xabc).collect()
+}
+
+/// Export, send, import in the same process: two ranges over one memory. The
+/// sender's descriptor and handle go before the import: the message holds it.
+fn export_and_import_share_the_memory() {
+    let reg = setup();
+    let s = reg.stream();
+    let n = 2 * MIB / 4;
+    let mut a = GrowableBuffer::<u32>::with_handle_types(s, n, HandleTypes::POSIX_FD).unwrap();
+    a.grow_to(n).unwrap();
+    s.copy_h2d(&shared_values(n), &mut a).unwrap();
+    let (tx, rx) = UnixStream::pair().unwrap();
+    a.range().physical(0).unwrap().send(&tx).unwrap();
+    let phys = PhysicalMemory::receive(s, &rx).unwrap();
+    assert_eq!(phys.size(), 2 * MIB);
+    assert_eq!(fake().live(Live::PhysicalMemory), 2, "one handle per side");
+    let mut b = GrowableBuffer::<u32>::from_physical(Arc::new(phys)).unwrap();
+    assert_eq!((b.len(), b.capacity()), (n, n));
+    assert_ne!(b.device_ptr(), a.device_ptr());
+    assert_eq!(s.to_vec(&b).unwrap(), shared_values(n));
+    s.memset_u32(&mut b.slice_mut(..10).unwrap(), 42).unwrap();
+    assert_eq!(s.to_vec(&a.slice(..10).unwrap()).unwrap(), [42; 10]);
+    // Either side may go first.
+    drop(a);
+    assert_eq!(
+        s.to_vec(&b.slice(10..20).unwrap()).unwrap(),
+        shared_values(20)[10..]
+    );
+    assert!(
+        b.grow_to(n + 1).is_err(),
+        "an imported buffer does not grow"
+    );
+    drop(b);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+fn sharing_misuse_is_refused_clearly() {
+    let reg = setup();
+    let s = reg.stream();
+    let plain = PhysicalMemory::new(s, 2 * MIB, HandleTypes::NONE).unwrap();
+    let e = plain.export_fd().unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: exporting 2097152 bytes of physical memory on device 0: it was not made with HandleTypes::POSIX_FD"
+    );
+    // A descriptor that is not exported device memory.
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let e = PhysicalMemory::import_fd(s, null.as_fd(), 2 * MIB).unwrap_err();
+    assert!(
+        e.to_string().contains("cuMemImportFromShareableHandle"),
+        "{e}"
+    );
+    assert!(
+        e.to_string()
+            .contains("importing 2097152 bytes of physical memory from descriptor"),
+        "{e}"
+    );
+    let shared = PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap();
+    let fd = shared.export_fd().unwrap();
+    let e = PhysicalMemory::import_fd(s, fd.as_fd(), 3 * MIB).unwrap_err();
+    assert!(e.to_string().contains("granularity (2097152 bytes)"), "{e}");
+    // A failed export makes no descriptor.
+    fake().fail("cuMemExportToShareableHandle", 999, 1, Some(1));
+    assert!(shared.export_fd().is_err());
+    // Sockets: a peer that closed, a message without a descriptor, empty data.
+    let (tx, rx) = UnixStream::pair().unwrap();
+    let e = send_fd(&tx, fd.as_fd(), &[]).unwrap_err();
+    assert!(e.to_string().contains("at least one byte"), "{e}");
+    (&tx).write_all(&[1, 2, 3]).unwrap();
+    let mut buf = [0u8; 8];
+    let e = recv_fd(&rx, &mut buf).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "receiving a descriptor over a Unix socket: a message of 3 bytes came without a descriptor"
+    );
+    drop(tx);
+    let e = PhysicalMemory::receive(s, &rx).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "receiving a descriptor over a Unix socket: the peer closed the socket"
+    );
+    // The descriptor received is the memory's even after the sender closed its own.
+    let (tx, rx) = UnixStream::pair().unwrap();
+    send_fd(&tx, fd.as_fd(), b"x").unwrap();
+    drop(fd);
+    drop(shared);
+    let (got, n) = recv_fd(&rx, &mut buf).unwrap();
+    assert_eq!(n, 1);
+    let imported = PhysicalMemory::import_fd(s, got.as_fd(), 2 * MIB).unwrap();
+    drop(got);
+    let mut range = VirtualRange::reserve(s, 2 * MIB).unwrap();
+    range
+        .map(
+            0,
+            Arc::new(imported),
+            0,
+            2 * MIB,
+            &[(s.context(), Access::Read)],
+        )
+        .unwrap();
+    drop(range);
+    drop(plain);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+const SOCKET_VAR: &str = "METRALE_TEST_VMM_SOCKET";
+
+/// Two real processes: this one exports and writes, a child imports through the
+/// socket, checks every value, writes its own, and says so; this one reads them.
+fn two_processes_share_memory_through_a_descriptor() {
+    let reg = setup();
+    let s = reg.stream();
+    let n = 4 * MIB / 4;
+    let mut buf = GrowableBuffer::<u32>::with_handle_types(s, n, HandleTypes::POSIX_FD).unwrap();
+    buf.grow_to(n).unwrap();
+    s.copy_h2d(&shared_values(n), &mut buf).unwrap();
+    let path = std::env::temp_dir().join(format!("metrale-vmm-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let phys = Arc::clone(buf.range().physical(0).unwrap());
+    let server = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        phys.send(&conn).unwrap();
+        drop(phys);
+        let mut done = [0u8; 1];
+        (&conn).read_exact(&mut done).unwrap();
+        done[0]
+    });
+    let out = run_child(
+        "vmm_import_and_write",
+        &[(SOCKET_VAR, path.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_file(&path);
+    assert!(out.status.success(), "child failed: {out:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stderr),
+        "",
+        "stderr must stay empty"
+    );
+    assert_eq!(server.join().unwrap(), 1);
+    let got = s.to_vec(&buf).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        let want = if i < 1000 {
+            i as u32 * 7
+        } else {
+            i as u32 ^ 0xabc
+        };
+        assert_eq!(v, want, "element {i}");
+    }
+    drop(buf);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+fn child_vmm_import_and_write() {
+    let path = std::env::var(SOCKET_VAR).unwrap();
+    let conn = UnixStream::connect(path).unwrap();
+    let h = host(0).unwrap();
+    let s = h.stream();
+    let phys = PhysicalMemory::receive(&h, &conn).unwrap();
+    let n = phys.size() / 4;
+    let mut buf = GrowableBuffer::<u32>::from_physical(Arc::new(phys)).unwrap();
+    assert_eq!(s.to_vec(&buf).unwrap(), shared_values(n));
+    let mine: Vec<u32> = (0..1000).map(|i| i * 7).collect();
+    s.copy_h2d(&mine, &mut buf.slice_mut(..1000).unwrap())
+        .unwrap();
+    drop(buf);
+    drop(h);
+    release(0);
+    assert_eq!(vmm_counts(), (0, 0, 0), "the child's handles are its own");
+    (&conn).write_all(&[1]).unwrap();
+}
+
+pub fn children() -> Vec<Child> {
+    vec![Child {
+        name: "vmm_import_and_write",
+        run: child_vmm_import_and_write,
+    }]
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::export_and_import_share_the_memory",
+            run: export_and_import_share_the_memory,
+        },
+        Test {
+            name: "vmm::sharing_misuse_is_refused_clearly",
+            run: sharing_misuse_is_refused_clearly,
+        },
+        Test {
+            name: "vmm::two_processes_share_memory_through_a_descriptor",
+            run: two_processes_share_memory_through_a_descriptor,
+        },
         Test {
             name: "vmm::granularity_is_checked_and_said",
             run: granularity_is_checked_and_said,
