@@ -68,6 +68,7 @@ fn main() -> ExitCode {
         &basic::children()
             .into_iter()
             .chain(futures::children())
+            .chain(vmm::children())
             .collect::<Vec<_>>(),
         gate,
         require.then_some("METRALE_REQUIRE_GPU=1"),

@@ -1,8 +1,12 @@
 //! Virtual memory on the GPU: a growable buffer grown to 16 GiB while kernels
 //! write and read it, sleep and wake.
 
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::Arc;
+
 use crate::common::*;
-use crate::harness::Test;
+use crate::harness::{run_child, Child, Test};
 
 const MIB: usize = 1 << 20;
 
@@ -123,6 +127,75 @@ fn sleep_releases_memory_and_wake_restores_every_byte() {
     assert_eq!(count_not(&reg, s, &buf.slice(..).unwrap(), 9), 0);
 }
 
+const SOCKET_VAR: &str = "METRALE_TEST_VMM_SOCKET";
+
+/// Two processes on one GPU: this one exports exportable pieces of a growable
+/// buffer and writes them, the child imports through the socket, checks every
+/// element with a kernel, writes its own, and says so; this one reads them.
+fn two_processes_share_vmm_memory_through_a_descriptor() {
+    let reg = registry();
+    let s = reg.stream();
+    let n = 64 * MIB / 4;
+    let mut buf = GrowableBuffer::<u32>::with_handle_types(s, n, HandleTypes::POSIX_FD).unwrap();
+    buf.grow_to(n).unwrap();
+    fill(&reg, s, &mut buf.slice_mut(..).unwrap(), 0);
+    s.synchronize().unwrap();
+    let path = std::env::temp_dir().join(format!("metrale-gpu-vmm-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let phys = Arc::clone(buf.range().physical(0).unwrap());
+    let server = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        phys.send(&conn).unwrap();
+        let mut done = [0u8; 1];
+        (&conn).read_exact(&mut done).unwrap();
+        done[0]
+    });
+    let out = run_child(
+        "vmm_import_and_write",
+        &[(SOCKET_VAR, path.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_file(&path);
+    assert!(out.status.success(), "child failed: {out:?}");
+    assert_eq!(server.join().unwrap(), 1);
+    let got = s.to_vec(&buf.slice(..2048).unwrap()).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        let want = if i < 1000 {
+            i as u32 + 100_000
+        } else {
+            i as u32
+        };
+        assert_eq!(v, want, "element {i}");
+    }
+}
+
+fn child_vmm_import_and_write() {
+    let path = std::env::var(SOCKET_VAR).unwrap();
+    let conn = UnixStream::connect(path).unwrap();
+    let reg = registry();
+    let s = reg.stream();
+    let phys = PhysicalMemory::receive(s, &conn).unwrap();
+    let n = phys.size() / 4;
+    let mut buf = GrowableBuffer::<u32>::from_physical(Arc::new(phys)).unwrap();
+    let got = s.to_vec(&buf).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        assert_eq!(v, i as u32, "element {i} as the parent wrote it");
+    }
+    assert_eq!(got.len(), n);
+    fill(&reg, s, &mut buf.slice_mut(..1000).unwrap(), 100_000);
+    s.synchronize().unwrap();
+    drop(buf);
+    (&conn).write_all(&[1]).unwrap();
+}
+
+/// The child scenarios of this file.
+pub fn children() -> Vec<Child> {
+    vec![Child {
+        name: "vmm_import_and_write",
+        run: child_vmm_import_and_write,
+    }]
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -132,6 +205,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::sleep_releases_memory_and_wake_restores_every_byte",
             run: sleep_releases_memory_and_wake_restores_every_byte,
+        },
+        Test {
+            name: "vmm::two_processes_share_vmm_memory_through_a_descriptor",
+            run: two_processes_share_vmm_memory_through_a_descriptor,
         },
     ]
 }
