@@ -878,8 +878,8 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// Release the physical memory, keeping the addresses: after every use (the
     /// context's streams and foreign streams are waited for), each mapping is
     /// unmapped and its memory released. With `save`, the contents (every mapped
-    /// byte) are first copied to pinned host memory on that stream, and
-    /// [`SleepingBuffer::wake`] copies them back.
+    /// byte) are copied to pinned host memory on that stream after that wait and
+    /// before the unmaps, and [`SleepingBuffer::wake`] copies them back.
     ///
     /// # Errors
     /// A [`SleepError`]: before anything was released (saving or waiting failed)
@@ -890,6 +890,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         mut self,
         save: Option<&impl AsStream>,
     ) -> std::result::Result<SleepingBuffer<T>, Box<SleepError<T>>> {
+        // Every use first (work on any stream may still write the memory), then
+        // the save (which waits for its own copy), then the unmaps.
+        if let Err(error) = self.range.wait_for_uses(Some(&self.uses)) {
+            return Err(sleep_error(error, SleepState::Awake(self)));
+        }
         let saved = match save {
             Some(stream) => match self.save(stream.stream()) {
                 Ok(p) => Some(p),
@@ -897,9 +902,6 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             },
             None => None,
         };
-        if let Err(error) = self.range.wait_for_uses(Some(&self.uses)) {
-            return Err(sleep_error(error, SleepState::Awake(self)));
-        }
         let pieces: Vec<(usize, usize)> = self.range.mappings().collect();
         let result = self.range.unmap_all();
         let sleeping = SleepingBuffer {
