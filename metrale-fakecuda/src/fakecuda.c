@@ -1813,6 +1813,84 @@ static CUresult do_free_host(void *p) {
 }
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
 
+/* ---- legacy IPC ------------------------------------------------------------
+ * A handle names an allocation or an event of this process (the stand-in's device
+ * memory is plain heap memory, so it cannot be opened in another process);
+ * opening in the same process gives the same address / a new event handle, and
+ * opens are counted until closed. */
+struct ipc_bytes { uint64_t magic, pid, ptr, bytes; char pad[32]; };
+#define IPC_MEM_MAGIC 0x6d65747261697063ULL
+#define IPC_EVENT_MAGIC 0x6d65747261657674ULL
+#define MAX_IPC_OPEN 256
+static CUdeviceptr ipc_open[MAX_IPC_OPEN];
+static int ipc_open_count(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_IPC_OPEN; i++) n += ipc_open[i] != 0;
+    return n;
+}
+EXPORT int fakecuda_ipc_open_count(void) {
+    pthread_mutex_lock(&lock);
+    int n = ipc_open_count();
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+static CUresult do_ipc_get_mem(struct ipc_bytes *h, CUdeviceptr p) {
+    NEED_CTX();
+    if (!h) return INVALID_VALUE;
+    struct handle *d = find((void *)(uintptr_t)p, K_DEVMEM);
+    if (!d) return INVALID_VALUE;
+    *h = (struct ipc_bytes){IPC_MEM_MAGIC, (uint64_t)getpid(), p, d->bytes, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p) { LOCKED(do_ipc_get_mem(h, p)); }
+
+static CUresult do_ipc_open_mem(CUdeviceptr *p, struct ipc_bytes h, unsigned flags) {
+    NEED_CTX();
+    if (!p || flags > 1 || h.magic != IPC_MEM_MAGIC) return INVALID_VALUE;
+    if (h.pid != (uint64_t)getpid() || !find((void *)(uintptr_t)h.ptr, K_DEVMEM)) return INVALID_VALUE;
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (!ipc_open[i]) {
+            ipc_open[i] = h.ptr;
+            *p = h.ptr;
+            return SUCCESS;
+        }
+    return OUT_OF_MEMORY;
+}
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, struct ipc_bytes h, unsigned flags) {
+    LOCKED(do_ipc_open_mem(p, h, flags));
+}
+
+static CUresult do_ipc_close_mem(CUdeviceptr p) {
+    NEED_CTX();
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (ipc_open[i] == p && p) {
+            ipc_open[i] = 0;
+            return SUCCESS;
+        }
+    return INVALID_VALUE;
+}
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) { LOCKED(do_ipc_close_mem(p)); }
+
+static CUresult do_ipc_get_event(struct ipc_bytes *h, void *e) {
+    NEED_CTX();
+    if (!h) return INVALID_VALUE;
+    struct event *ev = e;
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    if (!(ev->flags & 4) || !(ev->flags & 2)) return INVALID_VALUE; /* interprocess, no timing */
+    *h = (struct ipc_bytes){IPC_EVENT_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)e, 0, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuIpcGetEventHandle(void *h, void *e) { LOCKED(do_ipc_get_event(h, e)); }
+
+static CUresult do_ipc_open_event(void **e, struct ipc_bytes h) {
+    NEED_CTX();
+    if (!e || h.magic != IPC_EVENT_MAGIC || h.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    if (!find((void *)(uintptr_t)h.ptr, K_EVENT)) return INVALID_VALUE;
+    return do_event_create(e, 4 | 2);
+}
+EXPORT CUresult cuIpcOpenEventHandle(void **e, struct ipc_bytes h) { LOCKED(do_ipc_open_event(e, h)); }
+
 /* ---- virtual memory management -------------------------------------------
  * Physical memory is a memfd (so an exported descriptor is a real one another
  * process can map); a reserved range is PROT_NONE address space; a mapping maps

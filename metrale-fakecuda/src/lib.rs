@@ -177,6 +177,16 @@ impl Fake {
         n as i64
     }
 
+    /// How many legacy IPC memory handles are open (`cuIpcOpenMemHandle` not yet
+    /// closed).
+    pub fn ipc_open(&self) -> i32 {
+        call!(
+            self,
+            "fakecuda_ipc_open_count",
+            unsafe extern "C" fn() -> c_int
+        )
+    }
+
     /// How many objects of a kind are alive.
     pub fn live(&self, what: Live) -> i32 {
         call!(

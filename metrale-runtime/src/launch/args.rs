@@ -59,6 +59,11 @@ pointer_arg!(
     [T: DeviceRepr] &GrowableBuffer<T>,
     [T: DeviceRepr] &mut GrowableBuffer<T>,
 );
+#[cfg(unix)]
+pointer_arg!(
+    [T: DeviceRepr] &crate::memory::IpcBuffer<T>,
+    [T: DeviceRepr] &mut crate::memory::IpcBuffer<T>,
+);
 
 /// A kernel's whole argument list: a tuple of up to 16 [`KernelArg`]s, or `()`.
 ///

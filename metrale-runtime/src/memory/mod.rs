@@ -12,6 +12,7 @@
 //! | `copy.rs` | copies and fills on a stream |
 //! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], [`GrowableBuffer`], sleep and wake |
 //! | `ipc.rs` | sharing between processes: descriptors of physical memory, [`send_fd`] / [`recv_fd`] |
+//! | `legacy_ipc.rs` | legacy IPC: [`IpcMemHandle`], [`IpcBuffer`], [`IpcEventHandle`] |
 //! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
@@ -47,6 +48,8 @@ mod device;
 mod free;
 #[cfg(unix)]
 mod ipc;
+#[cfg(unix)]
+mod legacy_ipc;
 mod managed;
 mod pinned;
 mod pool;
@@ -59,6 +62,8 @@ pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};
+#[cfg(unix)]
+pub use legacy_ipc::{IpcBuffer, IpcEventHandle, IpcMemHandle};
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;

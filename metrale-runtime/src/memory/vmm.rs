@@ -534,35 +534,14 @@ impl VirtualRange {
         self.unmap_at(pos)
     }
 
-    /// Wait for every use of the range's memory: the foreign streams of `uses`,
-    /// then the whole context. Work abandoned by an earlier fault counts as done.
+    /// Wait for every use of the range's memory (see [`wait_for_context`]).
     fn wait_for_uses(&self, uses: Option<&Uses>) -> Result<()> {
-        if crate::stream::capturing_on_this_thread() {
-            return Err(invalid_arg(self.subject(format_args!(
-                "unmapping while this thread captures a graph (the wait would invalidate the capture)"
-            ))));
-        }
-        let abandoned = |e: &MetraleError| e.status().is_some_and(crate::stream::work_abandoned);
-        if let Some(uses) = uses {
-            if uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
-                let foreign = uses
-                    .foreign
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .clone();
-                for f in &foreign {
-                    if let Err(e) = f.synchronize() {
-                        if !abandoned(&e) {
-                            return Err(e);
-                        }
-                    }
-                }
+        wait_for_context(&self.ctx, uses).map_err(|e| match e.kind() {
+            crate::error::ErrorKind::InvalidArgument(text) => {
+                invalid_arg(self.subject(format_args!("{text}")))
             }
-        }
-        match self.ctx.synchronize() {
-            Err(e) if !abandoned(&e) => Err(e),
-            _ => Ok(()),
-        }
+            _ => e,
+        })
     }
 
     /// Unmap mapping `pos` (its uses were waited for).
@@ -587,6 +566,39 @@ impl VirtualRange {
             self.unmap_at(last)?;
         }
         Ok(())
+    }
+}
+
+/// Wait for every use of memory of `ctx`: the foreign streams of `uses`, then
+/// the whole context (`cuCtxSynchronize`). Work abandoned by an earlier fault
+/// counts as done. Refused on a thread that captures (the wait would invalidate
+/// its capture).
+pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result<()> {
+    if crate::stream::capturing_on_this_thread() {
+        return Err(invalid_arg(
+            "waiting for the work that uses the memory while this thread captures a graph (the wait would invalidate the capture)",
+        ));
+    }
+    let abandoned = |e: &MetraleError| e.status().is_some_and(crate::stream::work_abandoned);
+    if let Some(uses) = uses {
+        if uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
+            let foreign = uses
+                .foreign
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone();
+            for f in &foreign {
+                if let Err(e) = f.synchronize() {
+                    if !abandoned(&e) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+    }
+    match ctx.synchronize() {
+        Err(e) if !abandoned(&e) => Err(e),
+        _ => Ok(()),
     }
 }
 

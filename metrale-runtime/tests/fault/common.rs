@@ -96,6 +96,7 @@ pub fn done(reg: Arc<MetraleRegistry>) {
     assert_eq!(fake().live(Live::PhysicalMemory), 0, "physical memory left");
     assert_eq!(fake().live(Live::ReservedRanges), 0, "reserved ranges left");
     assert_eq!(fake().live(Live::Mappings), 0, "mappings left");
+    assert_eq!(fake().ipc_open(), 0, "IPC memory handles left open");
     assert_eq!(fake().primary_refs(), 0, "primary context still retained");
 }
 

@@ -461,6 +461,69 @@ fn child_vmm_import_and_write() {
     (&conn).write_all(&[1]).unwrap();
 }
 
+/// Legacy IPC: a cuMemAlloc buffer and an interprocess event as 64 bytes. The
+/// stand-in opens them in the same process (its device memory is heap memory).
+fn legacy_ipc_handles_as_bytes() {
+    let reg = setup();
+    let s = reg.stream();
+    let values: Vec<u32> = (0..4096).collect();
+    let buf = DeviceBuffer::from_host(s, &values).unwrap();
+    let bytes = buf.ipc_handle().unwrap().to_bytes();
+    let handle = IpcMemHandle::from_bytes(bytes);
+    // SAFETY: the buffer holds 4096 u32 and outlives the opened one.
+    let mut opened = unsafe { IpcBuffer::<u32>::open(s, &handle, 4096) }.unwrap();
+    assert_eq!(fake().ipc_open(), 1);
+    assert_eq!(s.to_vec(&opened).unwrap(), values);
+    s.memset_u32(&mut opened.slice_mut(..4).unwrap(), 9)
+        .unwrap();
+    assert_eq!(s.to_vec(&buf.slice(..4).unwrap()).unwrap(), [9; 4]);
+    drop(opened);
+    assert_eq!(fake().ipc_open(), 0, "closed on drop");
+    // Misuse: a stream-ordered buffer, bytes that name nothing.
+    let ordered = s.alloc::<u32>(16).unwrap();
+    let e = ordered.ipc_handle().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("only a non-empty buffer from cuMemAlloc has a legacy IPC handle"),
+        "{e}"
+    );
+    // SAFETY: the open fails (the bytes name no buffer).
+    let e =
+        unsafe { IpcBuffer::<u32>::open(s, &IpcMemHandle::from_bytes([7; 64]), 16) }.unwrap_err();
+    assert!(e.to_string().contains("cuIpcOpenMemHandle_v2"), "{e}");
+    assert!(
+        e.to_string().contains("opening an IPC memory handle"),
+        "{e}"
+    );
+    // Events.
+    let e = CudaEvent::with_options(
+        s,
+        EventOptions::default()
+            .with_interprocess(true)
+            .with_timing(true),
+    )
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("an interprocess event cannot record timing"),
+        "{e}"
+    );
+    let plain = CudaEvent::new(s).unwrap();
+    let e = plain.ipc_handle().unwrap_err();
+    assert!(e.to_string().contains("cuIpcGetEventHandle"), "{e}");
+    let shared =
+        CudaEvent::with_options(s, EventOptions::default().with_interprocess(true)).unwrap();
+    let h = IpcEventHandle::from_bytes(shared.ipc_handle().unwrap().to_bytes());
+    let opened = CudaEvent::open_ipc(s, &h).unwrap();
+    opened.record(s).unwrap();
+    s.wait(&opened).unwrap();
+    opened.synchronize().unwrap();
+    let e = CudaEvent::open_ipc(s, &IpcEventHandle::from_bytes([0; 64])).unwrap_err();
+    assert!(e.to_string().contains("cuIpcOpenEventHandle"), "{e}");
+    drop((opened, shared, plain, ordered, buf));
+    done(reg);
+}
+
 pub fn children() -> Vec<Child> {
     vec![Child {
         name: "vmm_import_and_write",
@@ -470,6 +533,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::legacy_ipc_handles_as_bytes",
+            run: legacy_ipc_handles_as_bytes,
+        },
         Test {
             name: "vmm::export_and_import_share_the_memory",
             run: export_and_import_share_the_memory,
