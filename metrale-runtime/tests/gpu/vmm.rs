@@ -188,12 +188,78 @@ fn child_vmm_import_and_write() {
     (&conn).write_all(&[1]).unwrap();
 }
 
+const HANDLE_VAR: &str = "METRALE_TEST_IPC_HANDLES";
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> [u8; 64] {
+    let mut out = [0u8; 64];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
+
+/// Legacy IPC between two processes: a cuMemAlloc buffer and an interprocess
+/// event as bytes (in the environment); the child waits for the event, checks
+/// the buffer with a kernel and writes its own values.
+fn two_processes_share_a_buffer_and_an_event_by_legacy_ipc() {
+    let reg = registry();
+    let s = reg.stream();
+    let n = 1 << 20;
+    let mut buf = DeviceBuffer::<u32>::zeroed(s, n).unwrap();
+    fill(&reg, s, &mut buf.slice_mut(..).unwrap(), 0);
+    let ready =
+        CudaEvent::with_options(s, EventOptions::default().with_interprocess(true)).unwrap();
+    ready.record(s).unwrap();
+    s.synchronize().unwrap();
+    let handles = format!(
+        "{}{}",
+        hex(&buf.ipc_handle().unwrap().to_bytes()),
+        hex(&ready.ipc_handle().unwrap().to_bytes())
+    );
+    let out = run_child("legacy_ipc_open", &[(HANDLE_VAR, &handles)]);
+    assert!(out.status.success(), "child failed: {out:?}");
+    let got = s.to_vec(&buf.slice(..2048).unwrap()).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        let want = if i < 1000 { i as u32 + 500 } else { i as u32 };
+        assert_eq!(v, want, "element {i}");
+    }
+}
+
+fn child_legacy_ipc_open() {
+    let handles = std::env::var(HANDLE_VAR).unwrap();
+    let reg = registry();
+    let s = reg.stream();
+    let mem = IpcMemHandle::from_bytes(unhex(&handles[..128]));
+    let event = IpcEventHandle::from_bytes(unhex(&handles[128..]));
+    let ready = CudaEvent::open_ipc(s, &event).unwrap();
+    s.wait(&ready).unwrap();
+    // SAFETY: the parent's buffer holds 1 << 20 u32 and lives until this child
+    // exits.
+    let mut buf = unsafe { IpcBuffer::<u32>::open(s, &mem, 1 << 20) }.unwrap();
+    let got = s.to_vec(&buf).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        assert_eq!(v, i as u32, "element {i} as the parent wrote it");
+    }
+    fill(&reg, s, &mut buf.slice_mut(..1000).unwrap(), 500);
+    s.synchronize().unwrap();
+}
+
 /// The child scenarios of this file.
 pub fn children() -> Vec<Child> {
-    vec![Child {
-        name: "vmm_import_and_write",
-        run: child_vmm_import_and_write,
-    }]
+    vec![
+        Child {
+            name: "vmm_import_and_write",
+            run: child_vmm_import_and_write,
+        },
+        Child {
+            name: "legacy_ipc_open",
+            run: child_legacy_ipc_open,
+        },
+    ]
 }
 
 pub fn tests() -> Vec<Test> {
@@ -209,6 +275,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::two_processes_share_vmm_memory_through_a_descriptor",
             run: two_processes_share_vmm_memory_through_a_descriptor,
+        },
+        Test {
+            name: "vmm::two_processes_share_a_buffer_and_an_event_by_legacy_ipc",
+            run: two_processes_share_a_buffer_and_an_event_by_legacy_ipc,
         },
     ]
 }
