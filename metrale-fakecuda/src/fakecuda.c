@@ -1755,7 +1755,9 @@ static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
 }
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { LOCKED(do_alloc(p, bytes)); }
 
+static int release_pool_import(CUdeviceptr p);
 static CUresult free_device(CUdeviceptr p) {
+    if (release_pool_import(p)) return SUCCESS; /* the importer's reference only */
     struct handle *h = find((void *)(uintptr_t)p, K_DEVMEM);
     if (!h) return INVALID_VALUE;
     untrack(h);
@@ -1823,9 +1825,18 @@ struct ipc_bytes { uint64_t magic, pid, ptr, bytes; char pad[32]; };
 #define IPC_EVENT_MAGIC 0x6d65747261657674ULL
 #define MAX_IPC_OPEN 256
 static CUdeviceptr ipc_open[MAX_IPC_OPEN];
+static CUdeviceptr pool_imports[MAX_IPC_OPEN];
+static int release_pool_import(CUdeviceptr p) {
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (p && pool_imports[i] == p) {
+            pool_imports[i] = 0;
+            return 1;
+        }
+    return 0;
+}
 static int ipc_open_count(void) {
     int n = 0;
-    for (int i = 0; i < MAX_IPC_OPEN; i++) n += ipc_open[i] != 0;
+    for (int i = 0; i < MAX_IPC_OPEN; i++) n += (ipc_open[i] != 0) + (pool_imports[i] != 0);
     return n;
 }
 EXPORT int fakecuda_ipc_open_count(void) {
@@ -2267,8 +2278,10 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *st
 struct pool {
     int dev;
     unsigned long long threshold;
+    int handle_types;
+    int imported; /* from cuMemPoolImportFromShareableHandle: no allocation */
 };
-static struct pool default_pools[MAX_DEV] = {{0, 0}, {1, 0}};
+static struct pool default_pools[MAX_DEV] = {{0, 0, 0, 0}, {1, 0, 0, 0}};
 
 /* Like the real driver, stream-ordered allocation works in the stream's context
  * whatever context is current (or none); the legacy stream needs a current one. */
@@ -2294,6 +2307,8 @@ static CUresult do_alloc_async(CUdeviceptr *p, size_t bytes, void *pool, void *s
         r = NOT_SUPPORTED;
     else if (pool && !find(pool, K_POOL) && pool != &default_pools[0] && pool != &default_pools[1])
         r = INVALID_HANDLE;
+    else if (pool && ((struct pool *)pool)->imported)
+        r = NOT_SUPPORTED;
     else
         r = alloc_device(p, bytes);
     current = saved;
@@ -2336,8 +2351,10 @@ static CUresult do_pool_create(void **pool, const struct pool_props *props) {
     if (!pool || !props) return INVALID_VALUE;
     if (props->alloc_type != 1 || props->location_type != 1) return INVALID_VALUE;
     NEED_DEV(props->location_id);
+    if (props->handle_types & ~1) return NOT_SUPPORTED;
     struct pool *p = calloc(1, sizeof *p);
     p->dev = props->location_id;
+    p->handle_types = props->handle_types;
     track(p, K_POOL, 0, p->dev);
     *pool = p;
     return SUCCESS;
@@ -2357,6 +2374,75 @@ static CUresult do_pool_destroy(void *pool) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemPoolDestroy(void *pool) { LOCKED(do_pool_destroy(pool)); }
+
+
+/* Pool sharing: an exported pool is a memfd holding its identity; pointers are
+ * 64 bytes (see legacy IPC); both open in the exporting process only (the
+ * stand-in's memory is heap memory). A pointer imported into an imported pool is
+ * counted until freed, and freeing it does not free the exporter's memory. */
+#define POOL_MAGIC 0x6d6574726f6f6c73ULL
+#define POOLPTR_MAGIC 0x6d65747270747273ULL
+static CUresult do_pool_export(void *out, void *pool, int type, unsigned long long flags) {
+    NEED_CTX();
+    struct pool *p = pool_ok(pool);
+    if (!out || flags || type != 1) return INVALID_VALUE;
+    if (!p) return INVALID_HANDLE;
+    if (!(p->handle_types & 1) || p->imported) return INVALID_VALUE;
+    int fd = memfd_create("fakecuda-pool", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    struct ipc_bytes b = {POOL_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)pool, 0, {0}};
+    if (pwrite(fd, &b, sizeof b, 0) != (ssize_t)sizeof b) { close(fd); return OUT_OF_MEMORY; }
+    *(int *)out = fd;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, void *pool, int type, unsigned long long flags) {
+    LOCKED(do_pool_export(out, pool, type, flags));
+}
+static CUresult do_pool_import(void **pool, void *handle, int type, unsigned long long flags) {
+    NEED_CTX();
+    if (!pool || flags || type != 1) return INVALID_VALUE;
+    struct ipc_bytes b;
+    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return INVALID_VALUE;
+    if (b.magic != POOL_MAGIC || b.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    struct pool *src = pool_ok((void *)(uintptr_t)b.ptr);
+    if (!src) return INVALID_VALUE;
+    struct pool *p = calloc(1, sizeof *p);
+    p->dev = current->dev;
+    p->handle_types = 1;
+    p->imported = 1;
+    track(p, K_POOL, 0, p->dev);
+    *pool = p;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolImportFromShareableHandle(void **pool, void *handle, int type, unsigned long long flags) {
+    LOCKED(do_pool_import(pool, handle, type, flags));
+}
+static CUresult do_pool_export_ptr(struct ipc_bytes *out, CUdeviceptr ptr) {
+    NEED_CTX();
+    struct handle *h = find((void *)(uintptr_t)ptr, K_DEVMEM);
+    if (!out || !h) return INVALID_VALUE;
+    *out = (struct ipc_bytes){POOLPTR_MAGIC, (uint64_t)getpid(), ptr, h->bytes, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolExportPointer(void *out, CUdeviceptr ptr) { LOCKED(do_pool_export_ptr(out, ptr)); }
+static CUresult do_pool_import_ptr(CUdeviceptr *out, void *pool, const struct ipc_bytes *data) {
+    NEED_CTX();
+    struct pool *p = pool_ok(pool);
+    if (!out || !data) return INVALID_VALUE;
+    if (!p || !p->imported) return INVALID_HANDLE;
+    if (data->magic != POOLPTR_MAGIC || data->pid != (uint64_t)getpid()) return INVALID_VALUE;
+    if (!find((void *)(uintptr_t)data->ptr, K_DEVMEM)) return INVALID_VALUE;
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (!pool_imports[i]) {
+            pool_imports[i] = data->ptr;
+            *out = data->ptr;
+            return SUCCESS;
+        }
+    return OUT_OF_MEMORY;
+}
+EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *out, void *pool, void *data) {
+    LOCKED(do_pool_import_ptr(out, pool, data));
+}
 
 static CUresult do_pool_attr(void *pool, int attr, void *value, int set) {
     NEED_CTX();

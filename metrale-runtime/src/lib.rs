@@ -115,7 +115,7 @@ pub use memory::{
     VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags,
 };
 #[cfg(unix)]
-pub use memory::{recv_fd, send_fd, IpcBuffer, IpcEventHandle, IpcMemHandle};
+pub use memory::{recv_fd, send_fd, IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};
 pub use module::NamedBlob;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]

@@ -12,19 +12,30 @@
 //! - An opened event is destroyed by each process on its own
 //!   (`cuEventDestroy`); the exporter's event stays usable.
 //!
-//! Stream-ordered buffers (`stream.alloc`) have no legacy handle: refused.
+//! Stream-ordered buffers (`stream.alloc`) have no legacy handle: refused. They
+//! are shared through an exportable [`MemPool`] instead: the pool goes as a
+//! descriptor ([`MemPool::export_fd`], [`MemPool::import_fd`]), each buffer as 64
+//! bytes ([`DeviceBuffer::export_pointer`], [`IpcBuffer::from_pool`]); the
+//! importer's buffer releases its reference on drop (`cuMemFree`), and the
+//! exporter must not free its buffer before every importer did.
 
 use std::fmt;
 use std::marker::PhantomData;
 use std::ops::RangeBounds;
 use std::sync::Arc;
 
-use metrale_cuda_sys::{CUdeviceptr, CUevent, CUipcEventHandle, CUipcMemHandle, CUipcMem_flags};
+use std::ffi::{c_int, c_void};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+
+use metrale_cuda_sys::{
+    CUdeviceptr, CUevent, CUipcEventHandle, CUipcMemHandle, CUipcMem_flags,
+    CUmemAllocationHandleType, CUmemPoolPtrExportData, CUmemoryPool,
+};
 
 use super::device::bounds;
 use super::{
     byte_len, sealed, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DeviceRepr, DeviceSlice,
-    DeviceSliceMut, Uses,
+    DeviceSliceMut, MemPool, Uses,
 };
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, report_line, Result};
@@ -59,8 +70,14 @@ macro_rules! handle_bytes {
         }
     };
 }
+/// The 64 bytes that name a buffer of an exportable [`MemPool`] to a process
+/// that imported the pool.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PoolPointer([u8; 64]);
+
 handle_bytes!(IpcMemHandle);
 handle_bytes!(IpcEventHandle);
+handle_bytes!(PoolPointer);
 
 /// The driver's handle of `bytes` (a C struct of 64 chars).
 fn mem_handle(bytes: [u8; 64]) -> CUipcMemHandle {
@@ -75,7 +92,105 @@ fn event_handle(bytes: [u8; 64]) -> CUipcEventHandle {
     }
 }
 
+impl MemPool {
+    /// Export the pool as a POSIX descriptor (`cuMemPoolExportToShareableHandle`),
+    /// for another process's [`MemPool::import_fd`]; the pool must be made with
+    /// `MemPool::with_handle_types(ctx, HandleTypes::POSIX_FD)`.
+    ///
+    /// # Errors
+    /// The failing call (a pool made without the handle type).
+    pub fn export_fd(&self) -> Result<OwnedFd> {
+        let (pool, mut fd): (CUmemoryPool, c_int) = (self.raw(), -1);
+        self.context().call(
+            || {
+                format!(
+                    "device {}: exporting memory pool {pool:p}",
+                    self.context().ordinal()
+                )
+            },
+            // SAFETY: for POSIX_FD the driver writes one int; the pool is live.
+            |d| unsafe {
+                cu!(
+                    d,
+                    cuMemPoolExportToShareableHandle(
+                        (&mut fd as *mut c_int).cast::<c_void>(),
+                        pool,
+                        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0
+                    )
+                )
+            },
+        )?;
+        if fd < 0 {
+            return Err(invalid_arg(format!(
+                "the driver exported the descriptor {fd}"
+            )));
+        }
+        // SAFETY: a new descriptor made for the caller; nothing else owns it.
+        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+    }
+
+    /// Import another process's exported pool on `ctx`'s device
+    /// (`cuMemPoolImportFromShareableHandle`): it cannot allocate, only import
+    /// pointers ([`IpcBuffer::from_pool`]). Destroyed on drop. The descriptor
+    /// stays the caller's.
+    ///
+    /// # Errors
+    /// The failing call (a descriptor that is not an exported pool).
+    pub fn import_fd(ctx: &impl AsContext, fd: BorrowedFd<'_>) -> Result<MemPool> {
+        let ctx = ctx.context();
+        let raw_fd = fd.as_raw_fd();
+        let mut pool: CUmemoryPool = std::ptr::null_mut();
+        ctx.call(
+            || {
+                format!(
+                    "device {}: importing a memory pool from descriptor {raw_fd}",
+                    ctx.ordinal()
+                )
+            },
+            // SAFETY: writes one pool; for POSIX_FD the handle is the descriptor's
+            // value as a pointer-sized integer, open for the call (borrowed).
+            |d| unsafe {
+                cu!(
+                    d,
+                    cuMemPoolImportFromShareableHandle(
+                        &mut pool,
+                        raw_fd as isize as *mut c_void,
+                        CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                        0
+                    )
+                )
+            },
+        )?;
+        Ok(MemPool::from_imported(pool, ctx))
+    }
+}
+
 impl<T: DeviceRepr> DeviceBuffer<T> {
+    /// The bytes that name this buffer of an exportable pool to a process that
+    /// imported the pool (`cuMemPoolExportPointer`).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a buffer that is not stream-ordered, or empty; the
+    /// failing call (a buffer of a pool that is not exportable).
+    pub fn export_pointer(&self) -> Result<PoolPointer> {
+        if self.stream().is_none() || self.is_empty() {
+            return Err(invalid_arg(format!(
+                "{}: only a non-empty stream-ordered buffer of an exportable pool has a pool pointer",
+                self.describe()
+            )));
+        }
+        // SAFETY: a C struct of bytes; zero is a valid value to be overwritten.
+        let mut data: CUmemPoolPtrExportData = unsafe { std::mem::zeroed() };
+        let ptr = self.device_ptr();
+        self.context().call(
+            || format!("{}: exporting its pool pointer", self.describe()),
+            // SAFETY: writes 64 bytes; `ptr` is this live allocation.
+            |d| unsafe { cu!(d, cuMemPoolExportPointer(&mut data, ptr)) },
+        )?;
+        Ok(PoolPointer(data.reserved))
+    }
+
     /// The handle another process opens with [`IpcBuffer::open`]
     /// (`cuIpcGetMemHandle`). Only `cuMemAlloc` buffers have one.
     ///
@@ -148,6 +263,8 @@ impl CudaEvent {
 pub struct IpcBuffer<T: DeviceRepr> {
     ptr: CUdeviceptr,
     len: usize,
+    /// The imported pool of a pool pointer (`None`: a legacy IPC handle).
+    pool: Option<Arc<MemPool>>,
     ctx: Arc<CudaContext>,
     made: Generation,
     uses: Uses,
@@ -192,6 +309,51 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         let buf = IpcBuffer {
             ptr,
             len,
+            pool: None,
+            ctx: Arc::clone(ctx),
+            made: ctx.generation(),
+            uses: Uses::new(None),
+            _elem: PhantomData,
+        };
+        super::device::check_alignment::<T>(ptr, "IPC buffer")?;
+        Ok(buf)
+    }
+
+    /// Import `data`, a buffer of the pool `pool` was imported from
+    /// (`cuMemPoolImportPointer`), as `len` elements of `T`. The buffer holds the
+    /// pool; dropping it releases this process's reference (`cuMemFree`).
+    ///
+    /// # Safety
+    /// The exporter's buffer must hold at least `len` elements of `T`, and the
+    /// exporter must not free it until this buffer is dropped.
+    ///
+    /// # Errors
+    /// `InvalidArgument` for a byte size that overflows; the failing call (a
+    /// pool that was not imported, bytes of another pool).
+    pub unsafe fn from_pool(
+        pool: &Arc<MemPool>,
+        data: &PoolPointer,
+        len: usize,
+    ) -> Result<IpcBuffer<T>> {
+        let ctx = pool.context();
+        byte_len::<T>(len, "IPC buffer")?;
+        let mut share = CUmemPoolPtrExportData { reserved: data.0 };
+        let (raw, mut ptr): (CUmemoryPool, CUdeviceptr) = (pool.raw(), 0);
+        ctx.call(
+            || {
+                format!(
+                    "device {}: importing a pointer into memory pool {raw:p}",
+                    ctx.ordinal()
+                )
+            },
+            // SAFETY: writes one address; the pool is live (`pool`); `share` is 64
+            // readable bytes.
+            |d| unsafe { cu!(d, cuMemPoolImportPointer(&mut ptr, raw, &mut share)) },
+        )?;
+        let buf = IpcBuffer {
+            ptr,
+            len,
+            pool: Some(Arc::clone(pool)),
             ctx: Arc::clone(ctx),
             made: ctx.generation(),
             uses: Uses::new(None),
@@ -277,12 +439,20 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
             ));
             return;
         }
-        let ptr = self.ptr;
+        let (ptr, from_pool) = (self.ptr, self.pool.is_some());
         self.ctx
             .release_with(self.made, format_args!("{what}"), |d, failures| {
-                // SAFETY: this process's own open of the handle, closed once, after
-                // the work that may use it.
-                if let Err(e) = unsafe { cu!(d, cuIpcCloseMemHandle(ptr)) } {
+                // SAFETY: this process's own open (or pointer import), closed or
+                // released once, after the work that may use it; the imported pool
+                // is still held (`self.pool` drops after this).
+                let closed = unsafe {
+                    if from_pool {
+                        cu!(d, cuMemFree_v2(ptr))
+                    } else {
+                        cu!(d, cuIpcCloseMemHandle(ptr))
+                    }
+                };
+                if let Err(e) = closed {
                     failures.push(e);
                 }
             });

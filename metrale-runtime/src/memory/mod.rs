@@ -63,7 +63,7 @@ pub(crate) use free::retry_deferred as retry_deferred_frees;
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};
 #[cfg(unix)]
-pub use legacy_ipc::{IpcBuffer, IpcEventHandle, IpcMemHandle};
+pub use legacy_ipc::{IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;

@@ -524,6 +524,68 @@ fn legacy_ipc_handles_as_bytes() {
     done(reg);
 }
 
+/// Exportable pools: the pool as a descriptor, each buffer as 64 bytes; the
+/// importer's buffer releases its reference only.
+fn pools_shared_by_descriptor_and_pointer() {
+    let reg = setup();
+    let s = reg.stream();
+    let pool = MemPool::with_handle_types(s, HandleTypes::POSIX_FD).unwrap();
+    let values: Vec<u32> = (0..1024).map(|i| i * 5).collect();
+    let mut buf = s.alloc_from::<u32>(&pool, 1024).unwrap();
+    s.copy_h2d(&values, &mut buf).unwrap();
+    let fd = pool.export_fd().unwrap();
+    let imported = Arc::new(MemPool::import_fd(s, fd.as_fd()).unwrap());
+    drop(fd);
+    let e = s.alloc_from::<u32>(&imported, 16).unwrap_err();
+    assert_eq!(
+        e.status(),
+        Some(CUresult(801)),
+        "an imported pool does not allocate: {e}"
+    );
+    let data = PoolPointer::from_bytes(buf.export_pointer().unwrap().to_bytes());
+    // SAFETY: `buf` holds 1024 u32 and outlives the import.
+    let mut shared = unsafe { IpcBuffer::<u32>::from_pool(&imported, &data, 1024) }.unwrap();
+    assert_eq!(fake().ipc_open(), 1);
+    assert_eq!(s.to_vec(&shared).unwrap(), values);
+    s.memset_u32(&mut shared.slice_mut(..2).unwrap(), 3)
+        .unwrap();
+    drop(shared);
+    assert_eq!(fake().ipc_open(), 0, "the importer's reference went");
+    assert_eq!(
+        s.to_vec(&buf.slice(..3).unwrap()).unwrap(),
+        [3, 3, 10],
+        "the exporter's buffer stays"
+    );
+    // Misuse.
+    let plain = MemPool::new(s).unwrap();
+    let e = plain.export_fd().unwrap_err();
+    assert!(
+        e.to_string().contains("cuMemPoolExportToShareableHandle"),
+        "{e}"
+    );
+    let dev = DeviceBuffer::<u32>::alloc(s, 16).unwrap();
+    let e = dev.export_pointer().unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("only a non-empty stream-ordered buffer of an exportable pool"),
+        "{e}"
+    );
+    let not_imported = Arc::new(MemPool::new(s).unwrap());
+    // SAFETY: the import fails (the pool was not imported).
+    let e = unsafe { IpcBuffer::<u32>::from_pool(&not_imported, &data, 16) }.unwrap_err();
+    assert!(e.to_string().contains("cuMemPoolImportPointer"), "{e}");
+    let null = std::fs::File::open("/dev/null").unwrap();
+    let e = MemPool::import_fd(s, null.as_fd()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("importing a memory pool from descriptor"),
+        "{e}"
+    );
+    drop((buf, dev, plain, not_imported, imported, pool));
+    assert_eq!(fake().live(Live::Pools), 0);
+    done(reg);
+}
+
 pub fn children() -> Vec<Child> {
     vec![Child {
         name: "vmm_import_and_write",
@@ -533,6 +595,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::pools_shared_by_descriptor_and_pointer",
+            run: pools_shared_by_descriptor_and_pointer,
+        },
         Test {
             name: "vmm::legacy_ipc_handles_as_bytes",
             run: legacy_ipc_handles_as_bytes,

@@ -248,6 +248,70 @@ fn child_legacy_ipc_open() {
     s.synchronize().unwrap();
 }
 
+const POOL_SOCKET_VAR: &str = "METRALE_TEST_POOL_SOCKET";
+
+/// An exportable pool between two processes: the pool's descriptor and one
+/// buffer's 64 bytes go in one message; the child imports both, checks and
+/// writes, releases its reference, and says so before this side frees.
+fn two_processes_share_a_pool_buffer() {
+    let reg = registry();
+    let s = reg.stream();
+    let pool = MemPool::with_handle_types(s, HandleTypes::POSIX_FD).unwrap();
+    let n = 1 << 20;
+    let mut buf = s.alloc_from::<u32>(&pool, n).unwrap();
+    fill(&reg, s, &mut buf.slice_mut(..).unwrap(), 0);
+    s.synchronize().unwrap();
+    let fd = pool.export_fd().unwrap();
+    let data = buf.export_pointer().unwrap().to_bytes();
+    let path = std::env::temp_dir().join(format!("metrale-gpu-pool-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let server = std::thread::spawn(move || {
+        let (conn, _) = listener.accept().unwrap();
+        send_fd(&conn, std::os::fd::AsFd::as_fd(&fd), &data).unwrap();
+        let mut done = [0u8; 1];
+        (&conn).read_exact(&mut done).unwrap();
+        done[0]
+    });
+    let out = run_child(
+        "pool_import_and_write",
+        &[(POOL_SOCKET_VAR, path.to_str().unwrap())],
+    );
+    let _ = std::fs::remove_file(&path);
+    assert!(out.status.success(), "child failed: {out:?}");
+    assert_eq!(server.join().unwrap(), 1);
+    let got = s.to_vec(&buf.slice(..2048).unwrap()).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        let want = if i < 1000 { i as u32 + 77 } else { i as u32 };
+        assert_eq!(v, want, "element {i}");
+    }
+}
+
+fn child_pool_import_and_write() {
+    let path = std::env::var(POOL_SOCKET_VAR).unwrap();
+    let conn = UnixStream::connect(path).unwrap();
+    let reg = registry();
+    let s = reg.stream();
+    let mut data = [0u8; 64];
+    let (fd, n) = recv_fd(&conn, &mut data).unwrap();
+    assert_eq!(n, 64);
+    let pool = Arc::new(MemPool::import_fd(s, std::os::fd::AsFd::as_fd(&fd)).unwrap());
+    // SAFETY: the parent's buffer holds 1 << 20 u32 and is freed only after this
+    // child says it is done.
+    let mut buf =
+        unsafe { IpcBuffer::<u32>::from_pool(&pool, &PoolPointer::from_bytes(data), 1 << 20) }
+            .unwrap();
+    let got = s.to_vec(&buf).unwrap();
+    for (i, &v) in got.iter().enumerate() {
+        assert_eq!(v, i as u32, "element {i} as the parent wrote it");
+    }
+    fill(&reg, s, &mut buf.slice_mut(..1000).unwrap(), 77);
+    s.synchronize().unwrap();
+    drop(buf);
+    drop(pool);
+    (&conn).write_all(&[1]).unwrap();
+}
+
 /// The child scenarios of this file.
 pub fn children() -> Vec<Child> {
     vec![
@@ -258,6 +322,10 @@ pub fn children() -> Vec<Child> {
         Child {
             name: "legacy_ipc_open",
             run: child_legacy_ipc_open,
+        },
+        Child {
+            name: "pool_import_and_write",
+            run: child_pool_import_and_write,
         },
     ]
 }
@@ -279,6 +347,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::two_processes_share_a_buffer_and_an_event_by_legacy_ipc",
             run: two_processes_share_a_buffer_and_an_event_by_legacy_ipc,
+        },
+        Test {
+            name: "vmm::two_processes_share_a_pool_buffer",
+            run: two_processes_share_a_pool_buffer,
         },
     ]
 }
