@@ -704,6 +704,9 @@ pub struct GrowableBuffer<T: DeviceRepr> {
     mapped: usize,
     /// What the physical memory it maps can be exported as.
     types: HandleTypes,
+    /// The size every piece is rounded to: the larger of the range's and the
+    /// physical memory's granularity (powers of two).
+    grain: usize,
     uses: Uses,
     _elem: std::marker::PhantomData<T>,
 }
@@ -735,7 +738,19 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             return Err(invalid_arg("growable buffer: a capacity of 0 bytes"));
         }
         let g = granularity(ctx, HandleTypes::NONE)?.minimum;
-        let range = VirtualRange::reserve(ctx, round_up(bytes, g)?)?;
+        let g_types = if types == HandleTypes::NONE {
+            g
+        } else {
+            granularity(ctx, types)?.minimum
+        };
+        let grain = g.max(g_types);
+        if !grain.is_multiple_of(g) || !grain.is_multiple_of(g_types) {
+            return Err(invalid_arg(format!(
+                "device {}: growable buffer: the granularities of address space ({g} bytes) and of exportable memory ({g_types} bytes) do not divide each other",
+                ctx.ordinal()
+            )));
+        }
+        let range = VirtualRange::reserve(ctx, round_up(bytes, grain)?)?;
         super::device::check_alignment::<T>(range.base, "growable buffer")?;
         Ok(GrowableBuffer {
             ptr: range.base,
@@ -743,6 +758,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             range,
             mapped: 0,
             types,
+            grain,
             uses: Uses::new(None),
             _elem: std::marker::PhantomData,
         })
@@ -774,6 +790,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         Ok(GrowableBuffer {
             ptr: range.base,
             len: size / elem,
+            grain: range.granularity,
             range,
             mapped: size,
             types,
@@ -843,7 +860,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         }
         let bytes = byte_len::<T>(len, "growable buffer")?;
         if bytes > self.mapped {
-            let piece = round_up(bytes - self.mapped, self.range.granularity)?;
+            let piece = round_up(bytes - self.mapped, self.grain)?;
             let ctx = Arc::clone(&self.range.ctx);
             let phys = Arc::new(PhysicalMemory::new(&ctx, piece, self.types)?);
             self.range
