@@ -164,6 +164,16 @@ impl PhysicalMemory {
         check_multiple(size, g, false, "size", || {
             format!("device {}: creating physical memory", ctx.ordinal())
         })?;
+        PhysicalMemory::create(ctx, size, types)
+    }
+
+    /// `cuMemCreate` of `size` bytes, already checked against the granularity
+    /// (the growable buffer's path: no granularity query per piece).
+    pub(crate) fn create(
+        ctx: &Arc<CudaContext>,
+        size: usize,
+        types: HandleTypes,
+    ) -> Result<PhysicalMemory> {
         let prop = props(ctx.ordinal(), types)?;
         let mut handle: CUmemGenericAllocationHandle = 0;
         ctx.call(
@@ -862,7 +872,8 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         if bytes > self.mapped {
             let piece = round_up(bytes - self.mapped, self.grain)?;
             let ctx = Arc::clone(&self.range.ctx);
-            let phys = Arc::new(PhysicalMemory::new(&ctx, piece, self.types)?);
+            // `piece` is a multiple of the grain, so of the memory's granularity.
+            let phys = Arc::new(PhysicalMemory::create(&ctx, piece, self.types)?);
             self.range
                 .map(self.mapped, phys, 0, piece, &[(&ctx, Access::ReadWrite)])?;
             self.mapped += piece;
@@ -1081,7 +1092,8 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
             if self.buffer.range.is_mapped(offset, size) {
                 continue;
             }
-            let phys = Arc::new(PhysicalMemory::new(&ctx, size, self.buffer.types)?);
+            // The pieces were made with this granularity before.
+            let phys = Arc::new(PhysicalMemory::create(&ctx, size, self.buffer.types)?);
             self.buffer
                 .range
                 .map(offset, phys, 0, size, &[(&ctx, Access::ReadWrite)])?;

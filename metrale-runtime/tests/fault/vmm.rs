@@ -139,15 +139,33 @@ fn growable_buffer_keeps_its_address() {
     s.memset_u32(&mut buf.slice_mut(MIB - 10..).unwrap(), 7)
         .unwrap();
     assert_eq!(s.to_vec(&buf.slice(MIB - 10..).unwrap()).unwrap(), [7; 10]);
+    // One piece: one create, one map, one access call, no granularity query.
+    let calls = |name| fake().calls(name);
+    let before = (
+        calls("cuMemGetAllocationGranularity"),
+        calls("cuMemCreate"),
+        calls("cuMemMap"),
+        calls("cuMemSetAccess"),
+    );
+    buf.grow_to(MIB + 1).unwrap();
+    assert_eq!(
+        (
+            calls("cuMemGetAllocationGranularity") - before.0,
+            calls("cuMemCreate") - before.1,
+            calls("cuMemMap") - before.2,
+            calls("cuMemSetAccess") - before.3,
+        ),
+        (0, 1, 1, 1)
+    );
     // Shrinking changes nothing; past the capacity is refused.
     buf.grow_to(10).unwrap();
-    assert_eq!(buf.len(), MIB);
+    assert_eq!(buf.len(), MIB + 1);
     let e = buf.grow_to(16 * MIB + 1).unwrap_err();
     assert_eq!(
         e.to_string(),
         "invalid argument: growing a buffer to 16777217 elements: its capacity is 16777216 elements"
     );
-    assert!(buf.slice(..MIB + 1).is_err(), "slices end at len()");
+    assert!(buf.slice(..MIB + 2).is_err(), "slices end at len()");
     // A kernel argument is the address of element 0.
     let k = reg.function("kernels", "fill_index").unwrap();
     let n = u32::try_from(buf.len()).unwrap();
@@ -156,7 +174,7 @@ fn growable_buffer_keeps_its_address() {
     unsafe { s.launch(&k, cfg, (&mut buf, n, 5u32)) }.unwrap();
     assert_eq!(fake().last_param(0), p);
     drop(k);
-    assert_eq!(vmm_counts(), (2, 1, 2));
+    assert_eq!(vmm_counts(), (3, 1, 3));
     drop(buf);
     assert_eq!(vmm_counts(), (0, 0, 0));
     done(reg);
