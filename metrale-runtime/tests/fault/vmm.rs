@@ -202,6 +202,29 @@ fn dropping_waits_for_queued_work() {
     done(reg);
 }
 
+/// A use on another device's stream (a peer copy) is waited for before the
+/// memory is released: that stream is synchronised, not only this context.
+fn uses_on_another_device_are_waited_for() {
+    let reg = setup();
+    let h0 = Arc::clone(reg.host());
+    let h1 = host(1).unwrap();
+    let mut buf = GrowableBuffer::<f32>::new(&h0, MIB).unwrap();
+    buf.grow_to(1000).unwrap();
+    let values: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    h0.stream().copy_h2d(&values, &mut buf).unwrap();
+    let mut other = DeviceBuffer::<f32>::zeroed(&h1, 1000).unwrap();
+    h1.stream().copy_peer(&buf, &mut other).unwrap();
+    let syncs = fake().calls("cuStreamSynchronize");
+    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    assert!(
+        fake().calls("cuStreamSynchronize") > syncs,
+        "the other device's stream was waited for"
+    );
+    assert_eq!(h1.stream().to_vec(&other).unwrap(), values);
+    drop((asleep, other, h1, h0));
+    done(reg);
+}
+
 fn failures_leave_the_buffer_as_it_was() {
     let reg = setup();
     let s = reg.stream();
@@ -648,6 +671,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::dropping_waits_for_queued_work",
             run: dropping_waits_for_queued_work,
+        },
+        Test {
+            name: "vmm::uses_on_another_device_are_waited_for",
+            run: uses_on_another_device_are_waited_for,
         },
         Test {
             name: "vmm::failures_leave_the_buffer_as_it_was",
