@@ -10,7 +10,8 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
-//! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], [`GrowableBuffer`], sleep and wake |
+//! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], mappings and access, the wait before unmapping |
+//! | `growable.rs` | [`GrowableBuffer`], [`SleepingBuffer`]: sleep and wake |
 //! | `ipc.rs` | sharing between processes: descriptors of physical memory, [`send_fd`] / [`recv_fd`] |
 //! | `legacy_ipc.rs` | legacy IPC: [`IpcMemHandle`], [`IpcBuffer`], [`IpcEventHandle`] |
 //! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
@@ -46,6 +47,7 @@ use crate::stream::CudaStream;
 mod copy;
 mod device;
 mod free;
+mod growable;
 #[cfg(unix)]
 mod ipc;
 #[cfg(unix)]
@@ -60,6 +62,7 @@ mod vmm;
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
+pub use growable::{GrowableBuffer, SleepError, SleepState, SleepingBuffer, WakeError};
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};
 #[cfg(unix)]
@@ -71,10 +74,7 @@ pub use signal::{
     MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
 };
 pub use symbol::DeviceSymbol;
-pub use vmm::{
-    granularity, Access, Granularity, GrowableBuffer, HandleTypes, PhysicalMemory, SleepError,
-    SleepState, SleepingBuffer, VirtualRange, WakeError,
-};
+pub use vmm::{granularity, Access, Granularity, HandleTypes, PhysicalMemory, VirtualRange};
 
 /// A type that can be copied to the device and passed to kernels by value: `Copy`,
 /// with no padding bytes (so no uninitialised byte is ever read), laid out as the
