@@ -45,6 +45,10 @@
  * Not thread-safe beyond one big lock: every entry point takes it.
  */
 #define _POSIX_C_SOURCE 200809L
+#define _GNU_SOURCE
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <time.h>
 #include <stdint.h>
@@ -157,6 +161,9 @@ enum kind {
     K_NODE,
     K_GREEN,
     K_DESC,
+    K_PHYS,    /* cuMemCreate / import: until released and unmapped */
+    K_VRANGE,  /* cuMemAddressReserve */
+    K_MAPPING, /* cuMemMap: counted from the mapping table */
     K_TOMB = 99,
 };
 #define TABLE (1 << 16)
@@ -213,7 +220,9 @@ static struct handle *find(const void *p, enum kind k) {
     return NULL;
 }
 static void untrack(struct handle *h) { h->kind = K_TOMB; }
+static int live_mappings(void);
 static int live(enum kind k) {
+    if (k == K_MAPPING) return live_mappings();
     int n = 0;
     for (int i = 0; i < TABLE; i++) n += handles[i].kind == k;
     return n;
@@ -632,7 +641,9 @@ static int in_module(struct module *m, CUdeviceptr p, size_t n) {
 }
 
 /* The live device range (allocation or module global) holding [p, p + n). */
+static int mapped_range_ok(CUdeviceptr p, size_t n);
 static int device_range_ok(CUdeviceptr p, size_t n) {
+    if (mapped_range_ok(p, n)) return 1;
     for (int i = 0; i < TABLE; i++) {
         struct handle *h = &handles[i];
         if (h->kind == K_DEVMEM) {
@@ -649,6 +660,7 @@ static int device_range_ok(CUdeviceptr p, size_t n) {
     return 0;
 }
 
+static void free_vmm(enum kind k, void *p, size_t bytes);
 /* Frees every resource of device `dev` (all devices for -1). */
 static void free_all_handles(int dev) {
     for (int i = 0; i < TABLE; i++) {
@@ -663,6 +675,7 @@ static void free_all_handles(int dev) {
         case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
             untrack(h); free(p); break;
         case K_GRAPH: untrack(h); free_graph(p); break;
+        case K_PHYS: case K_VRANGE: untrack(h); free_vmm(h->kind, p, h->bytes); break;
         case K_EXEC: untrack(h); free_graph(((struct gexec *)p)->g); free(p); break;
         default: break;
         }
@@ -1788,7 +1801,9 @@ static CUresult do_alloc(CUdeviceptr *p, size_t bytes) {
 }
 EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { LOCKED(do_alloc(p, bytes)); }
 
+static int release_pool_import(CUdeviceptr p);
 static CUresult free_device(CUdeviceptr p) {
+    if (release_pool_import(p)) return SUCCESS; /* the importer's reference only */
     struct handle *h = find((void *)(uintptr_t)p, K_DEVMEM);
     if (!h) return INVALID_VALUE;
     untrack(h);
@@ -1815,7 +1830,8 @@ static CUresult do_mem_info(size_t *free_bytes, size_t *total) {
     NEED_CTX();
     size_t used = 0;
     for (int i = 0; i < TABLE; i++)
-        if (handles[i].kind == K_DEVMEM && handles[i].dev == current->dev) used += handles[i].bytes;
+        if ((handles[i].kind == K_DEVMEM || handles[i].kind == K_PHYS) && handles[i].dev == current->dev)
+            used += handles[i].bytes;
     if (free_bytes) *free_bytes = TOTAL_MEMORY - used;
     if (total) *total = TOTAL_MEMORY;
     return SUCCESS;
@@ -1844,6 +1860,363 @@ static CUresult do_free_host(void *p) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
+
+/* ---- legacy IPC ------------------------------------------------------------
+ * A handle names an allocation or an event of this process (the stand-in's device
+ * memory is plain heap memory, so it cannot be opened in another process);
+ * opening in the same process gives the same address / a new event handle, and
+ * opens are counted until closed. */
+struct ipc_bytes { uint64_t magic, pid, ptr, bytes; char pad[32]; };
+#define IPC_MEM_MAGIC 0x6d65747261697063ULL
+#define IPC_EVENT_MAGIC 0x6d65747261657674ULL
+#define MAX_IPC_OPEN 256
+static CUdeviceptr ipc_open[MAX_IPC_OPEN];
+static CUdeviceptr pool_imports[MAX_IPC_OPEN];
+static int release_pool_import(CUdeviceptr p) {
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (p && pool_imports[i] == p) {
+            pool_imports[i] = 0;
+            return 1;
+        }
+    return 0;
+}
+static int ipc_open_count(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_IPC_OPEN; i++) n += (ipc_open[i] != 0) + (pool_imports[i] != 0);
+    return n;
+}
+EXPORT int fakecuda_ipc_open_count(void) {
+    pthread_mutex_lock(&lock);
+    int n = ipc_open_count();
+    pthread_mutex_unlock(&lock);
+    return n;
+}
+
+static CUresult do_ipc_get_mem(struct ipc_bytes *h, CUdeviceptr p) {
+    NEED_CTX();
+    if (!h) return INVALID_VALUE;
+    struct handle *d = find((void *)(uintptr_t)p, K_DEVMEM);
+    if (!d) return INVALID_VALUE;
+    *h = (struct ipc_bytes){IPC_MEM_MAGIC, (uint64_t)getpid(), p, d->bytes, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuIpcGetMemHandle(void *h, CUdeviceptr p) { LOCKED(do_ipc_get_mem(h, p)); }
+
+static CUresult do_ipc_open_mem(CUdeviceptr *p, struct ipc_bytes h, unsigned flags) {
+    NEED_CTX();
+    if (!p || flags > 1 || h.magic != IPC_MEM_MAGIC) return INVALID_VALUE;
+    if (h.pid != (uint64_t)getpid() || !find((void *)(uintptr_t)h.ptr, K_DEVMEM)) return INVALID_VALUE;
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (!ipc_open[i]) {
+            ipc_open[i] = h.ptr;
+            *p = h.ptr;
+            return SUCCESS;
+        }
+    return OUT_OF_MEMORY;
+}
+EXPORT CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, struct ipc_bytes h, unsigned flags) {
+    LOCKED(do_ipc_open_mem(p, h, flags));
+}
+
+static CUresult do_ipc_close_mem(CUdeviceptr p) {
+    NEED_CTX();
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (ipc_open[i] == p && p) {
+            ipc_open[i] = 0;
+            return SUCCESS;
+        }
+    return INVALID_VALUE;
+}
+EXPORT CUresult cuIpcCloseMemHandle(CUdeviceptr p) { LOCKED(do_ipc_close_mem(p)); }
+
+static CUresult do_ipc_get_event(struct ipc_bytes *h, void *e) {
+    NEED_CTX();
+    if (!h) return INVALID_VALUE;
+    struct event *ev = e;
+    if (!find(e, K_EVENT)) return INVALID_HANDLE;
+    if (!(ev->flags & 4) || !(ev->flags & 2)) return INVALID_VALUE; /* interprocess, no timing */
+    *h = (struct ipc_bytes){IPC_EVENT_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)e, 0, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuIpcGetEventHandle(void *h, void *e) { LOCKED(do_ipc_get_event(h, e)); }
+
+static CUresult do_ipc_open_event(void **e, struct ipc_bytes h) {
+    NEED_CTX();
+    if (!e || h.magic != IPC_EVENT_MAGIC || h.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    if (!find((void *)(uintptr_t)h.ptr, K_EVENT)) return INVALID_VALUE;
+    return do_event_create(e, 4 | 2);
+}
+EXPORT CUresult cuIpcOpenEventHandle(void **e, struct ipc_bytes h) { LOCKED(do_ipc_open_event(e, h)); }
+
+/* ---- virtual memory management -------------------------------------------
+ * Physical memory is a memfd (so an exported descriptor is a real one another
+ * process can map); a reserved range is PROT_NONE address space; a mapping maps
+ * the memfd at its address with MAP_FIXED, and unmapping puts PROT_NONE back.
+ * Copies reach mapped memory only where every byte is mapped with access set.
+ * cuMemUnmap does not wait for queued work here (the runtime must order it). */
+
+#define VMM_GRANULARITY ((size_t)2 << 20)
+struct phys {
+    int fd;
+    size_t size;
+    int dev;
+    unsigned handle_types;
+    int released; /* cuMemRelease was called */
+    int mapped;   /* live mappings of it */
+};
+#define MAX_MAPPINGS 4096
+static struct mapping {
+    int used;
+    CUdeviceptr addr;
+    size_t size;
+    struct phys *ph;
+    unsigned access; /* bit d: device d may access */
+} maps[MAX_MAPPINGS];
+
+static int live_mappings(void) {
+    int n = 0;
+    for (int i = 0; i < MAX_MAPPINGS; i++) n += maps[i].used;
+    return n;
+}
+static int mapped_range_ok(CUdeviceptr p, size_t n) {
+    CUdeviceptr at = p, end = p + n;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].access && at >= maps[i].addr && at < maps[i].addr + maps[i].size) {
+                at = maps[i].addr + maps[i].size;
+                found = 1;
+                break;
+            }
+        if (!found) return 0;
+    }
+    return n > 0;
+}
+static void phys_maybe_free(struct phys *ph) {
+    if (!ph->released || ph->mapped) return;
+    struct handle *h = find(ph, K_PHYS);
+    if (h) untrack(h);
+    close(ph->fd);
+    free(ph);
+}
+static void free_vmm(enum kind k, void *p, size_t bytes) {
+    if (k == K_PHYS) {
+        struct phys *ph = p;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].ph == ph) maps[i].used = 0;
+        close(ph->fd);
+        free(ph);
+    } else {
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)p;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && maps[i].addr >= b && maps[i].addr < b + bytes) maps[i].used = 0;
+        munmap(p, bytes);
+    }
+}
+
+struct alloc_prop { int type; unsigned handle_types; int loc_type; int loc_id; };
+static CUresult prop_ok(const struct alloc_prop *prop) {
+    if (!prop || prop->type != 1 || prop->loc_type != 1) return INVALID_VALUE;
+    if (prop->loc_id < 0 || prop->loc_id >= device_count) return INVALID_DEVICE;
+    if (prop->handle_types & ~1u) return NOT_SUPPORTED;
+    return SUCCESS;
+}
+
+static CUresult do_granularity(size_t *g, const struct alloc_prop *prop, int option) {
+    if (!g || (option != 0 && option != 1)) return INVALID_VALUE;
+    CUresult r = prop_ok(prop);
+    if (r) return r;
+    *g = VMM_GRANULARITY;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    LOCKED(do_granularity(g, prop, option));
+}
+
+static struct phys *new_phys(int fd, size_t size, int dev, unsigned types) {
+    struct phys *ph = calloc(1, sizeof *ph);
+    if (!ph) return NULL;
+    ph->fd = fd;
+    ph->size = size;
+    ph->dev = dev;
+    ph->handle_types = types;
+    track(ph, K_PHYS, size, dev);
+    return ph;
+}
+static CUresult do_mem_create(unsigned long long *handle, size_t size, const struct alloc_prop *prop,
+                              unsigned long long flags) {
+    NEED_CTX();
+    if (!handle || flags) return INVALID_VALUE;
+    CUresult r = prop_ok(prop);
+    if (r) return r;
+    if (!size || size % VMM_GRANULARITY) return INVALID_VALUE;
+    if (size > TOTAL_MEMORY) return OUT_OF_MEMORY;
+    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
+    struct phys *ph = new_phys(fd, size, prop->loc_id, prop->handle_types);
+    if (!ph) { close(fd); return OUT_OF_MEMORY; }
+    *handle = (unsigned long long)(uintptr_t)ph;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemCreate(unsigned long long *handle, size_t size, const void *prop, unsigned long long flags) {
+    LOCKED(do_mem_create(handle, size, prop, flags));
+}
+
+static CUresult do_mem_release(unsigned long long handle) {
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_VALUE;
+    ph->released = 1;
+    phys_maybe_free(ph);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemRelease(unsigned long long handle) { LOCKED(do_mem_release(handle)); }
+
+static CUresult do_reserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr, unsigned long long flags) {
+    NEED_CTX();
+    if (!p || flags || !size || size % VMM_GRANULARITY) return INVALID_VALUE;
+    if (align == 0) align = VMM_GRANULARITY;
+    if (align & (align - 1)) return INVALID_VALUE;
+    (void)addr; /* a hint */
+    size_t total = size + align;
+    char *m = mmap(NULL, total, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    uintptr_t base = ((uintptr_t)m + align - 1) & ~(uintptr_t)(align - 1);
+    if (base > (uintptr_t)m) munmap(m, base - (uintptr_t)m);
+    uintptr_t tail = (uintptr_t)m + total, end = base + size;
+    if (tail > end) munmap((void *)end, tail - end);
+    track((void *)base, K_VRANGE, size, current->dev);
+    *p = (CUdeviceptr)base;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *p, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    LOCKED(do_reserve(p, size, align, addr, flags));
+}
+
+static struct handle *range_of(CUdeviceptr p, size_t n) {
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        CUdeviceptr b = (CUdeviceptr)(uintptr_t)h->p;
+        if (h->kind == K_VRANGE && p >= b && p + n <= b + h->bytes && p + n > p) return h;
+    }
+    return NULL;
+}
+static CUresult do_address_free(CUdeviceptr p, size_t size) {
+    struct handle *h = find((void *)(uintptr_t)p, K_VRANGE);
+    if (!h || h->bytes != size) return INVALID_VALUE;
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr >= p && maps[i].addr < p + size) return INVALID_VALUE; /* still mapped */
+    untrack(h);
+    munmap((void *)(uintptr_t)p, size);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemAddressFree(CUdeviceptr p, size_t size) { LOCKED(do_address_free(p, size)); }
+
+static CUresult do_map(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                       unsigned long long flags) {
+    NEED_CTX();
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (flags || !size || size % VMM_GRANULARITY || p % VMM_GRANULARITY || offset % VMM_GRANULARITY)
+        return INVALID_VALUE;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_HANDLE;
+    if (offset > ph->size || size > ph->size - offset) return INVALID_VALUE;
+    if (!range_of(p, size)) return INVALID_VALUE;
+    int slot_i = -1;
+    for (int i = 0; i < MAX_MAPPINGS; i++) {
+        if (maps[i].used && p < maps[i].addr + maps[i].size && maps[i].addr < p + size)
+            return INVALID_VALUE; /* over a mapping */
+        if (!maps[i].used && slot_i < 0) slot_i = i;
+    }
+    if (slot_i < 0) return OUT_OF_MEMORY;
+    void *m = mmap((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, ph->fd, (off_t)offset);
+    if (m == MAP_FAILED) return OUT_OF_MEMORY;
+    maps[slot_i] = (struct mapping){1, p, size, ph, 0};
+    ph->mapped++;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemMap(CUdeviceptr p, size_t size, size_t offset, unsigned long long handle,
+                         unsigned long long flags) {
+    LOCKED(do_map(p, size, offset, handle, flags));
+}
+
+static CUresult do_unmap(CUdeviceptr p, size_t size) {
+    int i;
+    for (i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr == p && maps[i].size == size) break;
+    if (i == MAX_MAPPINGS) return INVALID_VALUE;
+    mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED | MAP_NORESERVE, -1, 0);
+    maps[i].used = 0;
+    maps[i].ph->mapped--;
+    phys_maybe_free(maps[i].ph);
+    return SUCCESS;
+}
+EXPORT CUresult cuMemUnmap(CUdeviceptr p, size_t size) { LOCKED(do_unmap(p, size)); }
+
+struct access_desc { int loc_type; int loc_id; int flags; };
+static CUresult do_set_access(CUdeviceptr p, size_t size, const struct access_desc *desc, size_t count) {
+    NEED_CTX();
+    if (!desc || !count) return INVALID_VALUE;
+    /* every byte must be mapped */
+    CUdeviceptr at = p, end = p + size;
+    while (at < end) {
+        int found = 0;
+        for (int i = 0; i < MAX_MAPPINGS; i++)
+            if (maps[i].used && at >= maps[i].addr && at < maps[i].addr + maps[i].size) {
+                at = maps[i].addr + maps[i].size;
+                found = 1;
+                break;
+            }
+        if (!found) return INVALID_VALUE;
+    }
+    unsigned set = 0, clear = 0;
+    for (size_t k = 0; k < count; k++) {
+        if (desc[k].loc_type != 1) return INVALID_VALUE;
+        if (desc[k].loc_id < 0 || desc[k].loc_id >= device_count) return INVALID_DEVICE;
+        if (desc[k].flags == 3 || desc[k].flags == 1) set |= 1u << desc[k].loc_id;
+        else if (desc[k].flags == 0) clear |= 1u << desc[k].loc_id;
+        else return INVALID_VALUE;
+    }
+    for (int i = 0; i < MAX_MAPPINGS; i++)
+        if (maps[i].used && maps[i].addr >= p && maps[i].addr < end)
+            maps[i].access = (maps[i].access | set) & ~clear;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemSetAccess(CUdeviceptr p, size_t size, const void *desc, size_t count) {
+    LOCKED(do_set_access(p, size, desc, count));
+}
+
+static CUresult do_export(void *out, unsigned long long handle, int type, unsigned long long flags) {
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (!out || flags) return INVALID_VALUE;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_HANDLE;
+    if (type != 1 || !(ph->handle_types & 1u)) return INVALID_VALUE;
+    int fd = dup(ph->fd);
+    if (fd < 0) return OUT_OF_MEMORY;
+    *(int *)out = fd;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemExportToShareableHandle(void *out, unsigned long long handle, int type,
+                                             unsigned long long flags) {
+    LOCKED(do_export(out, handle, type, flags));
+}
+
+static CUresult do_import(unsigned long long *handle, void *os_handle, int type) {
+    NEED_CTX();
+    if (!handle || type != 1) return INVALID_VALUE;
+    int fd = (int)(intptr_t)os_handle;
+    struct stat st;
+    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
+    int mine = dup(fd);
+    if (mine < 0) return OUT_OF_MEMORY;
+    struct phys *ph = new_phys(mine, (size_t)st.st_size, current->dev, 1);
+    if (!ph) { close(mine); return OUT_OF_MEMORY; }
+    *handle = (unsigned long long)(uintptr_t)ph;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemImportFromShareableHandle(unsigned long long *handle, void *os_handle, int type) {
+    LOCKED(do_import(handle, os_handle, type));
+}
 
 /* Queued work on a capturing stream would become a graph node; the stand-in
  * models only kernel nodes, so other work invalidates the capture. */
@@ -1951,8 +2324,10 @@ EXPORT CUresult cuMemsetD32Async(CUdeviceptr dst, unsigned v, size_t n, void *st
 struct pool {
     int dev;
     unsigned long long threshold;
+    int handle_types;
+    int imported; /* from cuMemPoolImportFromShareableHandle: no allocation */
 };
-static struct pool default_pools[MAX_DEV] = {{0, 0}, {1, 0}};
+static struct pool default_pools[MAX_DEV] = {{0, 0, 0, 0}, {1, 0, 0, 0}};
 
 /* Like the real driver, stream-ordered allocation works in the stream's context
  * whatever context is current (or none); the legacy stream needs a current one. */
@@ -1978,6 +2353,8 @@ static CUresult do_alloc_async(CUdeviceptr *p, size_t bytes, void *pool, void *s
         r = NOT_SUPPORTED;
     else if (pool && !find(pool, K_POOL) && pool != &default_pools[0] && pool != &default_pools[1])
         r = INVALID_HANDLE;
+    else if (pool && ((struct pool *)pool)->imported)
+        r = NOT_SUPPORTED;
     else
         r = alloc_device(p, bytes);
     current = saved;
@@ -2020,8 +2397,10 @@ static CUresult do_pool_create(void **pool, const struct pool_props *props) {
     if (!pool || !props) return INVALID_VALUE;
     if (props->alloc_type != 1 || props->location_type != 1) return INVALID_VALUE;
     NEED_DEV(props->location_id);
+    if (props->handle_types & ~1) return NOT_SUPPORTED;
     struct pool *p = calloc(1, sizeof *p);
     p->dev = props->location_id;
+    p->handle_types = props->handle_types;
     track(p, K_POOL, 0, p->dev);
     *pool = p;
     return SUCCESS;
@@ -2041,6 +2420,75 @@ static CUresult do_pool_destroy(void *pool) {
     return SUCCESS;
 }
 EXPORT CUresult cuMemPoolDestroy(void *pool) { LOCKED(do_pool_destroy(pool)); }
+
+
+/* Pool sharing: an exported pool is a memfd holding its identity; pointers are
+ * 64 bytes (see legacy IPC); both open in the exporting process only (the
+ * stand-in's memory is heap memory). A pointer imported into an imported pool is
+ * counted until freed, and freeing it does not free the exporter's memory. */
+#define POOL_MAGIC 0x6d6574726f6f6c73ULL
+#define POOLPTR_MAGIC 0x6d65747270747273ULL
+static CUresult do_pool_export(void *out, void *pool, int type, unsigned long long flags) {
+    NEED_CTX();
+    struct pool *p = pool_ok(pool);
+    if (!out || flags || type != 1) return INVALID_VALUE;
+    if (!p) return INVALID_HANDLE;
+    if (!(p->handle_types & 1) || p->imported) return INVALID_VALUE;
+    int fd = memfd_create("fakecuda-pool", MFD_CLOEXEC);
+    if (fd < 0) return OUT_OF_MEMORY;
+    struct ipc_bytes b = {POOL_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)pool, 0, {0}};
+    if (pwrite(fd, &b, sizeof b, 0) != (ssize_t)sizeof b) { close(fd); return OUT_OF_MEMORY; }
+    *(int *)out = fd;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, void *pool, int type, unsigned long long flags) {
+    LOCKED(do_pool_export(out, pool, type, flags));
+}
+static CUresult do_pool_import(void **pool, void *handle, int type, unsigned long long flags) {
+    NEED_CTX();
+    if (!pool || flags || type != 1) return INVALID_VALUE;
+    struct ipc_bytes b;
+    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return INVALID_VALUE;
+    if (b.magic != POOL_MAGIC || b.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    struct pool *src = pool_ok((void *)(uintptr_t)b.ptr);
+    if (!src) return INVALID_VALUE;
+    struct pool *p = calloc(1, sizeof *p);
+    p->dev = current->dev;
+    p->handle_types = 1;
+    p->imported = 1;
+    track(p, K_POOL, 0, p->dev);
+    *pool = p;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolImportFromShareableHandle(void **pool, void *handle, int type, unsigned long long flags) {
+    LOCKED(do_pool_import(pool, handle, type, flags));
+}
+static CUresult do_pool_export_ptr(struct ipc_bytes *out, CUdeviceptr ptr) {
+    NEED_CTX();
+    struct handle *h = find((void *)(uintptr_t)ptr, K_DEVMEM);
+    if (!out || !h) return INVALID_VALUE;
+    *out = (struct ipc_bytes){POOLPTR_MAGIC, (uint64_t)getpid(), ptr, h->bytes, {0}};
+    return SUCCESS;
+}
+EXPORT CUresult cuMemPoolExportPointer(void *out, CUdeviceptr ptr) { LOCKED(do_pool_export_ptr(out, ptr)); }
+static CUresult do_pool_import_ptr(CUdeviceptr *out, void *pool, const struct ipc_bytes *data) {
+    NEED_CTX();
+    struct pool *p = pool_ok(pool);
+    if (!out || !data) return INVALID_VALUE;
+    if (!p || !p->imported) return INVALID_HANDLE;
+    if (data->magic != POOLPTR_MAGIC || data->pid != (uint64_t)getpid()) return INVALID_VALUE;
+    if (!find((void *)(uintptr_t)data->ptr, K_DEVMEM)) return INVALID_VALUE;
+    for (int i = 0; i < MAX_IPC_OPEN; i++)
+        if (!pool_imports[i]) {
+            pool_imports[i] = data->ptr;
+            *out = data->ptr;
+            return SUCCESS;
+        }
+    return OUT_OF_MEMORY;
+}
+EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *out, void *pool, void *data) {
+    LOCKED(do_pool_import_ptr(out, pool, data));
+}
 
 static CUresult do_pool_attr(void *pool, int attr, void *value, int set) {
     NEED_CTX();

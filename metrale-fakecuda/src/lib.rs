@@ -64,6 +64,12 @@ pub enum Live {
     Nodes = 12,
     /// Green contexts.
     GreenContexts = 13,
+    /// Physical memory (`cuMemCreate`, imports) not yet released and unmapped.
+    PhysicalMemory = 15,
+    /// Reserved address ranges (`cuMemAddressReserve`).
+    ReservedRanges = 16,
+    /// Mappings (`cuMemMap`).
+    Mappings = 17,
 }
 
 /// The last launch the stand-in accepted.
@@ -179,6 +185,16 @@ impl Fake {
             name.as_ptr()
         );
         n as i64
+    }
+
+    /// How many legacy IPC memory handles are open (`cuIpcOpenMemHandle` not yet
+    /// closed).
+    pub fn ipc_open(&self) -> i32 {
+        call!(
+            self,
+            "fakecuda_ipc_open_count",
+            unsafe extern "C" fn() -> c_int
+        )
     }
 
     /// How many objects of a kind are alive.

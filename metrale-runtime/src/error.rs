@@ -416,6 +416,16 @@ pub enum ErrorKind {
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
 
+    /// A call of the operating system failed (passing a descriptor between
+    /// processes over a Unix socket).
+    #[error("{what}: {source}")]
+    Os {
+        /// What was being done (`sending a descriptor over a Unix socket`).
+        what: String,
+        /// The system's error.
+        source: std::sync::Arc<std::io::Error>,
+    },
+
     /// A metrale call made from inside a host function
     /// ([`CudaStream::launch_host_fn`](crate::CudaStream::launch_host_fn)), where
     /// the driver forbids CUDA calls (they may deadlock): refused before the

@@ -116,11 +116,14 @@ pub use launch::{
     Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
-    deferred_frees, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr,
-    DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer, MappedWords, MemOp, MemPool,
-    PendingCopy, PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, WaitCondition, WaitFlags,
-    WriteFlags,
+    deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,
+    DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
+    HandleTypes, ManagedBuffer, MappedWords, MemOp, MemPool, PendingCopy, PhysicalMemory,
+    PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
+    VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags,
 };
+#[cfg(unix)]
+pub use memory::{recv_fd, send_fd, IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};
 pub use module::NamedBlob;
 #[cfg(feature = "nccl")]
 pub use nccl::{group, CommConfig, Communicator, NcclError, NcclId, NcclType, ReduceOp};

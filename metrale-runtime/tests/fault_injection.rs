@@ -37,6 +37,8 @@ mod streams;
 mod teardown;
 #[path = "fault/tensor_map.rs"]
 mod tensor_map;
+#[path = "fault/vmm.rs"]
+mod vmm;
 
 use std::process::ExitCode;
 
@@ -66,6 +68,7 @@ fn main() -> ExitCode {
         multi::tests(),
         teardown::tests(),
         soundness::tests(),
+        vmm::tests(),
     ]
     .into_iter()
     .flatten()
@@ -85,6 +88,7 @@ fn main() -> ExitCode {
             .into_iter()
             .chain(tensor_map::children())
             .chain(green::children())
+            .chain(vmm::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

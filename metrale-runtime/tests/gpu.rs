@@ -33,6 +33,8 @@ mod nvrtc;
 mod soundness;
 #[path = "gpu/streams.rs"]
 mod streams;
+#[path = "gpu/vmm.rs"]
+mod vmm;
 
 use std::process::ExitCode;
 
@@ -59,6 +61,7 @@ fn main() -> ExitCode {
         hopper::tests(),
         layout::tests(),
         soundness::tests(),
+        vmm::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
         #[cfg(feature = "nccl")]
@@ -72,6 +75,7 @@ fn main() -> ExitCode {
     let mut children = basic::children();
     children.extend(futures::children());
     children.extend(hopper::children());
+    children.extend(vmm::children());
     #[cfg(feature = "nccl")]
     children.extend(nccl::children());
     harness::main(

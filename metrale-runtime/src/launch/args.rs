@@ -7,7 +7,8 @@ use std::ffi::c_void;
 use metrale_cuda_sys::CUdeviceptr;
 
 use crate::memory::{
-    DeviceBuffer, DevicePod, DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, ManagedBuffer,
+    DeviceBuffer, DevicePod, DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, GrowableBuffer,
+    ManagedBuffer,
 };
 
 /// One kernel argument: something whose bytes are passed by pointer to the driver.
@@ -55,6 +56,13 @@ pointer_arg!(
     [T: DevicePod] &ManagedBuffer<T>,
     [T: DevicePod] &mut ManagedBuffer<T>,
     [T: DeviceRepr] &DeviceSymbol<T>,
+    [T: DeviceRepr] &GrowableBuffer<T>,
+    [T: DeviceRepr] &mut GrowableBuffer<T>,
+);
+#[cfg(unix)]
+pointer_arg!(
+    [T: DeviceRepr] &crate::memory::IpcBuffer<T>,
+    [T: DeviceRepr] &mut crate::memory::IpcBuffer<T>,
 );
 
 /// A kernel's whole argument list: a tuple of up to 16 [`KernelArg`]s, or `()`.

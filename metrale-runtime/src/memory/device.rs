@@ -282,6 +282,19 @@ macro_rules! slice_type {
             _elem: PhantomData<$borrow>,
         }
 
+        impl<'a, T: DeviceRepr> $name<'a, T> {
+            /// A view of `len` elements at `ptr`, memory of `ctx` whose streams
+            /// `uses` records (another room's buffer, e.g. a growable buffer).
+            pub(crate) fn from_parts(
+                ptr: CUdeviceptr,
+                len: usize,
+                ctx: &'a Arc<CudaContext>,
+                uses: Option<&'a Uses>,
+            ) -> Self {
+                $name { ptr, len, ctx, uses, _elem: PhantomData }
+            }
+        }
+
         impl<T: DeviceRepr> $name<'_, T> {
             /// Number of elements.
             pub fn len(&self) -> usize {

@@ -10,6 +10,10 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
+//! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], mappings and access, the wait before unmapping |
+//! | `growable.rs` | [`GrowableBuffer`], [`SleepingBuffer`]: sleep and wake |
+//! | `ipc.rs` | sharing between processes: descriptors of physical memory, [`send_fd`] / [`recv_fd`] |
+//! | `legacy_ipc.rs` | legacy IPC: [`IpcMemHandle`], [`IpcBuffer`], [`IpcEventHandle`] |
 //! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
 //!
 //! Invariants (the borrow rules of this crate):
@@ -43,15 +47,26 @@ use crate::stream::CudaStream;
 mod copy;
 mod device;
 mod free;
+mod growable;
+#[cfg(unix)]
+mod ipc;
+#[cfg(unix)]
+mod legacy_ipc;
 mod managed;
 mod pinned;
 mod pool;
 mod signal;
 mod symbol;
+mod vmm;
 
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
+pub use growable::{GrowableBuffer, SleepError, SleepState, SleepingBuffer, WakeError};
+#[cfg(unix)]
+pub use ipc::{recv_fd, send_fd};
+#[cfg(unix)]
+pub use legacy_ipc::{IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};
 pub use managed::{ManagedBuffer, PrefetchTarget};
 pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;
@@ -59,6 +74,7 @@ pub use signal::{
     MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
 };
 pub use symbol::DeviceSymbol;
+pub use vmm::{granularity, Access, Granularity, HandleTypes, PhysicalMemory, VirtualRange};
 
 /// A type that can be copied to the device and passed to kernels by value: `Copy`,
 /// with no padding bytes (so no uninitialised byte is ever read), laid out as the

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUmemoryPool};
 
 use super::device::check_alignment;
-use super::{byte_len, DeviceBuffer, DeviceRepr};
+use super::{byte_len, DeviceBuffer, DeviceRepr, HandleTypes};
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, Result};
 use crate::stream::CudaStream;
@@ -93,11 +93,20 @@ impl MemPool {
     /// # Errors
     /// As [`MemPool::device_default`], for `cuMemPoolCreate`.
     pub fn new(ctx: &impl AsContext) -> Result<MemPool> {
+        MemPool::with_handle_types(ctx, HandleTypes::NONE)
+    }
+
+    /// A new pool whose memory can be shared with other processes as `types`
+    /// (`MemPool::export_fd`, `DeviceBuffer::export_pointer` on Linux).
+    ///
+    /// # Errors
+    /// As [`MemPool::new`].
+    pub fn with_handle_types(ctx: &impl AsContext, types: HandleTypes) -> Result<MemPool> {
         let ctx = ctx.context();
         check_pools(ctx)?;
         let props = sys::CUmemPoolProps {
             allocType: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-            handleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+            handleTypes: sys::CUmemAllocationHandleType(types.bits()),
             location: sys::CUmemLocation {
                 type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
                 id: i32::try_from(ctx.ordinal()).unwrap_or(i32::MAX),
@@ -198,6 +207,23 @@ impl MemPool {
     /// The raw `CUmemoryPool`, for driver calls of your own.
     pub fn raw(&self) -> CUmemoryPool {
         self.raw
+    }
+
+    /// The context (device) of the pool.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Own a pool the driver made for `ctx` just now (imported from another
+    /// process): destroyed with `cuMemPoolDestroy`.
+    #[cfg(unix)]
+    pub(crate) fn from_imported(raw: CUmemoryPool, ctx: &Arc<CudaContext>) -> MemPool {
+        MemPool {
+            raw,
+            made: ctx.generation(),
+            ctx: Arc::clone(ctx),
+            owned: true,
+        }
     }
 }
 

@@ -804,9 +804,19 @@ pub struct EventOptions {
     /// Block the waiting thread in [`CudaEvent::synchronize`] instead of
     /// spinning (`CU_EVENT_BLOCKING_SYNC`). Default: off.
     pub blocking_sync: bool,
+    /// Shareable with other processes (`CU_EVENT_INTERPROCESS`, see
+    /// `CudaEvent::ipc_handle`); needs timing off. Default: off.
+    pub interprocess: bool,
 }
 
 impl EventOptions {
+    /// These options with interprocess sharing on or off.
+    #[must_use]
+    pub fn with_interprocess(mut self, on: bool) -> EventOptions {
+        self.interprocess = on;
+        self
+    }
+
     /// These options with timing on or off.
     #[must_use]
     pub fn with_timing(mut self, on: bool) -> EventOptions {
@@ -891,6 +901,15 @@ impl CudaEvent {
         if options.blocking_sync {
             flags |= F::CU_EVENT_BLOCKING_SYNC.0;
         }
+        if options.interprocess {
+            if options.timing {
+                return Err(crate::error::invalid_arg(format!(
+                    "device {}: an interprocess event cannot record timing (the driver refuses it)",
+                    ctx.ordinal()
+                )));
+            }
+            flags |= F::CU_EVENT_INTERPROCESS.0;
+        }
         let mut raw: CUevent = std::ptr::null_mut();
         ctx.call(
             || format!("device {}: creating an event", ctx.ordinal()),
@@ -904,6 +923,18 @@ impl CudaEvent {
             timing: options.timing,
             recorded_on: Mutex::new(None),
         })
+    }
+
+    /// Own an event the driver made for `ctx` just now (opened from another
+    /// process's handle): destroyed with `cuEventDestroy` like any other.
+    pub(crate) fn from_opened(raw: CUevent, ctx: &Arc<CudaContext>) -> CudaEvent {
+        CudaEvent {
+            raw,
+            made: ctx.generation(),
+            ctx: Arc::clone(ctx),
+            timing: false,
+            recorded_on: Mutex::new(None),
+        }
     }
 
     fn call(

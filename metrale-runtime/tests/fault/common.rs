@@ -93,6 +93,10 @@ pub fn done(reg: Arc<MetraleRegistry>) {
     assert_eq!(fake().live(Live::HostMemory), 0, "pinned memory left");
     assert_eq!(fake().live(Live::Graphs), 0, "graphs left");
     assert_eq!(fake().live(Live::Execs), 0, "executable graphs left");
+    assert_eq!(fake().live(Live::PhysicalMemory), 0, "physical memory left");
+    assert_eq!(fake().live(Live::ReservedRanges), 0, "reserved ranges left");
+    assert_eq!(fake().live(Live::Mappings), 0, "mappings left");
+    assert_eq!(fake().ipc_open(), 0, "IPC memory handles left open");
     assert_eq!(fake().primary_refs(), 0, "primary context still retained");
 }
 

@@ -21,6 +21,11 @@ struct Everything {
     graph: CudaGraph,
     exec: CudaGraphExec,
     func: CudaFunction,
+    grown: GrowableBuffer<u32>,
+    asleep: SleepingBuffer<u32>,
+    range: VirtualRange,
+    phys: PhysicalMemory,
+    ipc: IpcBuffer<f32>,
 }
 
 fn everything() -> Everything {
@@ -36,7 +41,30 @@ fn everything() -> Everything {
             unsafe { s.launch(&func, cfg, (&dev, 1u32, 1.0f32)) }
         })
         .unwrap();
+    let mut grown = GrowableBuffer::<u32>::new(&host, 1 << 20).unwrap();
+    grown.grow_to(1000).unwrap();
+    let mut asleep = GrowableBuffer::<u32>::new(&host, 1 << 20).unwrap();
+    asleep.grow_to(1000).unwrap();
+    let asleep = asleep.sleep(Some(&stream)).unwrap();
+    let mut range = VirtualRange::reserve(&host, 4 << 20).unwrap();
+    let mapped = PhysicalMemory::new(&host, 2 << 20, HandleTypes::POSIX_FD).unwrap();
+    range
+        .map(
+            0,
+            Arc::new(mapped),
+            0,
+            2 << 20,
+            &[(host.ctx(), Access::ReadWrite)],
+        )
+        .unwrap();
+    // SAFETY: `dev` holds 100 f32 and outlives the opened buffer (dropped first).
+    let ipc = unsafe { IpcBuffer::<f32>::open(&host, &dev.ipc_handle().unwrap(), 100) }.unwrap();
     Everything {
+        grown,
+        asleep,
+        range,
+        phys: PhysicalMemory::new(&host, 2 << 20, HandleTypes::NONE).unwrap(),
+        ipc,
         event: CudaEvent::timed(&host).unwrap(),
         ordered: stream.alloc::<f32>(100).unwrap(),
         pinned: PinnedBuffer::<f32>::zeroed(&host, 100).unwrap(),
@@ -68,7 +96,13 @@ fn drop_everything(e: Everything) {
         graph,
         exec,
         func,
+        grown,
+        asleep,
+        range,
+        phys,
+        ipc,
     } = e;
+    drop((ipc, grown, asleep, range, phys));
     drop((
         exec, graph, ordered, stream, event, dev, pinned, managed, pool,
     ));

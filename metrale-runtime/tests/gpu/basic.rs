@@ -504,6 +504,11 @@ fn child_drop_after_ctx_reset() {
         })
         .unwrap();
     let exec = graph.instantiate().unwrap();
+    let mut grown = GrowableBuffer::<u32>::new(&h, 1 << 24).unwrap();
+    grown.grow_to(1 << 20).unwrap();
+    let mut asleep = GrowableBuffer::<u32>::new(&h, 1 << 24).unwrap();
+    asleep.grow_to(1 << 20).unwrap();
+    let asleep = asleep.sleep(Some(&s)).unwrap();
     s.synchronize().unwrap();
     let d = sys::driver().unwrap();
     // SAFETY: resets the device's primary context; every handle above dies with it.
@@ -520,6 +525,7 @@ fn child_drop_after_ctx_reset() {
     println!(
         "after reset: cuDevicePrimaryCtxGetState {s1} active={active}; cuCtxGetId {s2} id={id}"
     );
+    drop((grown, asleep));
     drop((exec, graph, f, ordered, s, event, dev, pinned, reg));
     release(0);
     drop(h);
