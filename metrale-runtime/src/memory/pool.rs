@@ -292,6 +292,11 @@ impl CudaStream {
         check_pools(self.context())?;
         let bytes = byte_len::<T>(len, "stream-ordered buffer")?;
         let mut ptr: CUdeviceptr = 0;
+        // Not on a stream being captured: there the driver would return a graph
+        // allocation, with no memory behind it outside the graph's replays (and
+        // freed with the graph), which a safe buffer cannot be.
+        let section = self.section();
+        self.refuse_if_capturing(&section, "a stream-ordered allocation")?;
         if bytes > 0 {
             let s = self.raw();
             let ptr_out = std::cell::Cell::new(0);
@@ -316,6 +321,7 @@ impl CudaStream {
                 })?;
             ptr = ptr_out.get();
         }
+        drop(section);
         let own = (bytes > 0).then_some(self);
         let buf = DeviceBuffer::from_parts(ptr, len, self.context(), self.made(), own);
         check_alignment::<T>(ptr, "stream-ordered buffer")?;
