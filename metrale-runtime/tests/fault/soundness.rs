@@ -218,6 +218,20 @@ fn frees_wait_for_captures_and_panics_end_them() {
             e.to_string().contains("the stream is being captured"),
             "{e}"
         );
+        // A stream-ordered allocation in a capture would be a graph allocation
+        // (no memory outside replays, freed with the graph): refused.
+        let allocs = fake().calls("cuMemAllocAsync");
+        let e = s.alloc::<u32>(16).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("a stream-ordered allocation cannot be"),
+            "{e}"
+        );
+        assert_eq!(
+            fake().calls("cuMemAllocAsync"),
+            allocs,
+            "refused before the driver"
+        );
         Ok(())
     });
     assert!(r.is_ok());
