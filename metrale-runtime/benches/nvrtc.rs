@@ -228,6 +228,48 @@ fn run() -> Result<(), MetraleError> {
         raw.median() - disk.median(),
         raw.median() / disk.median()
     );
+    end_to_end(&program, &cache, rounds)
+}
+
+/// With a GPU: compile + load + first launch (and the same from the memory
+/// cache), each ending when the kernel has run.
+fn end_to_end(program: &Program, cache: &CompileCache, rounds: usize) -> Result<(), MetraleError> {
+    use metrale_runtime::{host, DeviceBuffer, LaunchConfig, MetraleRegistry};
+    let Ok(h) = host(0) else {
+        println!("\n(no GPU: the end-to-end rows need one)");
+        return Ok(());
+    };
+    let n = 1usize << 20;
+    let s = h.stream();
+    let mut x = DeviceBuffer::<f32>::zeroed(s, n)?;
+    let y = DeviceBuffer::<f32>::zeroed(s, n)?;
+    let cfg = LaunchConfig::for_num_elems(n, 256)?;
+    let mut step = |compiled: &metrale_runtime::nvrtc::Compiled| -> Result<(), MetraleError> {
+        let reg = MetraleRegistry::load_into(std::sync::Arc::clone(&h), [compiled])?;
+        let f = reg.function("bench.cu", "step0")?;
+        // SAFETY: step0(float* x, const float* y, float a, unsigned n) over n
+        // elements of x and y.
+        unsafe { s.launch(&f, cfg, (&mut x, &y, 0.5f32, n as u32))? };
+        s.synchronize()
+    };
+    let (mut fresh, mut cached) = (Row::default(), Row::default());
+    cache.compile_for(program, h.ctx())?;
+    for _ in 0..rounds {
+        let t = std::time::Instant::now();
+        let out = program.compile_for(h.ctx())?;
+        step(&out)?;
+        fresh.push(t.elapsed().as_secs_f64() * 1e3);
+        let t = std::time::Instant::now();
+        let out = cache.compile_for(program, h.ctx())?;
+        step(&out)?;
+        cached.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    header(&format!(
+        "end to end on {}: compile for the device, load, first launch of step0 over {n} floats, synchronised",
+        h.device_name()
+    ));
+    line("compile + load + first launch", &fresh, "ms", None);
+    line("cache hit (memory) + load + first launch", &cached, "ms", None);
     Ok(())
 }
 
