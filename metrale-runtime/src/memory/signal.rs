@@ -264,7 +264,9 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
 /// let go = Arc::new(MappedWords::<u32>::new(&ctx, 1)?);
 /// s.wait_value32(&SignalWord::mapped(&go, 0)?, 1, WaitFlags::EQ)?;
 /// // ... queue work on s: it waits ...
-/// go.atomic(0).unwrap().store(1, Ordering::Release); // released by the host
+/// if let Some(word) = go.atomic(0) {
+///     word.store(1, Ordering::Release); // released by the host
+/// }
 /// # Ok(()) }
 /// ```
 pub struct MappedWords<T: SignalValue> {
