@@ -269,7 +269,12 @@ fn end_to_end(program: &Program, cache: &CompileCache, rounds: usize) -> Result<
         h.device_name()
     ));
     line("compile + load + first launch", &fresh, "ms", None);
-    line("cache hit (memory) + load + first launch", &cached, "ms", None);
+    line(
+        "cache hit (memory) + load + first launch",
+        &cached,
+        "ms",
+        None,
+    );
     Ok(())
 }
 
