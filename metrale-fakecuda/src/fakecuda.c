@@ -661,6 +661,17 @@ static int device_range_ok(CUdeviceptr p, size_t n) {
 }
 
 static void free_vmm(enum kind k, void *p, size_t bytes);
+/* Pinned host memory: zeroed, page-aligned like the driver's, and
+ * deterministically never aligned to 8192, so tests of over-aligned types do not
+ * depend on where the heap happens to be. */
+static void *host_alloc(size_t bytes) {
+    void *base = NULL;
+    if (posix_memalign(&base, 8192, bytes + 4096) != 0 || !base) return NULL;
+    memset(base, 0, bytes + 4096);
+    return (char *)base + 4096;
+}
+static void host_free(void *p) { free((char *)p - 4096); }
+
 /* Frees every resource of device `dev` (all devices for -1). */
 static void free_all_handles(int dev) {
     for (int i = 0; i < TABLE; i++) {
@@ -672,8 +683,9 @@ static void free_all_handles(int dev) {
         switch (h->kind) {
         case K_MODULE: untrack(h); free_module(p); break;
         case K_STREAM: untrack(h); free_stream(p); break;
-        case K_EVENT: case K_DEVMEM: case K_HOSTMEM: case K_POOL:
+        case K_EVENT: case K_DEVMEM: case K_POOL:
             untrack(h); free(p); break;
+        case K_HOSTMEM: untrack(h); host_free(p); break;
         case K_GRAPH: untrack(h); free_graph(p); break;
         case K_PHYS: case K_VRANGE: untrack(h); free_vmm(h->kind, p, h->bytes); break;
         case K_EXEC: untrack(h); free_graph(((struct gexec *)p)->g); free(p); break;
@@ -1843,7 +1855,7 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 static CUresult do_alloc_host(void **p, size_t bytes) {
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;
-    *p = malloc(bytes);
+    *p = host_alloc(bytes);
     if (!*p) return OUT_OF_MEMORY;
     track(*p, K_HOSTMEM, bytes, current->dev);
     return SUCCESS;
@@ -1856,7 +1868,7 @@ static CUresult do_free_host(void *p) {
     if (!h) return INVALID_VALUE;
     run_all_pending(current->dev);
     untrack(h);
-    free(p);
+    host_free(p);
     return SUCCESS;
 }
 EXPORT CUresult cuMemFreeHost(void *p) { LOCKED(do_free_host(p)); }
@@ -3026,7 +3038,7 @@ EXPORT CUresult cuStreamBatchMemOp_v2(void *s, unsigned count, const void *ops, 
 static CUresult do_host_alloc(void **p, size_t bytes, unsigned flags) {
     NEED_CTX();
     if (!p || !bytes || (flags & ~7u)) return INVALID_VALUE;
-    *p = calloc(1, bytes);
+    *p = host_alloc(bytes);
     if (!*p) return OUT_OF_MEMORY;
     track(*p, K_HOSTMEM, bytes, current->dev);
     return SUCCESS;
