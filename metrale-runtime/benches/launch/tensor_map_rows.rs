@@ -1,7 +1,8 @@
 //! Issue 23: the cost of encoding a tensor map (a 2-D f32 map, 32 x 32 boxes,
 //! 128-byte swizzle) through `TensorMap::tiled(..).encode()` beside the raw
 //! `cuTensorMapEncodeTiled` with the same arguments, and of `replace_address`
-//! beside `cuTensorMapReplaceAddress`. Batches of 1,000 calls, paths interleaved.
+//! (consuming the map) and `set_address` (in place) beside
+//! `cuTensorMapReplaceAddress`. Batches of 1,000 calls, paths interleaved.
 
 use std::ffi::c_void;
 
@@ -58,6 +59,7 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
     let batch = if quick { 200 } else { 1_000 };
     let (mut e_raw, mut e_ours) = (Row::default(), Row::default());
     let (mut r_raw, mut r_ours) = (Row::default(), Row::default());
+    let mut r_set = Row::default();
     let mut base = raw();
     for round in 0..rounds {
         let mut er = 0.0;
@@ -98,8 +100,20 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
                 });
             }
         });
+        let mut map = ours();
+        let rs = time(|| {
+            for i in 0..batch {
+                if i % 2 == 0 {
+                    map.set_address(&b).unwrap();
+                } else {
+                    map.set_address(&a).unwrap();
+                }
+            }
+        });
+        std::hint::black_box(&map);
         r_raw.push(rr * 1e9 / batch as f64);
         r_ours.push(ro * 1e9 / batch as f64);
+        r_set.push(rs * 1e9 / batch as f64);
     }
     header("tensor maps (ns per call)");
     line(
@@ -125,6 +139,12 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         &r_ours,
         "ns",
         Some(&ratios(&r_ours, &r_raw)),
+    );
+    line(
+        "replace address in place: TensorMap::set_address",
+        &r_set,
+        "ns",
+        Some(&ratios(&r_set, &r_raw)),
     );
     Ok(())
 }

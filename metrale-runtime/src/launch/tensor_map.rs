@@ -33,7 +33,7 @@ use metrale_cuda_sys::{
 };
 
 use crate::context::CudaContext;
-use crate::error::{cu, invalid_arg, Result};
+use crate::error::{cu, invalid_arg, MetraleError, Result};
 use crate::memory::{DeviceMemory, DeviceRepr};
 
 /// Most dimensions a tensor map has.
@@ -212,28 +212,34 @@ pub enum OobFill {
 /// Up to five values, kept inline (no allocation).
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Dims<V: Copy> {
-    len: usize,
     v: [V; TENSOR_MAP_MAX_RANK],
+    len: u8,
 }
 
 impl<V: Copy + Default> Dims<V> {
+    #[inline]
     fn new(values: &[V]) -> Option<Dims<V>> {
         let mut v = [V::default(); TENSOR_MAP_MAX_RANK];
         v.get_mut(..values.len())?.copy_from_slice(values);
         Some(Dims {
-            len: values.len(),
+            len: values.len() as u8,
             v,
         })
     }
+    #[inline]
+    fn len(&self) -> usize {
+        usize::from(self.len)
+    }
+    #[inline]
     fn get(&self) -> &[V] {
-        self.v.get(..self.len).unwrap_or(&[])
+        self.v.get(..self.len()).unwrap_or(&[])
     }
 }
 
 impl<V: Copy + fmt::Debug> fmt::Debug for Dims<V> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list()
-            .entries(self.v.iter().take(self.len))
+            .entries(self.v.iter().take(usize::from(self.len)))
             .finish()
     }
 }
@@ -311,7 +317,9 @@ pub struct TensorMap<'a, T: TensorElement> {
     raw: sys::CUtensorMap,
     shape: Shape,
     base: CUdeviceptr,
-    ctx: Arc<CudaContext>,
+    /// The memory's context, borrowed with the memory (no reference count to
+    /// touch per map).
+    ctx: &'a Arc<CudaContext>,
     _mem: PhantomData<&'a T>,
 }
 
@@ -363,22 +371,50 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
     }
 
     /// The context of the memory the map describes.
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+    pub fn context(&self) -> &'a Arc<CudaContext> {
+        self.ctx
     }
 
     /// Point the map at `mem` instead (`cuTensorMapReplaceAddress`), keeping every
     /// other field: `mem` must be memory of the same device, aligned as the map
-    /// needs and at least as large as the map reaches.
+    /// needs and at least as large as the map reaches. The map now borrows `mem`.
     ///
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
     /// rule before the driver; the driver's status otherwise.
+    #[inline]
     pub fn replace_address<'b, M: DeviceMemory<T>>(self, mem: &'b M) -> Result<TensorMap<'b, T>> {
+        let (raw, base) = self.moved_to(mem)?;
+        Ok(TensorMap {
+            raw,
+            shape: self.shape,
+            base,
+            ctx: mem.memory_context(),
+            _mem: PhantomData,
+        })
+    }
+
+    /// [`replace_address`](TensorMap::replace_address) in place, for memory that
+    /// lives as long as the memory the map borrows now (no copy of the map).
+    /// On an error the map is unchanged.
+    ///
+    /// # Errors
+    /// As [`replace_address`](TensorMap::replace_address).
+    #[inline]
+    pub fn set_address<M: DeviceMemory<T>>(&mut self, mem: &'a M) -> Result<()> {
+        let (raw, base) = self.moved_to(mem)?;
+        self.raw = raw;
+        self.base = base;
+        Ok(())
+    }
+
+    /// The map's bytes pointed at `mem`, after the checks; `self` is unchanged.
+    #[inline]
+    fn moved_to<M: DeviceMemory<T>>(&self, mem: &M) -> Result<(sys::CUtensorMap, CUdeviceptr)> {
         let ctx = mem.memory_context();
-        if !Arc::ptr_eq(ctx, &self.ctx) {
-            return Err(invalid_arg(format!(
-                "tensor map of device {}: replace_address with memory of device {}",
+        if !Arc::ptr_eq(ctx, self.ctx) {
+            return Err(refuse(format_args!(
+                "a map of device {}: replace_address with memory of device {}",
                 self.ctx.ordinal(),
                 ctx.ordinal()
             )));
@@ -399,18 +435,12 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
             |d| {
                 // SAFETY: `raw` is a copy of a map the driver encoded, in a local
                 // of the 128-byte aligned CUtensorMap type; the new address was
-                // checked above against the map's alignment and extent, and `'b`
-                // keeps that memory alive as long as the returned map.
+                // checked above against the map's alignment and extent, and the
+                // caller ties that memory's borrow to the map it builds.
                 unsafe { cu!(d, cuTensorMapReplaceAddress(&mut raw, base as *mut c_void)) }
             },
         )?;
-        Ok(TensorMap {
-            raw,
-            shape: self.shape,
-            base,
-            ctx: self.ctx,
-            _mem: PhantomData,
-        })
+        Ok((raw, base))
     }
 }
 
@@ -424,6 +454,14 @@ unsafe impl<T: TensorElement> crate::launch::KernelArg for &TensorMap<'_, T> {
     }
 }
 
+/// A refusal's error, built out of line (the checks' hot path only compares).
+#[cold]
+#[inline(never)]
+fn refuse(text: fmt::Arguments<'_>) -> MetraleError {
+    invalid_arg(format!("tensor map: {text}"))
+}
+
+#[inline]
 fn check_address(base: CUdeviceptr, interleave: Interleave) -> Result<()> {
     let align = if interleave == Interleave::B32 {
         32
@@ -431,8 +469,8 @@ fn check_address(base: CUdeviceptr, interleave: Interleave) -> Result<()> {
         16
     };
     if !base.is_multiple_of(align) {
-        return Err(invalid_arg(format!(
-            "tensor map: the global address must be aligned to {align} bytes{}: {base:#x} is not",
+        return Err(refuse(format_args!(
+            "the global address must be aligned to {align} bytes{}: {base:#x} is not",
             if align == 32 {
                 " (32-byte interleave)"
             } else {
@@ -443,10 +481,11 @@ fn check_address(base: CUdeviceptr, interleave: Interleave) -> Result<()> {
     Ok(())
 }
 
+#[inline]
 fn check_extent(extent: u64, bytes: u64, dims: &Dims<u64>, strides: &Dims<u64>) -> Result<()> {
     if extent > bytes {
-        return Err(invalid_arg(format!(
-            "tensor map: sizes {dims:?} with byte strides {strides:?} reach {extent} bytes, \
+        return Err(refuse(format_args!(
+            "sizes {dims:?} with byte strides {strides:?} reach {extent} bytes, \
              beyond the {bytes} bytes of the memory"
         )));
     }
@@ -454,6 +493,7 @@ fn check_extent(extent: u64, bytes: u64, dims: &Dims<u64>, strides: &Dims<u64>) 
 }
 
 impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
+    #[inline]
     fn list<V: Copy + Default>(&mut self, what: &'static str, v: &[V]) -> Option<Dims<V>> {
         let d = Dims::new(v);
         if d.is_none() {
@@ -463,12 +503,14 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     }
 
     /// Elements of each dimension, innermost first (the rank is their count).
+    #[inline]
     pub fn dims(mut self, dims: &[u64]) -> Self {
         self.dims = self.list("sizes", dims);
         self
     }
 
     /// Byte strides of dimensions 1.. (one fewer than the rank). Default: packed.
+    #[inline]
     pub fn strides(mut self, strides: &[u64]) -> Self {
         self.strides = self.list("strides", strides);
         self
@@ -476,12 +518,14 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
 
     /// Elements of the box (the tile one copy moves) in each dimension. Default:
     /// each dimension's size, capped at 256.
+    #[inline]
     pub fn box_dims(mut self, box_dims: &[u32]) -> Self {
         self.box_dims = self.list("box sizes", box_dims);
         self
     }
 
     /// Step between elements read in each dimension. Default: 1.
+    #[inline]
     pub fn element_strides(mut self, element_strides: &[u32]) -> Self {
         self.element_strides = self.list("element strides", element_strides);
         self
@@ -492,6 +536,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// of the pixel bounding box in the spatial dimensions (rank - 2 values each,
     /// innermost first); a load gathers `pixels_per_column` pixels of
     /// `channels_per_pixel` channels. Box sizes do not apply.
+    #[inline]
     pub fn im2col(
         mut self,
         lower: &[i32],
@@ -515,30 +560,35 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     }
 
     /// Another data type of the same element size (`Tf32` over `f32` memory).
+    #[inline]
     pub fn data_type(mut self, data_type: TensorDataType) -> Self {
         self.data_type = data_type;
         self
     }
 
     /// The interleave layout.
+    #[inline]
     pub fn interleave(mut self, interleave: Interleave) -> Self {
         self.interleave = interleave;
         self
     }
 
     /// The shared-memory swizzle.
+    #[inline]
     pub fn swizzle(mut self, swizzle: Swizzle) -> Self {
         self.swizzle = swizzle;
         self
     }
 
     /// The L2 promotion.
+    #[inline]
     pub fn l2_promotion(mut self, l2_promotion: L2Promotion) -> Self {
         self.l2_promotion = l2_promotion;
         self
     }
 
     /// What loads outside the tensor read.
+    #[inline]
     pub fn oob_fill(mut self, oob_fill: OobFill) -> Self {
         self.oob_fill = oob_fill;
         self
@@ -553,20 +603,28 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// address) otherwise; a missing-symbol error on drivers before CUDA 12.0.
     pub fn encode(self) -> Result<TensorMap<'a, T>> {
         let p = self.check()?;
-        let mut raw = sys::CUtensorMap { opaque: [0; 16] };
         let base = self.base;
+        // Built in place: the driver writes straight into the returned map.
+        let mut map = TensorMap {
+            raw: sys::CUtensorMap { opaque: [0; 16] },
+            shape: p.shape,
+            base,
+            ctx: self.ctx,
+            _mem: PhantomData,
+        };
+        let raw = &mut map.raw;
         self.ctx.call_unbound(
             // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
-                if let Some(i) = self.im2col {
+                if let Some(i) = &self.im2col {
                     // SAFETY: as below; the corner arrays hold rank - 2 values
                     // (checked).
                     return unsafe {
                         cu!(
                             d,
                             cuTensorMapEncodeIm2col(
-                                &mut raw,
+                                raw,
                                 self.data_type.to_driver(),
                                 p.rank as u32,
                                 base as *mut c_void,
@@ -592,7 +650,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                     cu!(
                         d,
                         cuTensorMapEncodeTiled(
-                            &mut raw,
+                            raw,
                             self.data_type.to_driver(),
                             p.rank as u32,
                             base as *mut c_void,
@@ -609,26 +667,22 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                 }
             },
         )?;
-        Ok(TensorMap {
-            raw,
-            shape: p.shape,
-            base,
-            ctx: Arc::clone(self.ctx),
-            _mem: PhantomData,
-        })
+        Ok(map)
     }
 
-    /// Every documented rule, in the order the driver lists them.
+    /// Every documented rule, in the order the driver lists them. Inlined into
+    /// `encode`, with the refusals' texts built out of line.
+    #[inline(always)]
     fn check(&self) -> Result<Checked> {
-        let fail = |text: String| Err(invalid_arg(format!("tensor map: {text}")));
+        let fail = |text: fmt::Arguments<'_>| Err(refuse(text));
         if let Some((what, n)) = self.too_long {
-            return fail(format!(
+            return fail(format_args!(
                 "{n} {what} given; a tensor map has at most {TENSOR_MAP_MAX_RANK} dimensions"
             ));
         }
         let esize = self.data_type.size() as u64;
         if esize != std::mem::size_of::<T>() as u64 {
-            return fail(format!(
+            return fail(format_args!(
                 "data type {:?} has {esize}-byte elements, the memory's have {}",
                 self.data_type,
                 std::mem::size_of::<T>()
@@ -641,16 +695,16 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                 v: [0; TENSOR_MAP_MAX_RANK],
             }),
         };
-        let rank = dims.len;
+        let rank = dims.len();
         if rank == 0 {
-            return fail("the rank must be 1..=5: no sizes given".into());
+            return fail(format_args!("the rank must be 1..=5: no sizes given"));
         }
         if self.im2col.is_some() && rank < 3 {
-            return fail(format!("an im2col map needs rank 3, 4 or 5: rank {rank}"));
+            return fail(format_args!("an im2col map needs rank 3, 4 or 5: rank {rank}"));
         }
         let interleaved = self.interleave != Interleave::None;
         if interleaved && rank < 3 {
-            return fail(format!(
+            return fail(format_args!(
                 "an interleaved map needs rank 3 or more: rank {rank} with interleave {:?}",
                 self.interleave
             ));
@@ -658,16 +712,16 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         check_address(self.base, self.interleave)?;
         for (i, &d) in dims.get().iter().enumerate() {
             if d == 0 || d > 1 << 32 {
-                return fail(format!("size {i} must be in 1..=2^32: {d}"));
+                return fail(format_args!("size {i} must be in 1..=2^32: {d}"));
             }
         }
         let strides = match self.strides {
             Some(s) => {
-                if s.len + 1 != rank {
-                    return fail(format!(
+                if s.len() + 1 != rank {
+                    return fail(format_args!(
                         "{} strides given for rank {rank}: give rank - 1 = {} byte strides \
                          (of dimensions 1..)",
-                        s.len,
+                        s.len(),
                         rank - 1
                     ));
                 }
@@ -680,7 +734,10 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                     s = s.saturating_mul(d);
                     *slot = s;
                 }
-                Dims { len: rank - 1, v }
+                Dims {
+                    len: (rank - 1) as u8,
+                    v,
+                }
             }
         };
         let stride_align = if self.interleave == Interleave::B32 {
@@ -690,7 +747,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         };
         for (i, &s) in strides.get().iter().enumerate() {
             if !s.is_multiple_of(stride_align) {
-                return fail(format!(
+                return fail(format_args!(
                     "the byte stride of dimension {} must be a multiple of {stride_align}{}: {s}",
                     i + 1,
                     if stride_align == 32 {
@@ -701,7 +758,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                 ));
             }
             if s >= 1 << 40 {
-                return fail(format!(
+                return fail(format_args!(
                     "the byte stride of dimension {} must be below 2^40: {s}",
                     i + 1
                 ));
@@ -728,11 +785,11 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         }
         let box_dims = match self.box_dims {
             _ if self.im2col.is_some() => Dims {
-                len: rank,
+                len: rank as u8,
                 v: [1; TENSOR_MAP_MAX_RANK],
             },
-            Some(b) if b.len != rank => {
-                return fail(format!("{} box sizes given for rank {rank}", b.len));
+            Some(b) if b.len() != rank => {
+                return fail(format_args!("{} box sizes given for rank {rank}", b.len()));
             }
             Some(b) => b,
             None => {
@@ -741,18 +798,21 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                     // At most 256: fits.
                     *slot = d.min(256) as u32;
                 }
-                Dims { len: rank, v }
+                Dims {
+                    len: rank as u8,
+                    v,
+                }
             }
         };
         for (i, &b) in box_dims.get().iter().enumerate() {
             if b == 0 || b > 256 {
-                return fail(format!("box size {i} must be in 1..=256: {b}"));
+                return fail(format_args!("box size {i} must be in 1..=256: {b}"));
             }
         }
         let inner = u64::from(box_dims.v[0]) * esize;
         if !interleaved && self.im2col.is_none() {
             if !inner.is_multiple_of(16) {
-                return fail(format!(
+                return fail(format_args!(
                     "without interleave the inner box row (box size 0 x element size = {} x \
                      {esize} = {inner} bytes) must be a multiple of 16 bytes",
                     box_dims.v[0]
@@ -760,7 +820,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             }
             if let Some(span) = self.swizzle.span() {
                 if inner > span {
-                    return fail(format!(
+                    return fail(format_args!(
                         "the inner box row ({inner} bytes) must fit the swizzle span of \
                          {span} bytes ({:?})",
                         self.swizzle
@@ -769,22 +829,22 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             }
         }
         let element_strides = match self.element_strides {
-            Some(e) if e.len != rank => {
-                return fail(format!("{} element strides given for rank {rank}", e.len));
+            Some(e) if e.len() != rank => {
+                return fail(format_args!("{} element strides given for rank {rank}", e.len()));
             }
             Some(e) => e,
             None => Dims {
-                len: rank,
+                len: rank as u8,
                 v: [1; TENSOR_MAP_MAX_RANK],
             },
         };
         for (i, &e) in element_strides.get().iter().enumerate() {
             if e == 0 || e > 8 {
-                return fail(format!("element stride {i} must be in 1..=8: {e}"));
+                return fail(format_args!("element stride {i} must be in 1..=8: {e}"));
             }
         }
         if self.oob_fill == OobFill::NanRequestZeroFma && !self.data_type.is_float() {
-            return fail(format!(
+            return fail(format_args!(
                 "NaN out-of-bounds fill needs a floating-point type, not {:?}",
                 self.data_type
             ));
@@ -815,16 +875,16 @@ fn check_im2col(
     swizzle: Swizzle,
     has_box: bool,
 ) -> Result<()> {
-    let fail = |text: String| Err(invalid_arg(format!("tensor map: {text}")));
+    let fail = |text: fmt::Arguments<'_>| Err(refuse(text));
     if has_box {
-        return fail("box sizes do not apply to an im2col map (it gathers pixels)".into());
+        return fail(format_args!("box sizes do not apply to an im2col map (it gathers pixels)"));
     }
     let spatial = rank - 2;
     for (what, c) in [("lower", &i.lower), ("upper", &i.upper)] {
-        if c.len != spatial {
-            return fail(format!(
+        if c.len() != spatial {
+            return fail(format_args!(
                 "{} {what} corners given for rank {rank}: give rank - 2 = {spatial}",
-                c.len
+                c.len()
             ));
         }
     }
@@ -838,7 +898,7 @@ fn check_im2col(
     for (what, c) in [("lower", &i.lower), ("upper", &i.upper)] {
         for (k, &v) in c.get().iter().enumerate() {
             if v < min || v > max {
-                return fail(format!(
+                return fail(format_args!(
                     "{what} corner {k} must be in {min}..={max} for rank {rank}: {v}"
                 ));
             }
@@ -846,23 +906,23 @@ fn check_im2col(
     }
     let c = i.channels_per_pixel;
     if c == 0 || c > 256 {
-        return fail(format!("channels per pixel must be in 1..=256: {c}"));
+        return fail(format_args!("channels per pixel must be in 1..=256: {c}"));
     }
     let p = i.pixels_per_column;
     if p == 0 || p > 1024 {
-        return fail(format!("pixels per column must be in 1..=1024: {p}"));
+        return fail(format_args!("pixels per column must be in 1..=1024: {p}"));
     }
     let row = u64::from(c) * esize;
     if !interleaved {
         if !row.is_multiple_of(16) {
-            return fail(format!(
+            return fail(format_args!(
                 "without interleave a pixel's channels ({c} x {esize} = {row} bytes) must be \
                  a multiple of 16 bytes"
             ));
         }
         if let Some(span) = swizzle.span() {
             if row > span {
-                return fail(format!(
+                return fail(format_args!(
                     "a pixel's channels ({row} bytes) must fit the swizzle span of {span} \
                      bytes ({swizzle:?})"
                 ));

@@ -266,8 +266,40 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// it holds the sleeping buffer, part of whose memory is still mapped (waking
     /// maps only what is missing; dropping unmaps the rest).
     pub fn sleep(
-        mut self,
+        self,
         save: Option<&impl AsStream>,
+    ) -> std::result::Result<SleepingBuffer<T>, Box<SleepError<T>>> {
+        let save = save.map(|s| (s.stream(), None));
+        self.sleep_with(save)
+    }
+
+    /// [`sleep`](GrowableBuffer::sleep) saving the contents into `host`, pinned
+    /// memory the caller keeps from one sleep to the next (pinning a large buffer
+    /// costs far more than the copy): [`SleepingBuffer::wake_keeping_host`] hands
+    /// it back. `host` needs at least [`mapped_bytes`](GrowableBuffer::mapped_bytes).
+    ///
+    /// # Errors
+    /// As `sleep`; `InvalidArgument` (the buffer awake, `host` dropped) for a
+    /// `host` shorter than the mapped bytes.
+    pub fn sleep_into(
+        self,
+        stream: &impl AsStream,
+        host: PinnedBuffer<u8>,
+    ) -> std::result::Result<SleepingBuffer<T>, Box<SleepError<T>>> {
+        if host.len() < self.mapped {
+            let error = invalid_arg(format!(
+                "sleeping a growable buffer: the host buffer has {} bytes, {} are mapped",
+                host.len(),
+                self.mapped
+            ));
+            return Err(sleep_error(error, SleepState::Awake(self)));
+        }
+        self.sleep_with(Some((stream.stream(), Some(host))))
+    }
+
+    fn sleep_with(
+        mut self,
+        save: Option<(&CudaStream, Option<PinnedBuffer<u8>>)>,
     ) -> std::result::Result<SleepingBuffer<T>, Box<SleepError<T>>> {
         // Every use first (work on any stream may still write the memory), then
         // the save (which waits for its own copy), then the unmaps.
@@ -275,7 +307,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             return Err(sleep_error(error, SleepState::Awake(self)));
         }
         let saved = match save {
-            Some(stream) => match self.save(stream.stream()) {
+            Some((stream, host)) => match self.save(stream, host) {
                 Ok(p) => Some(p),
                 Err(error) => return Err(sleep_error(error, SleepState::Awake(self))),
             },
@@ -296,8 +328,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         }
     }
 
-    fn save(&self, stream: &CudaStream) -> Result<PinnedBuffer<u8>> {
-        let mut host = PinnedBuffer::<u8>::zeroed(stream, self.mapped.max(1))?;
+    fn save(&self, stream: &CudaStream, host: Option<PinnedBuffer<u8>>) -> Result<PinnedBuffer<u8>> {
+        let mut host = match host {
+            Some(h) => h,
+            None => PinnedBuffer::<u8>::zeroed(stream, self.mapped.max(1))?,
+        };
         if self.mapped > 0 {
             stream.copy_d2h(&self.bytes(), &mut host[..self.mapped])?;
         }
@@ -378,9 +413,23 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
     /// A [`WakeError`] holding the buffer, still asleep, for the failing
     /// allocation, mapping or copy.
     pub fn wake(
-        mut self,
+        self,
         stream: &impl AsStream,
     ) -> std::result::Result<GrowableBuffer<T>, Box<WakeError<T>>> {
+        self.wake_keeping_host(stream).map(|(buffer, _)| buffer)
+    }
+
+    /// [`wake`](SleepingBuffer::wake), handing back the pinned memory the
+    /// contents were saved in (for the next [`GrowableBuffer::sleep_into`]);
+    /// `None` when they were not saved.
+    ///
+    /// # Errors
+    /// As `wake`.
+    #[allow(clippy::type_complexity)]
+    pub fn wake_keeping_host(
+        mut self,
+        stream: &impl AsStream,
+    ) -> std::result::Result<(GrowableBuffer<T>, Option<PinnedBuffer<u8>>), Box<WakeError<T>>> {
         let stream = stream.stream();
         if let Err(error) = self.map_missing() {
             return Err(Box::new(WakeError {
@@ -398,11 +447,12 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
             len,
             mapped,
             mut buffer,
+            saved,
             ..
         } = self;
         buffer.len = len;
         buffer.mapped = mapped;
-        Ok(buffer)
+        Ok((buffer, saved))
     }
 
     /// Copy the saved contents back (the memory is mapped).
