@@ -1,12 +1,18 @@
 //! Memory against the raw driver, same process, same stream: stream-ordered
 //! allocation + free pairs, fills and device-to-device copies of 1 GiB, and a typed
-//! `__device__` symbol written and read back.
+//! `__device__` symbol written and read back; then virtual memory
+//! (`memory/vmm_rows.rs`: map, grown-buffer copies, sleep/wake, import in a
+//! second process) and a TMA copy kernel (`memory/tma_row.rs`).
 //!
 //! `cargo bench -p metrale-runtime --bench memory [-- --rounds N | --quick]`.
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
 mod common;
+#[path = "memory/tma_row.rs"]
+mod tma_row;
+#[path = "memory/vmm_rows.rs"]
+mod vmm_rows;
 
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -19,7 +25,7 @@ use metrale_runtime::{DeviceBuffer, MemPool, MetraleError, MetraleRegistry};
 static PTX: &[u8] = include_bytes!("../tests/fixtures/kernels.ptx");
 const SCALE: &str = "_ZN7tq_plus14d_innerq_scaleE";
 
-fn ok(call: &str, s: CUresult) {
+pub(crate) fn ok(call: &str, s: CUresult) {
     assert!(s.is_success(), "{call} failed: {s}");
 }
 
@@ -234,10 +240,24 @@ fn run() -> Result<(), MetraleError> {
         Some(&ratios(&r[7], &r[6])),
     );
     assert_eq!(back, values);
+    drop((dst, src));
+    // Issue 21: virtual memory; issue 23: the TMA copy.
+    vmm_rows::run(s, big, rounds.min(7))?;
+    tma_row::run(&reg, s, big, rounds.min(7))?;
     Ok(())
 }
 
 fn main() -> ExitCode {
+    if let Ok(path) = std::env::var(vmm_rows::CHILD_VAR) {
+        // The second process of the import rows.
+        return match vmm_rows::child(&path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("memory bench (second process): {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) if e.is_unavailable() => {

@@ -56,6 +56,21 @@ fn cpu_seconds() -> f64 {
 
 unsafe extern "C" fn noop(_: *mut c_void) {}
 
+/// What the raw host-function wake-up sets and unparks.
+struct Flag {
+    done: std::sync::atomic::AtomicBool,
+    thread: std::thread::Thread,
+}
+
+/// A raw host function that wakes the waiting thread (the floor of any
+/// callback-driven wake-up).
+unsafe extern "C" fn unpark_flag(data: *mut c_void) {
+    // SAFETY: `data` is the `Flag` the waiting thread keeps alive until `done`.
+    let f = unsafe { &*data.cast_const().cast::<Flag>() };
+    f.done.store(true, std::sync::atomic::Ordering::Release);
+    f.thread.unpark();
+}
+
 pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), MetraleError> {
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let stream = CudaStream::new(reg.ctx())?;
@@ -77,27 +92,67 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         assert!(unsafe { raw_sync(raw_stream) }.is_success());
     };
 
-    // Latency: an empty kernel, then the wait; the two waits alternate.
+    // Latency: an empty kernel, then the wait; the waits take turns: the
+    // spinning cuStreamSynchronize, metrale's future, and two raw waits that do
+    // not spin (a host function unparking the thread, a blocking-sync event).
+    let flag = Flag {
+        done: std::sync::atomic::AtomicBool::new(false),
+        thread: std::thread::current(),
+    };
+    let flag_ptr = (&flag as *const Flag).cast_mut().cast::<c_void>();
+    let mut blocking_event: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: writes one event; CU_EVENT_BLOCKING_SYNC | CU_EVENT_DISABLE_TIMING.
+    assert!(unsafe { (d.cuEventCreate().unwrap())(&mut blocking_event, 0x1 | 0x2) }.is_success());
+    let (ev_record, ev_sync) = (d.cuEventRecord().unwrap(), d.cuEventSynchronize().unwrap());
     let k = if quick { 200 } else { 2_000 };
     let (mut lat_sync, mut lat_future) = (Row::default(), Row::default());
+    let (mut lat_hostfn, mut lat_event) = (Row::default(), Row::default());
     for _ in 0..rounds {
-        let (mut a, mut b) = (0.0, 0.0);
+        let mut t = [0.0f64; 4];
         for i in 0..k {
-            if i % 2 == 0 {
-                a += time(|| {
-                    launch_empty();
-                    sync_raw();
-                });
-            } else {
-                b += time(|| {
-                    launch_empty();
-                    block_on(stream.done()).unwrap();
-                });
+            match i % 4 {
+                0 => {
+                    t[0] += time(|| {
+                        launch_empty();
+                        sync_raw();
+                    })
+                }
+                1 => {
+                    t[1] += time(|| {
+                        launch_empty();
+                        block_on(stream.done()).unwrap();
+                    })
+                }
+                2 => {
+                    t[2] += time(|| {
+                        launch_empty();
+                        flag.done.store(false, std::sync::atomic::Ordering::Relaxed);
+                        // SAFETY: `flag` outlives the wait below, which lasts until
+                        // the host function has run.
+                        let st = unsafe { raw_host_fn(raw_stream, Some(unpark_flag), flag_ptr) };
+                        assert!(st.is_success());
+                        while !flag.done.load(std::sync::atomic::Ordering::Acquire) {
+                            std::thread::park_timeout(Duration::from_secs(1));
+                        }
+                    })
+                }
+                _ => {
+                    t[3] += time(|| {
+                        launch_empty();
+                        // SAFETY: a live event and stream of one context.
+                        unsafe {
+                            assert!(ev_record(blocking_event, raw_stream).is_success());
+                            assert!(ev_sync(blocking_event).is_success());
+                        }
+                    })
+                }
             }
         }
-        let half = (k / 2) as f64;
-        lat_sync.push(a * 1e6 / half);
-        lat_future.push(b * 1e6 / half);
+        let q = (k / 4) as f64;
+        lat_sync.push(t[0] * 1e6 / q);
+        lat_future.push(t[1] * 1e6 / q);
+        lat_hostfn.push(t[2] * 1e6 / q);
+        lat_event.push(t[3] * 1e6 / q);
     }
 
     // Submit cost: batches of 250, the raw and safe paths taking turns.
@@ -220,6 +275,18 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         &lat_future,
         "us",
         Some(&ratios(&lat_future, &lat_sync)),
+    );
+    line(
+        "empty kernel, then raw host function unparks (us)",
+        &lat_hostfn,
+        "us",
+        Some(&ratios(&lat_hostfn, &lat_sync)),
+    );
+    line(
+        "empty kernel, then blocking-sync event wait (us)",
+        &lat_event,
+        "us",
+        Some(&ratios(&lat_event, &lat_sync)),
     );
     line(
         "raw cuLaunchHostFunc submit",

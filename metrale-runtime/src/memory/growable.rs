@@ -17,7 +17,7 @@ use super::vmm::{granularity, round_up, Access, HandleTypes, PhysicalMemory, Vir
 use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, Uses};
 use super::{DeviceSlice, DeviceSliceMut, PinnedBuffer};
 use crate::context::{AsContext, CudaContext};
-use crate::error::{invalid_arg, MetraleError, Result};
+use crate::error::{cu, invalid_arg, MetraleError, Result};
 use crate::stream::{AsStream, CudaStream};
 
 /// A device buffer that grows without moving: a large range is reserved once and
@@ -328,7 +328,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         }
     }
 
-    fn save(&self, stream: &CudaStream, host: Option<PinnedBuffer<u8>>) -> Result<PinnedBuffer<u8>> {
+    fn save(
+        &self,
+        stream: &CudaStream,
+        host: Option<PinnedBuffer<u8>>,
+    ) -> Result<PinnedBuffer<u8>> {
         let mut host = match host {
             Some(h) => h,
             None => PinnedBuffer::<u8>::zeroed(stream, self.mapped.max(1))?,
@@ -431,13 +435,7 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
         stream: &impl AsStream,
     ) -> std::result::Result<(GrowableBuffer<T>, Option<PinnedBuffer<u8>>), Box<WakeError<T>>> {
         let stream = stream.stream();
-        if let Err(error) = self.map_missing() {
-            return Err(Box::new(WakeError {
-                error,
-                buffer: self,
-            }));
-        }
-        if let Err(error) = self.restore(stream) {
+        if let Err(error) = self.map_and_restore(stream) {
             return Err(Box::new(WakeError {
                 error,
                 buffer: self,
@@ -455,39 +453,89 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
         Ok((buffer, saved))
     }
 
-    /// Copy the saved contents back (the memory is mapped).
-    fn restore(&self, stream: &CudaStream) -> Result<()> {
-        let Some(saved) = &self.saved else {
-            return Ok(());
-        };
-        if self.mapped == 0 {
-            return Ok(());
-        }
-        let src = saved
-            .get(..self.mapped)
-            .ok_or_else(|| invalid_arg("waking a buffer: the saved contents are short"))?;
-        let mut bytes = DeviceSliceMut::<u8>::from_parts(
-            self.buffer.ptr,
-            self.mapped,
-            &self.buffer.range.ctx,
-            Some(&self.buffer.uses),
-        );
-        stream.copy_h2d(src, &mut bytes)
-    }
-
-    fn map_missing(&mut self) -> Result<()> {
+    /// Map what is missing, piece by piece, and queue the copy of each piece's
+    /// saved bytes right after its mapping, so that creating and mapping the next
+    /// piece overlaps the copy of the last; then wait for the copies (on every
+    /// path once one was queued: the saved bytes must outlive them).
+    fn map_and_restore(&mut self, stream: &CudaStream) -> Result<()> {
         let ctx = Arc::clone(&self.buffer.range.ctx);
+        let restore = self.saved.is_some() && self.mapped > 0;
+        if restore && !stream.context().same(&ctx) {
+            return Err(invalid_arg(format!(
+                "waking a buffer of device {}: the stream is of device {}",
+                ctx.ordinal(),
+                stream.ordinal()
+            )));
+        }
+        if let Some(saved) = &self.saved {
+            if saved.len() < self.mapped {
+                return Err(invalid_arg("waking a buffer: the saved contents are short"));
+            }
+        }
+        let section = stream.section();
+        if restore {
+            stream.refuse_if_capturing(&section, "restoring a sleeping buffer")?;
+        }
+        let mut queued = false;
+        let mut failed = None;
         for &(offset, size) in &self.pieces {
-            if self.buffer.range.is_mapped(offset, size) {
+            if !self.buffer.range.is_mapped(offset, size) {
+                // The pieces were made with this granularity before.
+                let mapped =
+                    PhysicalMemory::create(&ctx, size, self.buffer.types).and_then(|phys| {
+                        self.buffer.range.map(
+                            offset,
+                            Arc::new(phys),
+                            0,
+                            size,
+                            &[(&ctx, Access::ReadWrite)],
+                        )
+                    });
+                if let Err(e) = mapped {
+                    failed = Some(e);
+                    break;
+                }
+            }
+            let Some(saved) = &self.saved else {
+                continue;
+            };
+            let n = size.min(self.mapped.saturating_sub(offset));
+            if n == 0 {
                 continue;
             }
-            // The pieces were made with this granularity before.
-            let phys = Arc::new(PhysicalMemory::create(&ctx, size, self.buffer.types)?);
-            self.buffer
-                .range
-                .map(offset, phys, 0, size, &[(&ctx, Access::ReadWrite)])?;
+            let (to, from) = (
+                self.buffer.ptr + offset as u64,
+                saved
+                    .as_ptr()
+                    .wrapping_add(offset)
+                    .cast::<std::ffi::c_void>(),
+            );
+            // SAFETY: `[offset, offset + n)` lies inside the saved bytes (checked
+            // above: they cover every mapped byte) and inside this piece, mapped
+            // with read-write access just now or before; the saved buffer lives in
+            // `self` until the wait below, and nothing else uses either side (the
+            // buffer is asleep); the stream is not being captured (this section).
+            let copied = stream.call("restoring a sleeping buffer", |d, s| unsafe {
+                cu!(d, cuMemcpyHtoDAsync_v2(to, from, n, s))
+            });
+            match copied {
+                Ok(()) => queued = true,
+                Err(e) => {
+                    failed = Some(e);
+                    break;
+                }
+            }
         }
-        Ok(())
+        if queued {
+            let waited = stream.record_done_in(&section).and_then(|done| {
+                drop(section);
+                stream.wait_done(done)
+            });
+            if let (None, Err(e)) = (&failed, waited) {
+                failed = Some(e);
+            }
+        }
+        failed.map_or(Ok(()), Err)
     }
 }
 

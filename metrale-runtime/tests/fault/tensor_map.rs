@@ -399,6 +399,41 @@ fn replace_address_moves_the_map_to_memory_of_the_same_shape() {
     );
 }
 
+fn set_address_moves_the_map_in_place_and_a_refusal_leaves_it() {
+    let reg = setup();
+    let s = reg.stream();
+    let a = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+    let b = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+    let small = DeviceBuffer::<f32>::alloc(s, 64 * 63).unwrap();
+    let mut map = TensorMap::tiled(&a)
+        .dims(&[64, 64])
+        .box_dims(&[16, 16])
+        .encode()
+        .unwrap();
+    let before = fake().calls("cuTensorMapReplaceAddress");
+    map.set_address(&b).unwrap();
+    assert_eq!(fake().calls("cuTensorMapReplaceAddress"), before + 1);
+    assert_eq!(map.address(), b.device_ptr());
+    assert_eq!(encoded(&map).address, b.device_ptr());
+    let e = map.set_address(&small).unwrap_err();
+    assert!(e.to_string().contains("beyond the 16128 bytes"), "{e}");
+    // Unchanged: still the map over `b`, and the refusal never reached the driver.
+    assert_eq!(map.address(), b.device_ptr());
+    assert_eq!(encoded(&map).address, b.device_ptr());
+    assert_eq!(fake().calls("cuTensorMapReplaceAddress"), before + 1);
+    fake().fail("cuTensorMapReplaceAddress", 1, 1, Some(1));
+    let e = map.set_address(&a).unwrap_err();
+    assert!(e.to_string().contains("cuTensorMapReplaceAddress"), "{e}");
+    assert_eq!(
+        map.address(),
+        b.device_ptr(),
+        "a failed call leaves the map"
+    );
+    assert_eq!(encoded(&map).address, b.device_ptr());
+    map.set_address(&a).unwrap();
+    assert_eq!(encoded(&map).address, a.device_ptr());
+}
+
 fn maps_on_an_old_driver_are_a_missing_symbol() {
     let old = metrale_fakecuda::old_library_path().to_str().unwrap();
     let out = run_child("old_driver_tensor_map", &[("METRALE_LIBCUDA_PATH", old)]);
@@ -459,6 +494,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "tensor_map::replace_address_moves_the_map_to_memory_of_the_same_shape",
             run: replace_address_moves_the_map_to_memory_of_the_same_shape,
+        },
+        Test {
+            name: "tensor_map::set_address_moves_the_map_in_place_and_a_refusal_leaves_it",
+            run: set_address_moves_the_map_in_place_and_a_refusal_leaves_it,
         },
         Test {
             name: "tensor_map::maps_on_an_old_driver_are_a_missing_symbol",

@@ -316,8 +316,32 @@ fn sleep_and_wake_restore_every_byte() {
     let err = asleep.wake(s).unwrap_err();
     assert_eq!(err.error.status(), Some(CUresult(2)));
     assert_eq!(vmm_counts(), (1, 1, 1), "the first piece is mapped again");
-    let buf = err.buffer.wake(s).unwrap();
+    let mut buf = err.buffer.wake(s).unwrap();
     assert_eq!(s.to_vec(&buf).unwrap(), vec![0; MIB + 3]);
+    // Saving into the caller's pinned memory, handed back on waking; too short
+    // a host buffer is refused with the buffer awake.
+    s.copy_h2d(&values, &mut buf).unwrap();
+    let short = PinnedBuffer::<u8>::zeroed(s, 6 * MIB - 1).unwrap();
+    let err = buf.sleep_into(s, short).unwrap_err();
+    assert!(
+        err.error.to_string().contains("6291455 bytes"),
+        "{}",
+        err.error
+    );
+    let SleepState::Awake(buf) = err.buffer else {
+        panic!("a refused sleep releases nothing");
+    };
+    let host = PinnedBuffer::<u8>::zeroed(s, 6 * MIB).unwrap();
+    let host_ptr = host.as_ptr();
+    let asleep = buf.sleep_into(s, host).unwrap();
+    assert!(asleep.is_saved());
+    let (buf, host) = asleep.wake_keeping_host(s).unwrap();
+    let host = host.expect("the saved contents' memory comes back");
+    assert_eq!(host.as_ptr(), host_ptr, "the same pinned memory");
+    assert_eq!(s.to_vec(&buf).unwrap(), values);
+    let asleep = buf.sleep_into(s, host).unwrap();
+    let (buf, _) = asleep.wake_keeping_host(s).unwrap();
+    assert_eq!(s.to_vec(&buf).unwrap(), values, "reused for a second sleep");
     // A sleeping buffer dropped frees everything.
     let asleep = buf.sleep(None::<&CudaStream>).unwrap();
     drop(asleep);

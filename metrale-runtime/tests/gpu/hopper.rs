@@ -81,6 +81,18 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
         cols,
         "the copy after replace_address",
     );
+
+    let mut moved = moved;
+    moved.set_address(&da).unwrap();
+    s.memset_u32(&mut out, f32::NAN.to_bits()).unwrap();
+    // SAFETY: as above, the map covering `da` again.
+    unsafe { s.launch(&f, cfg, (&moved, &mut out, cols as u32)) }.unwrap();
+    check_copy(
+        &s.to_vec(&out).unwrap(),
+        &a,
+        cols,
+        "the copy after set_address",
+    );
 }
 
 /// The real driver agrees with the checks: what they accept it encodes, and the

@@ -285,6 +285,16 @@ fn two_processes_share_a_pool_buffer() {
         let want = if i < 1000 { i as u32 + 77 } else { i as u32 };
         assert_eq!(v, want, "element {i}");
     }
+    let child_err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !child_err.contains("metrale:"),
+        "the child reported a leak or failure: {child_err}"
+    );
+    // The free is stream-ordered and the pool's destruction waits for it: let it
+    // complete before the process may exit (memcheck counts it otherwise).
+    drop(buf);
+    s.synchronize().unwrap();
+    drop(pool);
 }
 
 fn child_pool_import_and_write() {
