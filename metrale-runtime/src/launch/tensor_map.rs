@@ -700,7 +700,9 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             return fail(format_args!("the rank must be 1..=5: no sizes given"));
         }
         if self.im2col.is_some() && rank < 3 {
-            return fail(format_args!("an im2col map needs rank 3, 4 or 5: rank {rank}"));
+            return fail(format_args!(
+                "an im2col map needs rank 3, 4 or 5: rank {rank}"
+            ));
         }
         let interleaved = self.interleave != Interleave::None;
         if interleaved && rank < 3 {
@@ -798,10 +800,7 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                     // At most 256: fits.
                     *slot = d.min(256) as u32;
                 }
-                Dims {
-                    len: rank as u8,
-                    v,
-                }
+                Dims { len: rank as u8, v }
             }
         };
         for (i, &b) in box_dims.get().iter().enumerate() {
@@ -830,7 +829,10 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         }
         let element_strides = match self.element_strides {
             Some(e) if e.len() != rank => {
-                return fail(format_args!("{} element strides given for rank {rank}", e.len()));
+                return fail(format_args!(
+                    "{} element strides given for rank {rank}",
+                    e.len()
+                ));
             }
             Some(e) => e,
             None => Dims {
@@ -877,7 +879,9 @@ fn check_im2col(
 ) -> Result<()> {
     let fail = |text: fmt::Arguments<'_>| Err(refuse(text));
     if has_box {
-        return fail(format_args!("box sizes do not apply to an im2col map (it gathers pixels)"));
+        return fail(format_args!(
+            "box sizes do not apply to an im2col map (it gathers pixels)"
+        ));
     }
     let spatial = rank - 2;
     for (what, c) in [("lower", &i.lower), ("upper", &i.upper)] {

@@ -328,7 +328,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         }
     }
 
-    fn save(&self, stream: &CudaStream, host: Option<PinnedBuffer<u8>>) -> Result<PinnedBuffer<u8>> {
+    fn save(
+        &self,
+        stream: &CudaStream,
+        host: Option<PinnedBuffer<u8>>,
+    ) -> Result<PinnedBuffer<u8>> {
         let mut host = match host {
             Some(h) => h,
             None => PinnedBuffer::<u8>::zeroed(stream, self.mapped.max(1))?,
