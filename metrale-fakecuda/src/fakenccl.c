@@ -22,7 +22,14 @@
  *  - a collective queued on a stream being captured runs when queued (the
  *    stand-in driver has no node for it): a capture test checks that nothing
  *    in the call path synchronises, not the replay;
- *  - ncclGroupStart/End defer the calls of this thread to the outermost end.
+ *  - ncclGroupStart/End defer the calls of this thread to the outermost end;
+ *  - NCCL_COMM_BLOCKING (0 or 1) overrides the config's blocking flag, as in
+ *    NCCL; the config's commName pointer is kept (NCCL keeps it too) and read
+ *    back through fakenccl_comm_name;
+ *  - a split of a communicator made with splitShare=1 shares its "resources":
+ *    ncclCommGetAsyncError on any of them sleeps for the configured call delay
+ *    outside the lock and counts calls that overlap on one shared set
+ *    (fakenccl_shared_overlaps; NCCL forbids that concurrency).
  *
  * Failure control: make a named call fail from its Nth call on; set an
  * asynchronous error on a communicator; "hang" (operations never complete, as
@@ -130,6 +137,9 @@ struct comm {
     long send_seq[MAX_RANKS], recv_seq[MAX_RANKS];
     int pending;    /* operations of this rank not yet complete */
     char last_error[256];
+    const char *name; /* the config's commName pointer, kept as NCCL keeps it */
+    int split_share;  /* the config's splitShare */
+    int share_id;     /* the shared set of a splitShare parent and children (0: none) */
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -143,6 +153,18 @@ static long would_hang;
 static int version_code = 22809;
 static unsigned long long id_counter;
 static __thread char thread_error[256];
+#define MAX_SHARES 64
+static int share_busy[MAX_SHARES];
+static int share_counter;
+static long shared_overlaps;
+static long call_delay_us;
+
+/* NCCL_COMM_BLOCKING: 0 or 1 override the config. */
+static int env_blocking(int blocking) {
+    const char *e = getenv("NCCL_COMM_BLOCKING");
+    if (e && (strcmp(e, "0") == 0 || strcmp(e, "1") == 0)) return e[0] == '1';
+    return blocking;
+}
 
 /* ---- call accounting and failure injection ------------------------------- */
 
@@ -215,6 +237,8 @@ EXPORT void fakenccl_reset(void) {
     timeout_ms = 10000;
     would_hang = 0;
     version_code = 22809;
+    shared_overlaps = 0;
+    call_delay_us = 0;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakenccl_fail(const char *name, int status, long from_call, long times) {
@@ -245,6 +269,13 @@ EXPORT void fakenccl_set_async_error(void *comm, int status) {
         snprintf(c->last_error, sizeof c->last_error, "fakenccl: remote peer failed (injected)");
     }
     pthread_mutex_unlock(&lock);
+}
+EXPORT void fakenccl_set_call_delay_us(long us) { call_delay_us = us; }
+EXPORT long fakenccl_shared_overlaps(void) { return shared_overlaps; }
+/* The commName the communicator was made with, read through the kept pointer. */
+EXPORT const char *fakenccl_comm_name(void *comm) {
+    struct comm *c = comm;
+    return c && c->magic == COMM_MAGIC ? c->name : NULL;
 }
 EXPORT int fakenccl_pending(void *comm) {
     struct comm *c = comm;
@@ -738,9 +769,14 @@ EXPORT ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId
         }
         if (config->blocking != UNDEF_INT) blocking = config->blocking != 0;
     }
+    blocking = env_blocking(blocking);
     struct comm *c = NULL;
     ncclResult_t r = join(&c, nranks, id, rank, blocking, dev);
     if (r) { pthread_mutex_unlock(&lock); return r; }
+    if (config) {
+        c->name = config->commName;
+        c->split_share = config->splitShare == 1;
+    }
     *comm = c;
     r = finish_init(c);
     pthread_mutex_unlock(&lock);
@@ -763,7 +799,7 @@ EXPORT ncclResult_t ncclCommInitAll(void **comms, int ndev, const int *devlist) 
     memcpy(id.internal + 8, &n, 8);
     for (int r = 0; r < ndev; r++) {
         struct comm *c = NULL;
-        ncclResult_t e = join(&c, ndev, id, r, 1, devlist ? devlist[r] : r);
+        ncclResult_t e = join(&c, ndev, id, r, env_blocking(1), devlist ? devlist[r] : r);
         if (e) { pthread_mutex_unlock(&lock); return e; }
         comms[r] = c;
     }
@@ -789,10 +825,19 @@ EXPORT ncclResult_t ncclCommSplit(void *comm, int color, int key, void **newcomm
     if (!check_comm(c) || !newcomm) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "bad comm"); }
     int blocking = c->blocking;
     if (config && config->blocking != UNDEF_INT) blocking = config->blocking != 0;
+    blocking = env_blocking(blocking);
     struct comm *child = NULL;
     if (color >= 0) {
         child = new_comm(blocking);
         child->nranks = 0;
+        if (config) {
+            child->name = config->commName;
+            child->split_share = config->splitShare == 1;
+        }
+        if (c->split_share) {
+            if (!c->share_id && share_counter + 1 < MAX_SHARES) c->share_id = ++share_counter;
+            child->share_id = c->share_id;
+        }
     }
     *newcomm = child;
     struct part p = {0};
@@ -814,6 +859,18 @@ EXPORT ncclResult_t ncclCommGetAsyncError(void *comm, ncclResult_t *err) {
     ENTER();
     struct comm *c = comm;
     if (!check_comm(c) || !err) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    int share = c->share_id;
+    if (share && call_delay_us > 0) {
+        /* A call on a shared set: overlapping another one is what NCCL forbids. */
+        if (share_busy[share]) shared_overlaps++;
+        share_busy[share]++;
+        pthread_mutex_unlock(&lock);
+        struct timespec d = {call_delay_us / 1000000, (call_delay_us % 1000000) * 1000};
+        nanosleep(&d, NULL);
+        pthread_mutex_lock(&lock);
+        share_busy[share]--;
+        if (!check_comm(c)) { pthread_mutex_unlock(&lock); return ncclInvalidArgument; }
+    }
     if (c->async_error) *err = c->async_error;
     else if (c->failed) *err = ncclSystemError;
     else if (!c->ready) *err = ncclInProgress;

@@ -498,6 +498,48 @@ impl FakeNccl {
         );
     }
 
+    /// `ncclCommGetAsyncError` on a communicator of a shared split sleeps this
+    /// long outside the stand-in's lock (0: not at all).
+    pub fn set_call_delay_us(&self, us: i64) {
+        call!(
+            self,
+            "fakenccl_set_call_delay_us",
+            unsafe extern "C" fn(c_long),
+            us as c_long
+        )
+    }
+
+    /// How many calls on a shared split overlapped another one (NCCL forbids it).
+    pub fn shared_overlaps(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_shared_overlaps",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// The `commName` `comm` was made with, read through the pointer the
+    /// stand-in kept (as NCCL keeps it); `None` without one.
+    pub fn comm_name(&self, comm: *mut c_void) -> Option<String> {
+        let p: *const std::ffi::c_char = call!(
+            self,
+            "fakenccl_comm_name",
+            unsafe extern "C" fn(*mut c_void) -> *const std::ffi::c_char,
+            comm
+        );
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: the pointer the runtime handed NCCL as commName, which it keeps
+        // alive as long as the communicator; read at once.
+        Some(
+            unsafe { std::ffi::CStr::from_ptr(p) }
+                .to_string_lossy()
+                .into_owned(),
+        )
+    }
+
     /// Make `comm` report `status` from `ncclCommGetAsyncError` (and refuse new
     /// work with it).
     pub fn set_async_error(&self, comm: *mut c_void, status: i32) {

@@ -291,7 +291,7 @@ fn nccl_two_ranks_on_two_threads() {
                 comm.broadcast_in_place(&mut b, 1, &s).unwrap();
                 assert_eq!(s.to_vec(&b).unwrap(), vec![1.0; 16]);
                 let mut p = DeviceBuffer::from_host(&s, &[7 + rank as u64; 8]).unwrap();
-                metrale_runtime::nccl::group(&[], || {
+                metrale_runtime::nccl::group(&[&comm], || {
                     if rank == 0 {
                         comm.send(&p, 1, &s)
                     } else {

@@ -18,7 +18,10 @@ use std::time::Duration;
 use metrale_fakecuda::{Fake, FakeNccl};
 use metrale_runtime::nccl::{group, CommConfig, Communicator, NcclError, NcclId, ReduceOp};
 use metrale_runtime::sys::nccl::ncclResult_t;
-use metrale_runtime::{context, CudaContext, CudaStream, DeviceBuffer, Result};
+use metrale_runtime::{
+    context, deferred_frees, CudaContext, CudaStream, DeviceBuffer, ErrorKind, ManagedBuffer,
+    Result,
+};
 
 fn fake() -> &'static Fake {
     static F: OnceLock<Fake> = OnceLock::new();
@@ -290,7 +293,7 @@ fn init_all_and_a_group_on_one_thread() {
     }
     // Send and receive between two ranks of one thread, in one group.
     let [b0, b1] = &mut bufs;
-    group(&[], || {
+    group(&listed, || {
         comms[0].send(b0, 1, &streams[0])?;
         comms[1].recv(b1, 0, &streams[1])
     })
@@ -730,6 +733,275 @@ fn collectives_capture_without_host_sync() {
     assert_eq!(nccl().calls("ncclAllReduce"), 20);
 }
 
+// ---- groups, splits and the host-function guard ----------------------------
+
+fn frees() -> i64 {
+    fake().calls("cuMemFree_v2") + fake().calls("cuMemFreeAsync")
+}
+
+fn group_defers_frees_and_refuses_unlisted_communicators() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let (other, _) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1u32, 2, 3]).unwrap();
+    let mut kept = DeviceBuffer::from_host(&s, &[4u32]).unwrap();
+    let far = DeviceBuffer::<u32>::alloc(&s, 8).unwrap();
+    s.synchronize().unwrap();
+    let (before, calls) = (frees(), nccl().calls("ncclAllReduce"));
+    let mut inside = None;
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+        // Dropped here, and on another thread: the collective reaches the
+        // stream only at the group's end, so neither may be freed yet.
+        drop(b);
+        std::thread::spawn(move || drop(far)).join().unwrap();
+        // A communicator the group does not list is refused, blocking or not.
+        let e = other
+            .all_reduce_in_place(&mut kept, ReduceOp::Sum, &s)
+            .unwrap_err();
+        inside = Some((frees(), deferred_frees(), refusal(&e)));
+        Ok(())
+    })
+    .unwrap();
+    let (freed_inside, deferred, text) = inside.unwrap();
+    assert_eq!(freed_inside, before, "nothing freed inside the group");
+    assert_eq!(deferred, 2, "both frees deferred");
+    assert!(
+        text.starts_with("ncclAllReduce not called (communicator rank 0 of 1, device 0): a communicator used inside `group` must be listed"),
+        "{text}"
+    );
+    assert_eq!(
+        nccl().calls("ncclAllReduce"),
+        calls + 1,
+        "the refused one never reached NCCL"
+    );
+    assert_eq!(deferred_frees(), 0, "retried at the group's end");
+    assert_eq!(frees(), before + 2);
+    // A group that fails, or unwinds, still lets the frees go.
+    let gone = DeviceBuffer::<u8>::alloc(&s, 4).unwrap();
+    let mut one = DeviceBuffer::<u8>::alloc(&s, 1).unwrap();
+    let e = group(&[&comm], || {
+        drop(gone);
+        comm.broadcast_in_place(&mut one, 5, &s)
+    })
+    .unwrap_err();
+    assert!(refusal(&e).contains("root 5 is not a rank"), "{e}");
+    assert_eq!((deferred_frees(), frees()), (0, before + 3));
+    let gone = DeviceBuffer::<u8>::alloc(&s, 4).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        group(&[&comm], || -> Result<()> {
+            drop(gone);
+            panic!("inside a group")
+        })
+    }));
+    assert!(panicked.is_err());
+    assert_eq!((deferred_frees(), frees()), (0, before + 4));
+    // Managed memory's host view is refused while a group is open.
+    let mut m = ManagedBuffer::<u32>::zeroed(&ctx(0), 4).unwrap();
+    let e = group(&[&comm], || m.host_slice().map(|_| ())).unwrap_err();
+    assert!(
+        e.to_string().contains(
+            "host_slice refused while an NCCL group is open (this thread is inside `nccl::group`)"
+        ),
+        "{e}"
+    );
+}
+
+fn split_inside_a_group_is_refused() {
+    reset();
+    let (comm, _s) = one_rank(&CommConfig::new());
+    let splits = nccl().calls("ncclCommSplit");
+    let e = group(&[&comm], || {
+        comm.split(Some(0), 0, &CommConfig::new()).map(|_| ())
+    })
+    .unwrap_err();
+    assert!(
+        refusal(&e).starts_with("ncclCommSplit not called (communicator rank 0 of 1, device 0): split inside `group` is not supported"),
+        "{e}"
+    );
+    assert_eq!(nccl().calls("ncclCommSplit"), splits);
+    // Outside the group it works.
+    let child = comm.split(Some(0), 0, &CommConfig::new()).unwrap().unwrap();
+    assert_eq!((child.rank(), child.size()), (0, 1));
+}
+
+fn nccl_comm_blocking_overrides_the_config() {
+    for (env, child) in [("0", "blocking_env_0"), ("1", "blocking_env_1")] {
+        let (ok, stdout, stderr) = child_output(child, &[("NCCL_COMM_BLOCKING", env)]);
+        assert!(ok, "NCCL_COMM_BLOCKING={env}: {stdout}{stderr}");
+        assert!(stdout.contains("checked"), "{stdout}");
+    }
+}
+
+fn blocking_env_0() {
+    nccl().set_inprogress_polls(2);
+    let (comm, s) = one_rank(&CommConfig::new());
+    assert!(!comm.is_blocking(), "NCCL_COMM_BLOCKING=0 wins");
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 2]).unwrap();
+    let polls = nccl().calls("ncclCommGetAsyncError");
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+    })
+    .unwrap();
+    assert!(
+        nccl().calls("ncclCommGetAsyncError") > polls,
+        "the group's end polled it"
+    );
+    assert_eq!(comm.async_status().unwrap(), ncclResult_t::ncclSuccess);
+    let e = comm.split(Some(0), 0, &CommConfig::new()).unwrap_err();
+    assert!(refusal(&e).contains("non-blocking"), "{e}");
+    let all = Communicator::init_all(&[ctx(0)]).unwrap();
+    assert!(!all[0].is_blocking());
+    drop(all);
+    drop(comm);
+    assert_eq!(nccl().live(), 0);
+    println!("checked");
+}
+
+fn blocking_env_1() {
+    let (comm, _s) = one_rank(&CommConfig::new().blocking(false));
+    assert!(comm.is_blocking(), "NCCL_COMM_BLOCKING=1 wins");
+    drop(comm);
+    assert_eq!(nccl().would_hang(), 0);
+    println!("checked");
+}
+
+fn shared_split_and_parent_take_turns() {
+    reset();
+    let (parent, _s) = one_rank(&CommConfig::new().split_share(true));
+    let child = parent
+        .split(Some(0), 0, &CommConfig::new())
+        .unwrap()
+        .unwrap();
+    nccl().set_call_delay_us(300);
+    let t = std::thread::spawn(move || {
+        for _ in 0..40 {
+            child.async_status().unwrap();
+        }
+        child
+    });
+    for _ in 0..40 {
+        parent.async_status().unwrap();
+    }
+    let child = t.join().unwrap();
+    nccl().set_call_delay_us(0);
+    assert_eq!(
+        nccl().shared_overlaps(),
+        0,
+        "parent and child never overlapped"
+    );
+    drop(child);
+    drop(parent);
+    assert_eq!(nccl().live(), 0);
+}
+
+fn comm_name_outlives_the_init_call() {
+    reset();
+    let config = CommConfig::new().comm_name("alpha-communicator");
+    let (comm, _s) = one_rank(&config);
+    let child = comm
+        .split(Some(0), 0, &CommConfig::new().comm_name("the-child"))
+        .unwrap()
+        .unwrap();
+    drop(config);
+    // Churn the heap so freed strings would be overwritten.
+    let churn: Vec<String> = (0..1000).map(|i| format!("{i:0>18}")).collect();
+    assert_eq!(churn.len(), 1000);
+    assert_eq!(
+        nccl().comm_name(comm.raw().cast()).as_deref(),
+        Some("alpha-communicator")
+    );
+    assert_eq!(
+        nccl().comm_name(child.raw().cast()).as_deref(),
+        Some("the-child")
+    );
+}
+
+fn nccl_calls_are_refused_in_a_host_function() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let polls = nccl().calls("ncclCommGetAsyncError");
+    let starts = nccl().calls("ncclGroupStart");
+    let (tx, rx) = std::sync::mpsc::channel();
+    s.launch_host_fn(move || {
+        let status = comm.async_status().map(|_| ());
+        let grouped = group(&[], || Ok(()));
+        let _ = tx.send((status, grouped, comm));
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    let (status, grouped, comm) = rx.recv().unwrap();
+    for (e, subject) in [
+        (
+            status.unwrap_err(),
+            "ncclCommGetAsyncError on the NCCL communicator (rank 0 of 1, device 0)",
+        ),
+        (grouped.unwrap_err(), "ncclGroupStart (nccl::group)"),
+    ] {
+        assert!(matches!(e.kind(), ErrorKind::InHostFunction { .. }), "{e}");
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{subject}: refused inside a host function")),
+            "{e}"
+        );
+    }
+    assert_eq!(nccl().calls("ncclCommGetAsyncError"), polls);
+    assert_eq!(nccl().calls("ncclGroupStart"), starts);
+    assert!(!comm.is_aborted());
+}
+
+fn huge_timeouts_do_not_panic() {
+    reset();
+    nccl().set_inprogress_polls(2);
+    let config = CommConfig::new()
+        .blocking(false)
+        .timeout(Duration::MAX)
+        .drop_timeout(Duration::MAX);
+    let (comm, s) = one_rank(&config);
+    let mut b = DeviceBuffer::from_host(&s, &[3u64]).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+    })
+    .unwrap();
+    drop(comm);
+    let (blocking, _s2) = one_rank(&CommConfig::new().drop_timeout(Duration::MAX));
+    drop(blocking);
+    assert_eq!(nccl().calls("ncclCommDestroy"), 2);
+    assert_eq!(nccl().calls("ncclCommAbort"), 0);
+    assert_eq!(nccl().live(), 0);
+}
+
+fn group_settles_every_listed_communicator() {
+    reset();
+    nccl().set_inprogress_polls(3);
+    let config = CommConfig::new().blocking(false);
+    let (a, s) = one_rank(&config);
+    let (b, _) = one_rank(&config);
+    let mut x = DeviceBuffer::from_host(&s, &[1i32]).unwrap();
+    let mut y = DeviceBuffer::from_host(&s, &[2i32]).unwrap();
+    let e = group(&[&a, &b], || {
+        a.all_reduce_in_place(&mut x, ReduceOp::Sum, &s)?;
+        b.all_reduce_in_place(&mut y, ReduceOp::Sum, &s)?;
+        // `a` fails once its work is launched.
+        nccl().set_async_error(a.raw().cast(), 6);
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .starts_with("ncclGroupEnd: NCCL reported an asynchronous error: ncclRemoteError (6)"),
+        "{e}"
+    );
+    assert!(a.is_aborted());
+    assert!(!b.is_aborted());
+    assert_eq!(
+        b.async_status().unwrap(),
+        ncclResult_t::ncclSuccess,
+        "b was settled too"
+    );
+}
+
 // ---- drop -------------------------------------------------------------------
 
 fn drop_finalizes_then_destroys() {
@@ -877,6 +1149,14 @@ fn main() -> ExitCode {
         drop_past_the_bound_aborts_with_one_line,
         drop_after_teardown_is_silent,
         missing_library_and_missing_symbol,
+        group_defers_frees_and_refuses_unlisted_communicators,
+        split_inside_a_group_is_refused,
+        nccl_comm_blocking_overrides_the_config,
+        shared_split_and_parent_take_turns,
+        comm_name_outlives_the_init_call,
+        nccl_calls_are_refused_in_a_host_function,
+        huge_timeouts_do_not_panic,
+        group_settles_every_listed_communicator,
     ];
     #[cfg(feature = "half")]
     tests.push(harness::Test {
@@ -905,6 +1185,14 @@ fn main() -> ExitCode {
                     nccl().calls("ncclCommAbort")
                 );
             },
+        },
+        harness::Child {
+            name: "blocking_env_0",
+            run: blocking_env_0,
+        },
+        harness::Child {
+            name: "blocking_env_1",
+            run: blocking_env_1,
         },
         harness::Child {
             name: "missing",

@@ -13,6 +13,11 @@
 //! - Nothing is queued on a stream that is being captured (the free would be
 //!   recorded into the graph, and the capture invalidated): such a free is
 //!   deferred and retried when a capture ends, never leaked silently.
+//! - While an NCCL group is open anywhere in the process (feature `nccl`), every
+//!   free is deferred the same way and retried when the last open group ends: a
+//!   collective queued inside a group reaches its stream only at the outermost
+//!   `ncclGroupEnd`, so the uses noted for it are not yet on the stream. The
+//!   fast path pays one atomic load for this.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -73,8 +78,64 @@ fn check_capture(
     }
 }
 
-/// Frees that waited for a capture to end.
+/// Frees that waited for a capture (or an NCCL group) to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
+
+/// The outermost NCCL groups open in the process (`nccl::group`).
+#[cfg(feature = "nccl")]
+static NCCL_GROUPS_OPEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+#[cfg(feature = "nccl")]
+thread_local! {
+    /// Whether this thread has an NCCL group open.
+    static NCCL_GROUP_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Whether an NCCL group is open anywhere in the process: frees wait (one
+/// atomic load; always `false` without the `nccl` feature).
+#[inline]
+pub(crate) fn nccl_groups_open() -> bool {
+    #[cfg(feature = "nccl")]
+    {
+        NCCL_GROUPS_OPEN.load(std::sync::atomic::Ordering::Acquire) != 0
+    }
+    #[cfg(not(feature = "nccl"))]
+    {
+        false
+    }
+}
+
+/// Whether the calling thread has an NCCL group open.
+#[cfg(feature = "nccl")]
+pub(crate) fn nccl_group_on_this_thread() -> bool {
+    NCCL_GROUP_HERE.with(std::cell::Cell::get)
+}
+
+/// An outermost NCCL group of this thread, open until dropped: frees made
+/// meanwhile (on any thread) are deferred; the drop (also on unwind) retries
+/// them once no group is open. Made before the group's first call, dropped
+/// after its `ncclGroupEnd` (and the settling of what it launched).
+#[cfg(feature = "nccl")]
+pub(crate) struct NcclGroupOpen(());
+
+#[cfg(feature = "nccl")]
+impl NcclGroupOpen {
+    pub(crate) fn new() -> NcclGroupOpen {
+        NCCL_GROUPS_OPEN.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        NCCL_GROUP_HERE.with(|h| h.set(true));
+        NcclGroupOpen(())
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl Drop for NcclGroupOpen {
+    fn drop(&mut self) {
+        NCCL_GROUP_HERE.with(|h| h.set(false));
+        if NCCL_GROUPS_OPEN.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            retry_deferred();
+        }
+    }
+}
 
 impl FreeJob {
     fn what(&self) -> String {
@@ -90,22 +151,30 @@ impl FreeJob {
         )
     }
 
-    /// Free now, or defer when a stream involved is being captured.
+    /// Free now, or defer when a stream involved is being captured or an NCCL
+    /// group is open.
     pub(crate) fn release(self) {
         if let Some(job) = self.try_free() {
             DEFERRED
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .push(job);
-            // The capture may have ended (and retried the list) meanwhile.
-            if !crate::stream::captures_in_progress() {
+            // The capture or group may have ended (and retried the list)
+            // meanwhile.
+            if !crate::stream::captures_in_progress() && !nccl_groups_open() {
                 retry_deferred();
             }
         }
     }
 
-    /// Free, or hand the job back when it must wait for a capture to end.
+    /// Free, or hand the job back when it must wait for a capture or an NCCL
+    /// group to end.
     fn try_free(self) -> Option<FreeJob> {
+        if nccl_groups_open() {
+            // A collective queued in the group may use this memory and reach
+            // its stream only at the group's end.
+            return Some(self);
+        }
         let any_foreign = self
             .uses
             .any_foreign
@@ -294,7 +363,10 @@ pub(crate) fn release(
     made: Generation,
     uses: &mut Uses,
 ) {
-    if kind == Kind::Device && !uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
+    if kind == Kind::Device
+        && !nccl_groups_open()
+        && !uses.any_foreign.load(std::sync::atomic::Ordering::Acquire)
+    {
         if let Some(own) = &uses.own {
             if free_on_own(ptr, ctx, made, own).is_ok() {
                 return;
@@ -320,7 +392,8 @@ impl<F: Fn() -> String> std::fmt::Display for Lazy<'_, F> {
     }
 }
 
-/// Retry the frees that waited for a capture to end (called when one ends).
+/// Retry the frees that waited for a capture or an NCCL group to end (called
+/// when one ends).
 pub(crate) fn retry_deferred() {
     let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
     if jobs.is_empty() {
@@ -335,7 +408,8 @@ pub(crate) fn retry_deferred() {
     }
 }
 
-/// How many frees are waiting for a capture to end (for tests and diagnostics).
+/// How many frees are waiting for a capture or an NCCL group to end (for tests
+/// and diagnostics).
 pub fn deferred_frees() -> usize {
     DEFERRED
         .lock()

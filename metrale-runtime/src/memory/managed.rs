@@ -113,11 +113,19 @@ impl<T: DevicePod> ManagedBuffer<T> {
     /// held would fault the host, so it is refused: copy with
     /// [`CudaStream::to_vec`] and [`CudaStream::copy_h2d`] instead.
     ///
+    /// Refused while an NCCL group is open in the process (feature `nccl`): a
+    /// collective queued inside a group reaches its stream only when the group
+    /// ends, so no synchronisation can wait for it yet (and the buffer may have
+    /// been handed to another thread since it was queued).
+    ///
     /// # Errors
-    /// `InvalidArgument` on a device without concurrent managed access; the
-    /// synchronisation's failure (an earlier kernel's fault), or a stream that
-    /// used the buffer being captured.
+    /// `InvalidArgument` on a device without concurrent managed access, or
+    /// while an NCCL group is open; the synchronisation's failure (an earlier
+    /// kernel's fault), or a stream that used the buffer being captured.
     pub fn host_slice(&mut self) -> Result<&mut [T]> {
+        if super::free::nccl_groups_open() {
+            return Err(self.refused_in_group());
+        }
         if !self.ctx.limits().concurrent_managed_access {
             return Err(invalid_arg(format!(
                 "managed buffer {:#x}: device {} does not let the host access managed memory while \
@@ -146,6 +154,25 @@ impl<T: DevicePod> ManagedBuffer<T> {
         // while unrelated kernels run. Kernels given the buffer by `unsafe`
         // launches are the launch's contract.
         Ok(unsafe { std::slice::from_raw_parts_mut(self.ptr as usize as *mut T, self.len) })
+    }
+
+    #[cold]
+    fn refused_in_group(&self) -> crate::error::MetraleError {
+        #[cfg(feature = "nccl")]
+        let whose = if super::free::nccl_group_on_this_thread() {
+            "this thread is inside `nccl::group`"
+        } else {
+            "another thread is inside `nccl::group`"
+        };
+        #[cfg(not(feature = "nccl"))]
+        let whose = "an NCCL group is open";
+        invalid_arg(format!(
+            "managed buffer {:#x} on device {}: host_slice refused while an NCCL group is open \
+             ({whose}): collectives queued in a group reach their stream only when it ends, \
+             so the host cannot wait for them yet; take the slice after the group",
+            self.ptr,
+            self.ctx.ordinal()
+        ))
     }
 
     /// Number of elements.

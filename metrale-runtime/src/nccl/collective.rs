@@ -50,12 +50,13 @@ impl Communicator {
                 ));
             }
         }
-        if in_group() && !self.is_blocking() && !self.listed() {
+        if in_group() && !self.listed() {
             return Err(refused(
                 call,
                 Some(self.info()),
-                "a non-blocking communicator used inside `group` must be listed in its \
-                 `comms` (its completion is polled when the group ends)",
+                "a communicator used inside `group` must be listed in its `comms`: the \
+                 group borrows those until its work is launched at the group's end (and \
+                 polls the non-blocking ones then)",
             ));
         }
         for &(_, mem) in mems {
@@ -79,7 +80,12 @@ impl Communicator {
         // No context is bound: NCCL selects the communicator's device itself for
         // its calls (and restores the caller's), and the stream names the
         // context. That keeps a small collective's submit at NCCL's own cost.
-        let status = f().map_err(|m| missing(m, Some(self.info())))?;
+        // A communicator sharing resources with a parent or child takes its
+        // turn (no lock otherwise).
+        let status = {
+            let _turn = self.turn();
+            f().map_err(|m| missing(m, Some(self.info())))?
+        };
         self.finish(call, status)
     }
 

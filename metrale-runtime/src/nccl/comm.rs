@@ -3,8 +3,9 @@
 //! wait, abort, and the bounded teardown in Drop.
 
 use std::cell::{Cell, RefCell};
+use std::ffi::CString;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclResult_t, Nccl};
@@ -13,7 +14,7 @@ use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::Result;
 use crate::stream::CudaStream;
 
-use super::config::CommConfig;
+use super::config::{env_blocking, CommConfig};
 use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
 use super::group::in_group;
 use super::teardown::{abort_raw, backoff, settle, teardown, Settled, Teardown};
@@ -26,8 +27,10 @@ use super::{lib, NcclId};
 /// lets one thread queue work on several communicators at once.
 ///
 /// `Send`, not `Sync`: NCCL communicators are not thread-safe, so one thread at a
-/// time uses it (move it to the thread that drives its rank). Drop finalizes and
-/// destroys it within the config's drop timeout, and aborts it past that.
+/// time uses it (move it to the thread that drives its rank). A communicator
+/// split with shared resources ([`CommConfig::split_share`]) and its parent
+/// take turns: each NCCL call on either holds a lock they share. Drop finalizes
+/// and destroys it within the config's drop timeout, and aborts it past that.
 ///
 /// ```compile_fail
 /// fn shared<T: Sync>() {}
@@ -44,6 +47,8 @@ pub struct Communicator {
     made: Generation,
     info: CommInfo,
     blocking: bool,
+    /// Whether its children share its resources (`splitShare`, as NCCL decides).
+    split_share: bool,
     timeout: Option<Duration>,
     drop_timeout: Duration,
     aborted: Cell<bool>,
@@ -54,12 +59,24 @@ pub struct Communicator {
     last_op: Cell<&'static str>,
     /// A non-blocking init made inside a group, not yet polled to completion.
     unsettled: Cell<bool>,
+    /// Shared with the parent or children this communicator shares resources
+    /// with (`splitShare`): NCCL forbids using them concurrently, so every NCCL
+    /// call on any of them holds it. `None` (no lock taken) otherwise.
+    serial: Option<Arc<Mutex<()>>>,
+    /// The strings the config handed to NCCL (`commName`, `netName`): NCCL keeps
+    /// the pointers for the communicator's life.
+    _names: Vec<CString>,
 }
 
-// SAFETY: an NCCL communicator may be used from any thread, one at a time (NCCL
-// binds no thread-local state to it; the device is bound before each call).
-// `Communicator` is not `Sync` (its `Cell`s), so it is never used from two
-// threads at once.
+// SAFETY: NCCL lets a communicator be used from any thread, one thread at a time.
+// One at a time: `Communicator` is not `Sync` (its `Cell`s), so only the thread
+// that holds it calls NCCL on it; a communicator sharing resources with a parent
+// or child (which NCCL forbids using concurrently) holds their shared lock for
+// every NCCL call. NCCL's group state is per thread: a collective queued inside
+// `group` needs its communicator listed, and the group borrows the listed ones
+// until it has ended, so none moves to another thread (or is dropped) while its
+// work waits in this thread's group. NCCL sets the communicator's device itself;
+// the calls metrale makes for it bind the context first.
 unsafe impl Send for Communicator {}
 
 impl fmt::Debug for Communicator {
@@ -77,6 +94,11 @@ impl fmt::Debug for Communicator {
 /// How many streams a communicator keeps before it lets go of those nobody
 /// else holds.
 const KEPT_STREAMS: usize = 8;
+
+/// How long Drop waits at most when the drop timeout cannot be added to the
+/// clock (`Duration::MAX`): a very long but finite bound, so Drop never blocks
+/// forever.
+const LONGEST_DROP_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl Communicator {
     /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
@@ -113,17 +135,34 @@ impl Communicator {
                 ))
             }
         };
-        let (mut cfg, _strings) = config.to_raw(CALL)?;
+        let (mut cfg, names) = config.to_raw(CALL)?;
         let lib = lib()?;
         let f = lib
             .ncclCommInitRankConfig()
             .map_err(|m| missing(m, Some(info)))?;
         ctx.bind()?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: writes one communicator handle; the config (and the strings it
-        // points to) outlive the call; the device is the current context's.
+        // SAFETY: writes one communicator handle; the config outlives the call
+        // and the strings it points to the communicator (kept in it); the device
+        // is the current context's.
         let status = unsafe { f(&mut comm, n, id.to_raw(), r, &mut cfg) };
-        Communicator::made(lib, comm, status, CALL, ctx, info, config)
+        let serial = config
+            .effective_split_share()
+            .then(|| Arc::new(Mutex::new(())));
+        Communicator::made(
+            lib,
+            comm,
+            status,
+            CALL,
+            ctx,
+            info,
+            config,
+            Made {
+                blocking: config.effective_blocking(),
+                serial,
+                names,
+            },
+        )
     }
 
     /// One communicator per context, all of this process (`ncclCommInitAll`):
@@ -171,6 +210,8 @@ impl Communicator {
             return Err(call_error(lib, CALL, status, std::ptr::null_mut(), None));
         }
         let config = CommConfig::new();
+        // ncclCommInitAll's communicators block unless NCCL_COMM_BLOCKING=0.
+        let blocking = config.effective_blocking();
         Ok(comms
             .into_iter()
             .zip(contexts)
@@ -186,7 +227,13 @@ impl Communicator {
                         device: ctx.ordinal(),
                     },
                     &config,
-                    true,
+                    Made {
+                        blocking,
+                        serial: config
+                            .effective_split_share()
+                            .then(|| Arc::new(Mutex::new(()))),
+                        names: Vec::new(),
+                    },
                 )
             })
             .collect())
@@ -197,10 +244,16 @@ impl Communicator {
     /// here). `None` as the color takes no part (`NCCL_SPLIT_NOCOLOR`) and gives
     /// `Ok(None)`.
     ///
+    /// Splits are blocking: a non-blocking parent, a non-blocking config, or
+    /// `NCCL_COMM_BLOCKING=0` is refused (NCCL would write the new handle after
+    /// the call returned). With shared resources (the parent's
+    /// [`CommConfig::split_share`], or `NCCL_COMM_SPLIT_SHARE_RESOURCES=1`) the
+    /// child and the parent take turns on one lock for every NCCL call.
+    ///
     /// # Errors
-    /// A color above `i32::MAX` or an aborted communicator (before NCCL); the
-    /// call's status; for a non-blocking communicator, asynchronous errors or
-    /// the timeout.
+    /// A color above `i32::MAX`, an aborted communicator, a call inside
+    /// [`group`](super::group) (NCCL would write the new handle at the group's
+    /// end), a non-blocking split (all before NCCL); the call's status.
     pub fn split(
         &self,
         color: Option<u32>,
@@ -209,6 +262,14 @@ impl Communicator {
     ) -> Result<Option<Communicator>> {
         const CALL: &str = "ncclCommSplit";
         self.enter(CALL)?;
+        if in_group() {
+            return Err(refused(
+                CALL,
+                Some(self.info),
+                "split inside `group` is not supported: NCCL writes the new communicator \
+                 when the group ends, after this call has returned; split outside the group",
+            ));
+        }
         let c = match color {
             None => raw::NCCL_SPLIT_NOCOLOR,
             Some(c) => i32::try_from(c).map_err(|_| {
@@ -219,7 +280,7 @@ impl Communicator {
                 )
             })?,
         };
-        let (mut cfg, _strings) = config.to_raw(CALL)?;
+        let (mut cfg, names) = config.to_raw(CALL)?;
         // NCCL writes the new handle of a non-blocking split when the split
         // completes, after this call has returned: the handle's storage would be
         // gone. Splits are blocking (inheriting a non-blocking parent's mode would
@@ -234,13 +295,13 @@ impl Communicator {
                 comm: Some(self.info),
             }));
         }
-        if config.blocking == Some(false) {
+        if config.blocking == Some(false) || env_blocking() == Some(false) {
             return Err(into_error(NcclError::Refused {
                 call: "ncclCommSplit",
                 reason: "a non-blocking split is not supported: NCCL writes the new \
                          communicator after the call returns; split with a blocking \
-                         config (the new communicator can be made non-blocking only \
-                         by its own init)"
+                         config, and without NCCL_COMM_BLOCKING=0 (the new communicator \
+                         can be made non-blocking only by its own init)"
                     .to_owned(),
                 comm: Some(self.info),
             }));
@@ -252,12 +313,25 @@ impl Communicator {
             .map_err(|m| missing(m, Some(self.info)))?;
         self.ctx.bind()?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: a live communicator; writes one handle; the config outlives the
-        // call.
-        let status = unsafe { f(self.raw, c, key, &mut comm, &mut cfg) };
+        let status = {
+            let _turn = self.turn();
+            // SAFETY: a live communicator; writes one handle, before the call
+            // returns (a blocking split, outside any group: both checked); the
+            // config outlives the call and its strings the child (kept in it).
+            unsafe { f(self.raw, c, key, &mut comm, &mut cfg) }
+        };
         if comm.is_null() && (status.is_success() || status == ncclResult_t::ncclInProgress) {
             return Ok(None);
         }
+        // A child of a parent that shares its resources takes turns with it;
+        // one that will share its own with its children gets a lock of its own.
+        let serial = match &self.serial {
+            Some(shared) if self.split_share => Some(Arc::clone(shared)),
+            _ => config
+                .effective_split_share()
+                .then(|| Arc::new(Mutex::new(()))),
+        };
+        let child_config = config.clone().blocking(true);
         let mut made = Communicator::made(
             self.lib,
             comm,
@@ -265,7 +339,12 @@ impl Communicator {
             CALL,
             &self.ctx,
             self.info,
-            &config.clone().blocking(cfg.blocking != 0),
+            &child_config,
+            Made {
+                blocking: child_config.effective_blocking(),
+                serial,
+                names,
+            },
         )?;
         made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
         made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
@@ -273,6 +352,7 @@ impl Communicator {
     }
 
     /// The communicator an init call made (or the error, the handle aborted).
+    #[allow(clippy::too_many_arguments)]
     fn made(
         lib: &'static Nccl,
         comm: ncclComm_t,
@@ -281,6 +361,7 @@ impl Communicator {
         ctx: &Arc<CudaContext>,
         info: CommInfo,
         config: &CommConfig,
+        parts: Made,
     ) -> Result<Communicator> {
         let in_progress = status == ncclResult_t::ncclInProgress;
         if !status.is_success() && !in_progress {
@@ -299,8 +380,7 @@ impl Communicator {
                 Some(info),
             ));
         }
-        let blocking = config.blocking != Some(false);
-        let made = Communicator::wrap(lib, comm, ctx, info, config, blocking);
+        let made = Communicator::wrap(lib, comm, ctx, info, config, parts);
         if in_progress {
             if in_group() {
                 made.unsettled.set(true);
@@ -317,7 +397,7 @@ impl Communicator {
         ctx: &Arc<CudaContext>,
         info: CommInfo,
         config: &CommConfig,
-        blocking: bool,
+        parts: Made,
     ) -> Communicator {
         Communicator {
             raw,
@@ -325,14 +405,39 @@ impl Communicator {
             ctx: Arc::clone(ctx),
             made: ctx.generation(),
             info,
-            blocking,
+            blocking: parts.blocking,
+            split_share: config.effective_split_share(),
             timeout: config.timeout,
             drop_timeout: config.drop_timeout,
             aborted: Cell::new(false),
             streams: RefCell::new(Vec::new()),
             last_op: Cell::new("no operation"),
             unsettled: Cell::new(false),
+            serial: parts.serial,
+            _names: parts.names,
         }
+    }
+
+    /// This communicator's turn on the lock it shares with a parent or child
+    /// (`None`, nothing taken, when it shares none).
+    #[inline]
+    pub(crate) fn turn(&self) -> Option<MutexGuard<'_, ()>> {
+        self.serial
+            .as_ref()
+            .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// The lock shared with a parent or child, if any.
+    pub(crate) fn serial(&self) -> Option<&Arc<Mutex<()>>> {
+        self.serial.as_ref()
+    }
+
+    /// The error of `call` returning `status` (NCCL's last error read in this
+    /// communicator's turn).
+    #[cold]
+    fn failed(&self, call: &'static str, status: ncclResult_t) -> crate::error::MetraleError {
+        let _turn = self.turn();
+        call_error(self.lib, call, status, self.raw, Some(self.info))
     }
 
     /// An int NCCL tells about the communicator (rank, count).
@@ -348,16 +453,13 @@ impl Communicator {
     ) -> Result<usize> {
         let f = get(self.lib).map_err(|m| missing(m, Some(self.info)))?;
         let mut v = 0;
-        // SAFETY: a live communicator; writes one int.
-        let status = unsafe { f(self.raw, &mut v) };
+        let status = {
+            let _turn = self.turn();
+            // SAFETY: a live communicator; writes one int.
+            unsafe { f(self.raw, &mut v) }
+        };
         if !status.is_success() {
-            return Err(call_error(
-                self.lib,
-                call,
-                status,
-                self.raw,
-                Some(self.info),
-            ));
+            return Err(self.failed(call, status));
         }
         usize::try_from(v).map_err(|_| refused(call, Some(self.info), format!("NCCL answered {v}")))
     }
@@ -418,16 +520,13 @@ impl Communicator {
             .ncclCommGetAsyncError()
             .map_err(|m| missing(m, Some(self.info)))?;
         let mut state = ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator; writes one status.
-        let status = unsafe { f(self.raw, &mut state) };
+        let status = {
+            let _turn = self.turn();
+            // SAFETY: a live communicator; writes one status.
+            unsafe { f(self.raw, &mut state) }
+        };
         if !status.is_success() {
-            return Err(call_error(
-                self.lib,
-                CALL,
-                status,
-                self.raw,
-                Some(self.info),
-            ));
+            return Err(self.failed(CALL, status));
         }
         Ok(state)
     }
@@ -494,6 +593,7 @@ impl Communicator {
             return;
         }
         if self.ctx.bind().is_ok() {
+            let _turn = self.turn();
             abort_raw(self.lib, self.raw);
         } else {
             crate::error::report_line(format_args!(
@@ -506,20 +606,29 @@ impl Communicator {
     /// Abort, and the error of `state` seen during `during`.
     #[cold]
     fn async_failure(&self, during: &str, state: ncclResult_t) -> crate::error::MetraleError {
+        let last_error = {
+            let _turn = self.turn();
+            error::last_error(self.lib, self.raw)
+        };
         let e = NcclError::Async {
             during: during.to_owned(),
             status: state,
             description: error::description(self.lib, state),
-            last_error: error::last_error(self.lib, self.raw),
+            last_error,
             comm: self.info,
         };
         self.abort();
         into_error(e)
     }
 
-    /// Refuse a call on an aborted communicator.
+    /// Refuse a call inside a host function (the driver forbids CUDA calls
+    /// there, and NCCL makes them) or on an aborted communicator; settle an init
+    /// a group left in progress.
     #[inline]
     pub(crate) fn enter(&self, call: &'static str) -> Result<()> {
+        if crate::context::in_host_function() {
+            return Err(self.in_host_function(call));
+        }
         if self.aborted.get() {
             return Err(into_error(NcclError::Aborted {
                 call,
@@ -531,6 +640,14 @@ impl Communicator {
             self.settle_call("init")?;
         }
         Ok(())
+    }
+
+    #[cold]
+    fn in_host_function(&self, call: &'static str) -> crate::error::MetraleError {
+        crate::error::CallError::InHostFunction.about(format_args!(
+            "{call} on the NCCL communicator ({})",
+            self.info
+        ))
     }
 
     /// Refuse a stream of another device.
@@ -594,20 +711,17 @@ impl Communicator {
             }
             return self.settle_call(call);
         }
-        Err(call_error(
-            self.lib,
-            call,
-            status,
-            self.raw,
-            Some(self.info),
-        ))
+        Err(self.failed(call, status))
     }
 
-    /// Poll a non-blocking call to completion, bounded by the config's timeout.
+    /// Poll a non-blocking call to completion, bounded by the config's timeout
+    /// (one too long to add to the clock is no bound).
     #[cold]
     pub(crate) fn settle_call(&self, call: &'static str) -> Result<()> {
-        let deadline = self.timeout.map(|t| Instant::now() + t);
-        match settle(self.lib, self.raw, deadline).map_err(|m| missing(m, Some(self.info)))? {
+        let deadline = self.timeout.and_then(|t| Instant::now().checked_add(t));
+        match settle(self.lib, self.raw, deadline, self.serial.as_deref())
+            .map_err(|m| missing(m, Some(self.info)))?
+        {
             Settled::Done => Ok(()),
             Settled::Failed(state) => Err(self.async_failure(call, state)),
             Settled::TimedOut => {
@@ -642,7 +756,13 @@ impl Drop for Communicator {
             return;
         }
         let (lib, comm, info) = (self.lib, self.raw, self.info);
-        let deadline = Instant::now() + self.drop_timeout;
+        let now = Instant::now();
+        // A drop timeout the clock cannot represent waits LONGEST_DROP_WAIT.
+        let deadline = now
+            .checked_add(self.drop_timeout)
+            .or_else(|| now.checked_add(LONGEST_DROP_WAIT))
+            .unwrap_or(now);
+        let serial = self.serial.clone();
         let streams = std::mem::take(self.streams.get_mut());
         let blocking = self.blocking;
         let last_op = self.last_op.get();
@@ -651,7 +771,12 @@ impl Drop for Communicator {
             self.made,
             format_args!("NCCL communicator ({info})"),
             |_, _| {
-                let outcome = teardown(lib, comm, blocking, &streams, deadline);
+                let serial = serial.as_deref();
+                let abort_raw = |lib, comm| {
+                    let _turn = serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
+                    abort_raw(lib, comm);
+                };
+                let outcome = teardown(lib, comm, blocking, &streams, deadline, serial);
                 match outcome {
                     Teardown::Destroyed => {}
                     Teardown::DestroyFailed(status) => {
@@ -662,7 +787,11 @@ impl Drop for Communicator {
                     }
                     Teardown::Failed(call, status) => {
                         let text = error::description(lib, status);
-                        let last = error::last_error(lib, comm);
+                        let last = {
+                            let _turn =
+                                serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
+                            error::last_error(lib, comm)
+                        };
                         abort_raw(lib, comm);
                         crate::error::report_line(format_args!(
                             "NCCL communicator ({info}): {call} failed: {status}: {text}{}{}; aborted",
@@ -687,4 +816,14 @@ impl Drop for Communicator {
             },
         );
     }
+}
+
+/// What an init decided about the communicator it made.
+struct Made {
+    /// Whether it blocks, as NCCL decided (the environment over the config).
+    blocking: bool,
+    /// The lock shared with a parent or children (see `Communicator::serial`).
+    serial: Option<Arc<Mutex<()>>>,
+    /// The config's strings, kept as long as the communicator.
+    names: Vec<CString>,
 }

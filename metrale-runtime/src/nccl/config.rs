@@ -2,6 +2,7 @@
 //! turned into NCCL's versioned `ncclConfig_t`.
 
 use std::ffi::CString;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use metrale_cuda_sys::nccl::{self as raw, ncclConfig_t};
@@ -133,8 +134,25 @@ impl CommConfig {
         self
     }
 
-    /// The NCCL config and the strings it points to (kept alive by the caller
-    /// for the call), checked.
+    /// Whether a communicator made with this config blocks, as NCCL decides it:
+    /// `NCCL_COMM_BLOCKING` set to 0 or 1 wins over the config, which wins over
+    /// NCCL's default (blocking).
+    pub(super) fn effective_blocking(&self) -> bool {
+        env_blocking().or(self.blocking).unwrap_or(true)
+    }
+
+    /// Whether communicators split from one made with this config share its
+    /// resources, as NCCL decides it: `NCCL_COMM_SPLIT_SHARE_RESOURCES` set (1:
+    /// share, any other number: do not) wins over the config; the default is
+    /// not to share.
+    pub(super) fn effective_split_share(&self) -> bool {
+        env_split_share().or(self.split_share).unwrap_or(false)
+    }
+
+    /// The NCCL config and the strings it points to, checked. The caller keeps
+    /// the strings alive as long as the communicator lives: NCCL keeps the
+    /// pointers (`commName` is read later, by the profiler plugin among
+    /// others).
     pub(super) fn to_raw(&self, call: &'static str) -> Result<(ncclConfig_t, Vec<CString>)> {
         let mut c = raw::config_initializer();
         let mut strings = Vec::new();
@@ -194,4 +212,30 @@ impl CommConfig {
         }
         Ok((c, strings))
     }
+}
+
+/// An integer NCCL setting from the environment, read once per process as NCCL
+/// reads its parameters (after NCCL's first call, so the values NCCL copied in
+/// from `nccl.conf` are seen too). Not a number: unset, as NCCL treats it.
+fn env_int(name: &str) -> Option<i64> {
+    std::env::var(name).ok()?.parse().ok()
+}
+
+/// `NCCL_COMM_BLOCKING`: 0 or 1 override the config's blocking flag; other
+/// values are ignored (NCCL warns).
+pub(super) fn env_blocking() -> Option<bool> {
+    static V: OnceLock<Option<i64>> = OnceLock::new();
+    match *V.get_or_init(|| env_int("NCCL_COMM_BLOCKING")) {
+        Some(0) => Some(false),
+        Some(1) => Some(true),
+        _ => None,
+    }
+}
+
+/// `NCCL_COMM_SPLIT_SHARE_RESOURCES`: when set, overrides `splitShare` (1
+/// shares; NCCL turns any other value into 0).
+pub(super) fn env_split_share() -> Option<bool> {
+    static V: OnceLock<Option<i64>> = OnceLock::new();
+    V.get_or_init(|| env_int("NCCL_COMM_SPLIT_SHARE_RESOURCES"))
+        .map(|v| v == 1)
 }

@@ -3,10 +3,12 @@
 //! communicators.
 
 use std::cell::{Cell, RefCell};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t};
 
 use crate::error::Result;
+use crate::memory::NcclGroupOpen;
 
 use super::comm::Communicator;
 use super::error::{call_error, missing};
@@ -31,9 +33,18 @@ pub(crate) fn in_group() -> bool {
 /// [`Communicator::init_all`], or `init_rank` for several ranks), and sends and
 /// receives between ranks do not deadlock.
 ///
-/// `comms` lists the communicators `f` uses; non-blocking ones must be listed
-/// (their completion is polled when the group ends, within each one's timeout),
-/// blocking ones may be. Groups nest; the outermost end launches.
+/// `comms` lists the communicators `f` uses: a collective, send or receive on
+/// a communicator not listed is refused (the group borrows those it lists, so
+/// none can be moved to another thread or dropped before its work is
+/// launched), and so is [`Communicator::split`]. The completion of the
+/// non-blocking ones is polled when the group ends, within each one's
+/// timeout. Groups nest; the outermost end launches.
+///
+/// While any group is open in the process, device memory dropped (on any
+/// thread) is not freed but deferred until the last open group has ended: the
+/// collectives queued so far reach their streams only then. So keep groups
+/// short. [`ManagedBuffer::host_slice`](crate::ManagedBuffer::host_slice) is
+/// refused meanwhile.
 ///
 /// ```no_run
 /// use metrale_runtime::nccl::{group, Communicator, ReduceOp};
@@ -54,9 +65,15 @@ pub(crate) fn in_group() -> bool {
 /// ```
 ///
 /// # Errors
-/// `f`'s error (the group is still ended), else `ncclGroupEnd`'s status, or a
-/// listed communicator's asynchronous error or timeout (that one is aborted).
+/// Inside a host function, refused before NCCL
+/// ([`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)); `f`'s
+/// error (the group is still ended), else `ncclGroupEnd`'s status, or the
+/// first asynchronous error or timeout among the listed communicators (every
+/// one is polled; each that failed is aborted).
 pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Result<R> {
+    if crate::context::in_host_function() {
+        return Err(crate::error::CallError::InHostFunction.about("ncclGroupStart (nccl::group)"));
+    }
     let nccl = lib()?;
     let start = nccl.ncclGroupStart().map_err(|m| missing(m, None))?;
     let end = nccl.ncclGroupEnd().map_err(|m| missing(m, None))?;
@@ -71,6 +88,9 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
             None,
         ));
     }
+    // The outermost group holds frees back until it has ended (also on
+    // unwind, after the NCCL group: `Open` is dropped first).
+    let frees_wait = (!in_group()).then(NcclGroupOpen::new);
     let mark = LISTED.with(|l| {
         let mut l = l.borrow_mut();
         let mark = l.len();
@@ -102,15 +122,32 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     let result = f();
     open.end = None;
     drop(open);
-    // SAFETY: ends the group this call started.
-    let status = unsafe { end() };
+    let status = {
+        // The outermost end launches the work of every listed communicator:
+        // hold the locks of those sharing resources with a parent or child
+        // (each once, in address order, so two groups cannot deadlock).
+        let mut locks: Vec<&Arc<Mutex<()>>> = comms.iter().filter_map(|c| c.serial()).collect();
+        locks.sort_by_key(|m| Arc::as_ptr(m) as usize);
+        locks.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        let _held: Vec<_> = locks
+            .iter()
+            .map(|m| m.lock().unwrap_or_else(PoisonError::into_inner))
+            .collect();
+        // SAFETY: ends the group this call started.
+        unsafe { end() }
+    };
     let ended = if status.is_success() {
         Ok(())
     } else if status == ncclResult_t::ncclInProgress {
-        comms
-            .iter()
-            .filter(|c| !c.is_blocking() && !c.is_aborted())
-            .try_for_each(|c| c.settle_call("ncclGroupEnd"))
+        // Settle every listed non-blocking communicator, the first error wins.
+        let mut first = Ok(());
+        for c in comms.iter().filter(|c| !c.is_blocking() && !c.is_aborted()) {
+            let settled = c.settle_call("ncclGroupEnd");
+            if first.is_ok() {
+                first = settled;
+            }
+        }
+        first
     } else {
         Err(call_error(
             nccl,
@@ -120,6 +157,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
             None,
         ))
     };
+    drop(frees_wait);
     let value = result?;
     ended.map(|()| value)
 }

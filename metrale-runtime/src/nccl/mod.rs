@@ -14,16 +14,28 @@
 //! - [`NcclError`] (`error.rs`), the one constructor of `MetraleError::Nccl`.
 //!
 //! Invariants:
-//! - Every length, root, peer and device is checked before NCCL sees it:
-//!   all-reduce receive ≥ send, all-gather receive = ranks × send, reduce-scatter
-//!   send = ranks × receive, root and peer < ranks, memory and stream on the
-//!   communicator's device. A refusal names the call, the rank and both sizes.
+//! - Each rank checks its own lengths, root, peer and devices before NCCL sees
+//!   them: all-reduce receive ≥ send, all-gather receive = ranks × send,
+//!   reduce-scatter send = ranks × receive, root and peer < ranks, memory and
+//!   stream on the communicator's device. A refusal names the call, the rank
+//!   and both sizes. Whether the ranks agree with each other (the same count,
+//!   type, operation and root on every rank, a receive as long as its peer's
+//!   send) is not checked here: no rank sees another's arguments. That is
+//!   NCCL's business (`NCCL_CHECK_MODE`, its cross-rank argument check); ranks
+//!   that disagree may hang, fail, or move the wrong bytes.
+//! - Inside [`group`] every communicator used is listed (and so borrowed until
+//!   the group's end), split is refused, device memory dropped anywhere in the
+//!   process waits to be freed until no group is open, and managed memory's
+//!   host access is refused.
+//! - No NCCL call is made from inside a host function (refused, as every CUDA
+//!   call there).
 //! - The collective path never synchronises with the host (no stream query, no
 //!   event wait), so collectives can be captured into CUDA graphs; a
 //!   non-blocking communicator's `ncclInProgress` is polled through
 //!   `ncclCommGetAsyncError` only, which does not touch streams.
 //! - A communicator is `Send` but not `Sync` (NCCL communicators are not
-//!   thread-safe); it holds its device's context and every stream it queued
+//!   thread-safe); a split sharing resources and its parent take turns on one
+//!   lock for every NCCL call; it holds its device's context and every stream it queued
 //!   work on, so its Drop can wait for that work, boundedly.
 //! - Drop never blocks forever: it finalizes within the config's drop timeout
 //!   (waiting first for the streams it used when the communicator is

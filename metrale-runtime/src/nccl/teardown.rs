@@ -1,14 +1,22 @@
 //! Polling a non-blocking communicator to completion ([`settle`]), the poll's
 //! back-off, abort of a raw handle, and the bounded teardown Drop runs.
 
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
 
 use crate::stream::CudaStream;
 
+/// The turn on `serial`, the lock a communicator shares with its parent or
+/// children (nothing when it shares none).
+fn turn(serial: Option<&Mutex<()>>) -> Option<MutexGuard<'_, ()>> {
+    serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner))
+}
+
 /// Settle a non-blocking call on `comm`: poll `ncclCommGetAsyncError` until it
-/// is not `ncclInProgress`, or until `deadline`.
+/// is not `ncclInProgress`, or until `deadline` (`None`: no deadline). Each
+/// poll holds `serial` when given.
 pub(crate) enum Settled {
     Done,
     Failed(ncclResult_t),
@@ -19,13 +27,17 @@ pub(crate) fn settle(
     lib: &Nccl,
     comm: ncclComm_t,
     deadline: Option<Instant>,
+    serial: Option<&Mutex<()>>,
 ) -> std::result::Result<Settled, metrale_cuda_sys::LibraryMissingSymbol> {
     let f = lib.ncclCommGetAsyncError()?;
     let mut spins = 0u32;
     loop {
         let mut state = ncclResult_t::ncclSuccess;
-        // SAFETY: a live communicator; writes one status.
-        let status = unsafe { f(comm, &mut state) };
+        let status = {
+            let _turn = turn(serial);
+            // SAFETY: a live communicator; writes one status.
+            unsafe { f(comm, &mut state) }
+        };
         if !status.is_success() {
             return Ok(Settled::Failed(status));
         }
@@ -71,13 +83,14 @@ pub(super) enum Teardown {
 
 /// Finalize within `deadline` (a blocking communicator first waits for the
 /// streams it used, so its finalize cannot block on unfinished work), then
-/// destroy. The context is current.
+/// destroy; each NCCL call holds `serial` when given. The context is current.
 pub(super) fn teardown(
     lib: &Nccl,
     comm: ncclComm_t,
     blocking: bool,
     streams: &[CudaStream],
     deadline: Instant,
+    serial: Option<&Mutex<()>>,
 ) -> Teardown {
     if blocking {
         let mut spins = 0u32;
@@ -96,10 +109,13 @@ pub(super) fn teardown(
     let Ok(finalize) = lib.ncclCommFinalize() else {
         return Teardown::Missing("ncclCommFinalize");
     };
-    // SAFETY: a live communicator, finalized once.
-    let status = unsafe { finalize(comm) };
+    let status = {
+        let _turn = turn(serial);
+        // SAFETY: a live communicator, finalized once.
+        unsafe { finalize(comm) }
+    };
     if status == ncclResult_t::ncclInProgress {
-        match settle(lib, comm, Some(deadline)) {
+        match settle(lib, comm, Some(deadline), serial) {
             Ok(Settled::Done) => {}
             Ok(Settled::Failed(s)) => return Teardown::Failed("ncclCommFinalize", s),
             Ok(Settled::TimedOut) => return Teardown::TimedOut,
@@ -111,8 +127,11 @@ pub(super) fn teardown(
     let Ok(destroy) = lib.ncclCommDestroy() else {
         return Teardown::Missing("ncclCommDestroy");
     };
-    // SAFETY: a finalized communicator, destroyed once and never used after.
-    let status = unsafe { destroy(comm) };
+    let status = {
+        let _turn = turn(serial);
+        // SAFETY: a finalized communicator, destroyed once and never used after.
+        unsafe { destroy(comm) }
+    };
     if status.is_success() {
         Teardown::Destroyed
     } else {
