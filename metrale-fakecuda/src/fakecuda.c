@@ -2063,7 +2063,11 @@ static CUresult do_mem_create(unsigned long long *handle, size_t size, const str
     if (r) return r;
     if (!size || size % VMM_GRANULARITY) return INVALID_VALUE;
     if (size > TOTAL_MEMORY) return OUT_OF_MEMORY;
-    int fd = memfd_create("fakecuda-vmm", MFD_CLOEXEC);
+    /* The device is in the name, so an importer (in any process) finds where the
+     * memory lives, as the real driver knows. */
+    char name[32];
+    snprintf(name, sizeof name, "fakecuda-vmm-dev%d", prop->loc_id);
+    int fd = memfd_create(name, MFD_CLOEXEC);
     if (fd < 0) return OUT_OF_MEMORY;
     if (ftruncate(fd, (off_t)size) != 0) { close(fd); return OUT_OF_MEMORY; }
     struct phys *ph = new_phys(fd, size, prop->loc_id, prop->handle_types);
@@ -2219,15 +2223,42 @@ static CUresult do_import(unsigned long long *handle, void *os_handle, int type)
     int fd = (int)(intptr_t)os_handle;
     struct stat st;
     if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
+    /* The memory lives on the exporter's device (read from the memfd's name);
+     * another file is taken as the importer's. */
+    int dev = current->dev;
+    char link[64], target[256];
+    snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+    ssize_t tn = readlink(link, target, sizeof target - 1);
+    if (tn > 0) {
+        target[tn] = 0;
+        const char *at = strstr(target, "fakecuda-vmm-dev");
+        if (at) dev = atoi(at + strlen("fakecuda-vmm-dev"));
+    }
     int mine = dup(fd);
     if (mine < 0) return OUT_OF_MEMORY;
-    struct phys *ph = new_phys(mine, (size_t)st.st_size, current->dev, 1);
+    struct phys *ph = new_phys(mine, (size_t)st.st_size, dev, 1);
     if (!ph) { close(mine); return OUT_OF_MEMORY; }
     *handle = (unsigned long long)(uintptr_t)ph;
     return SUCCESS;
 }
 EXPORT CUresult cuMemImportFromShareableHandle(unsigned long long *handle, void *os_handle, int type) {
     LOCKED(do_import(handle, os_handle, type));
+}
+
+/* The leading fields of CUmemAllocationProp: pinned device memory, its handle
+ * types, located on its device. The rest is left as the caller set it. */
+static CUresult do_props_from_handle(struct alloc_prop *prop, unsigned long long handle) {
+    struct phys *ph = (struct phys *)(uintptr_t)handle;
+    if (!prop) return INVALID_VALUE;
+    if (!find(ph, K_PHYS) || ph->released) return INVALID_VALUE;
+    prop->type = 1;
+    prop->handle_types = ph->handle_types;
+    prop->loc_type = 1;
+    prop->loc_id = ph->dev;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(void *prop, unsigned long long handle) {
+    LOCKED(do_props_from_handle(prop, handle));
 }
 
 /* Queued work on a capturing stream would become a graph node; the stand-in

@@ -24,7 +24,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, CStr};
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use metrale_cuda_sys::{self as sys, CUcontext, CUdevice, CUdevice_attribute};
@@ -193,13 +193,18 @@ pub struct CudaContext {
     limits: DeviceLimits,
     /// Whether skipped resources of a reset have been reported (once).
     reset_reported: AtomicBool,
+    /// GPU-side waits (stream wait-value operations) metrale queued on this
+    /// context's streams that a host function after them has not yet seen passed
+    /// (see [`CudaContext::pending_waits`]); shared with those host functions.
+    pending_waits: Arc<AtomicUsize>,
 }
 
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
 // afterwards; the driver API is thread-safe for them (any thread may make the context
 // current). `&'static Driver` is Sync.
 unsafe impl Send for CudaContext {}
-// SAFETY: as for Send: no interior mutability.
+// SAFETY: as for Send; the only mutable state is atomics (`reset_reported`,
+// `pending_waits`).
 unsafe impl Sync for CudaContext {}
 
 impl fmt::Debug for CudaContext {
@@ -281,6 +286,7 @@ impl CudaContext {
             driver_version,
             limits,
             reset_reported: AtomicBool::new(false),
+            pending_waits: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -506,15 +512,52 @@ impl CudaContext {
     }
 
     /// Block until all work queued in this context, on every stream, has finished.
+    /// Afterwards, what host functions left to drop is dropped
+    /// ([`drain_dropped_later`]).
     ///
     /// # Errors
     /// `cuCtxSynchronize`'s status (the first failure of that work).
     pub fn synchronize(&self) -> Result<()> {
-        self.call(
+        let done = self.call(
             || format!("device {} synchronize", self.ordinal),
             // SAFETY: no arguments; the context is current.
             |d| unsafe { cu!(d, cuCtxSynchronize()) },
-        )
+        );
+        drain_dropped_later();
+        done
+    }
+
+    /// GPU-side waits metrale queued on this context's streams
+    /// ([`CudaStream::wait_value32`](crate::CudaStream::wait_value32) and the
+    /// others, outside captures) that the stream has not yet passed. While this
+    /// is non-zero, a wait for the whole context (`cuCtxSynchronize`) could block
+    /// for ever (a word nobody writes), so freeing virtual memory or closing an
+    /// IPC buffer leaks it (reported) and `sleep` / `unmap` return an error
+    /// instead. A wait whose stream faulted (its host functions never run) stays
+    /// counted for good.
+    pub fn pending_waits(&self) -> usize {
+        self.pending_waits.load(Ordering::Acquire)
+    }
+
+    /// The shared counter behind [`CudaContext::pending_waits`], for the host
+    /// function queued after a wait to count it passed.
+    pub(crate) fn pending_waits_counter(&self) -> &Arc<AtomicUsize> {
+        &self.pending_waits
+    }
+
+    /// Refuse `what`, a wait for the whole context, while GPU-side waits are
+    /// pending (it could block for ever).
+    pub(crate) fn refuse_with_pending_waits(&self, what: &dyn fmt::Display) -> Result<()> {
+        match self.pending_waits() {
+            0 => Ok(()),
+            n => Err(crate::error::invalid_arg(format!(
+                "{what}: device {} has {n} pending GPU-side wait(s) (wait_value32/64 or a \
+                 batch wait) queued through metrale; cuCtxSynchronize could block for ever \
+                 on a word nobody writes, so it is not called (write the word, then \
+                 synchronize, and retry)",
+                self.ordinal
+            ))),
+        }
     }
 
     /// The stream priorities this device offers: `(least, greatest)`. Greater
@@ -705,6 +748,39 @@ thread_local! {
     /// Whether this thread is running a host function metrale queued (the
     /// driver's thread, inside [`crate::CudaStream::launch_host_fn`]'s closure).
     static IN_HOST_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Values a host function had to keep rather than drop (their Drop calls the
+/// driver, which a host function may not): see [`drop_later`].
+static DROP_LATER: Mutex<Vec<Box<dyn Send>>> = Mutex::new(Vec::new());
+/// Whether `DROP_LATER` may hold anything (one load on the draining paths).
+static DROP_LATER_ANY: AtomicBool = AtomicBool::new(false);
+
+/// Keep `value` until the next [`drain_dropped_later`]: what a host function
+/// does with the last handle to memory that queued work used (freeing it there
+/// is refused by the driver, and would leak it).
+pub(crate) fn drop_later(value: Box<dyn Send>) {
+    DROP_LATER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(value);
+    DROP_LATER_ANY.store(true, Ordering::Release);
+}
+
+/// Drop what host functions left in [`drop_later`], outside any host function.
+/// Called by [`CudaContext::synchronize`], [`CudaStream::synchronize`]
+/// (crate::CudaStream::synchronize) and [`MappedWords::new`](crate::MappedWords::new).
+pub(crate) fn drain_dropped_later() {
+    if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
+        return;
+    }
+    let taken = {
+        let mut list = DROP_LATER.lock().unwrap_or_else(PoisonError::into_inner);
+        DROP_LATER_ANY.store(false, Ordering::Release);
+        std::mem::take(&mut *list)
+    };
+    // Dropped outside the lock: their Drop calls the driver.
+    drop(taken);
 }
 
 /// Whether the calling thread is inside a host function (one thread-local load).

@@ -15,7 +15,7 @@
 //! - A driver without the API gives the typed missing-symbol error naming the call.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUdevResource, CUdevResourceDesc, CUgreenCtx};
 
@@ -186,6 +186,10 @@ pub struct GreenContext {
     raw: CUgreenCtx,
     ctx: Arc<CudaContext>,
     made: Generation,
+    /// Held around every driver call on the green context made through `&self`
+    /// (`cuGreenCtxStreamCreate`, `cuGreenCtxGetDevResource`): the driver does
+    /// not synchronize API calls on one green context from several threads.
+    calls: Mutex<()>,
 }
 
 impl fmt::Debug for GreenContext {
@@ -201,7 +205,10 @@ impl fmt::Debug for GreenContext {
 // calls metrale makes (stream creation, resource query, destroy) take the handle
 // and do not depend on the calling thread or on it being current.
 unsafe impl Send for GreenContext {}
-// SAFETY: as above; no state is mutated through `&self`.
+// SAFETY: as above. The driver has no internal synchronization for calls on one
+// green context from several threads, so every call made through `&self`
+// (stream creation, resource query) holds `calls`, one at a time; destroy needs
+// `&mut self` (Drop).
 unsafe impl Sync for GreenContext {}
 
 impl GreenContext {
@@ -255,6 +262,7 @@ impl GreenContext {
             raw,
             made: ctx.generation(),
             ctx: Arc::clone(ctx),
+            calls: Mutex::new(()),
         }))
     }
 
@@ -265,11 +273,14 @@ impl GreenContext {
     pub fn sm_resource(&self) -> Result<SmResource> {
         let mut raw = empty_resource();
         let g = self.raw;
+        let one_call = self.lock_calls();
         self.ctx.call(
             || format!("green context {g:p} on device {}", self.ctx.ordinal()),
-            // SAFETY: a live green context (held by `self`); writes one resource.
+            // SAFETY: a live green context (held by `self`), no other call on it
+            // meanwhile (`one_call`); writes one resource.
             |d| unsafe { cu!(d, cuGreenCtxGetDevResource(g, &mut raw, SM)) },
         )?;
+        drop(one_call);
         Ok(SmResource {
             raw,
             ctx: Arc::clone(&self.ctx),
@@ -292,6 +303,12 @@ impl GreenContext {
     /// The driver's handle.
     pub fn raw(&self) -> CUgreenCtx {
         self.raw
+    }
+
+    /// Held around a driver call on the green context (the driver does not
+    /// synchronize calls on one green context from several threads).
+    pub(crate) fn lock_calls(&self) -> MutexGuard<'_, ()> {
+        self.calls.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The generation of the device's context the green context was made in.

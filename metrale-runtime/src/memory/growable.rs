@@ -29,6 +29,11 @@ use crate::stream::{AsStream, CudaStream};
 /// contents in pinned host memory) and [`SleepingBuffer::wake`] restores it at
 /// the same addresses.
 ///
+/// Dropping it, or sleeping it, waits for every use of the context
+/// (`cuCtxSynchronize`); while the context has GPU-side waits pending
+/// ([`CudaContext::pending_waits`]) that could block for ever, so a drop leaks
+/// the memory (one line on stderr) and `sleep` returns an error instead.
+///
 /// [`DeviceBuffer`]: super::DeviceBuffer
 ///
 /// ```no_run
@@ -56,6 +61,9 @@ pub struct GrowableBuffer<T: DeviceRepr> {
     /// The size every piece is rounded to: the larger of the range's and the
     /// physical memory's granularity (powers of two).
     grain: usize,
+    /// Made by [`GrowableBuffer::from_physical`]: the memory is shared (imported,
+    /// say), so it cannot sleep (waking would map fresh private memory).
+    shared: bool,
     uses: Uses,
     _elem: std::marker::PhantomData<T>,
 }
@@ -99,7 +107,8 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
                 ctx.ordinal()
             )));
         }
-        let range = VirtualRange::reserve(ctx, round_up(bytes, grain)?)?;
+        // Pieces are mapped at multiples of `grain`: the range must start at one.
+        let range = VirtualRange::reserve_aligned(ctx, round_up(bytes, grain)?, Some(grain))?;
         super::device::check_alignment::<T>(range.base, "growable buffer")?;
         Ok(GrowableBuffer {
             ptr: range.base,
@@ -108,6 +117,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             mapped: 0,
             types,
             grain,
+            shared: false,
             uses: Uses::new(None),
             _elem: std::marker::PhantomData,
         })
@@ -117,7 +127,9 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// of its size is reserved, `phys` is mapped there with read-write access for
     /// its device, and every element is usable (`len() == capacity()`, which
     /// does not grow further). Both processes see the same memory: order their
-    /// accesses yourself (an IPC event, a message on the socket).
+    /// accesses yourself (an IPC event, a message on the socket). Such a buffer
+    /// cannot [`sleep`](GrowableBuffer::sleep): waking would map fresh private
+    /// memory and silently end the sharing.
     ///
     /// # Errors
     /// `InvalidArgument` when the size is not a multiple of `T`'s size; the
@@ -143,6 +155,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             range,
             mapped: size,
             types,
+            shared: true,
             uses: Uses::new(None),
             _elem: std::marker::PhantomData,
         })
@@ -264,7 +277,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// A [`SleepError`]: before anything was released (saving or waiting failed)
     /// it holds the buffer as it was ([`SleepState::Awake`]); when an unmap failed
     /// it holds the sleeping buffer, part of whose memory is still mapped (waking
-    /// maps only what is missing; dropping unmaps the rest).
+    /// maps only what is missing; dropping unmaps the rest). `InvalidArgument`
+    /// (the buffer awake) for a buffer made by [`GrowableBuffer::from_physical`],
+    /// and while the context has GPU-side waits pending
+    /// ([`CudaContext::pending_waits`]: waiting for every use could block for
+    /// ever).
     pub fn sleep(
         self,
         save: Option<&impl AsStream>,
@@ -301,6 +318,15 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         mut self,
         save: Option<(&CudaStream, Option<PinnedBuffer<u8>>)>,
     ) -> std::result::Result<SleepingBuffer<T>, Box<SleepError<T>>> {
+        if self.shared {
+            let error = invalid_arg(format!(
+                "sleeping a growable buffer over shared physical memory (from_physical, {} bytes at {:#x} on device {}): waking would map fresh private memory and end the sharing",
+                self.mapped,
+                self.ptr,
+                self.context().ordinal()
+            ));
+            return Err(sleep_error(error, SleepState::Awake(self)));
+        }
         // Every use first (work on any stream may still write the memory), then
         // the save (which waits for its own copy), then the unmaps.
         if let Err(error) = self.range.wait_for_uses(Some(&self.uses)) {

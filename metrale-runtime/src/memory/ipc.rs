@@ -24,7 +24,9 @@ use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
-use metrale_cuda_sys::{CUmemAllocationHandleType, CUmemGenericAllocationHandle};
+use metrale_cuda_sys::{
+    CUmemAllocationHandleType, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocationType,
+};
 
 use super::vmm::{granularity, HandleTypes, PhysicalMemory};
 use crate::context::AsContext;
@@ -97,8 +99,10 @@ impl PhysicalMemory {
     /// (close it when you like; the import holds the memory).
     ///
     /// # Errors
-    /// `InvalidArgument` for a size that is not a multiple of the granularity;
-    /// the failing call (a descriptor that is not exported device memory).
+    /// `InvalidArgument` for a size that is not a multiple of the granularity,
+    /// or for memory that does not live on `ctx`'s device
+    /// (`cuMemGetAllocationPropertiesFromHandle`; the import is released); the
+    /// failing call (a descriptor that is not exported device memory).
     pub fn import_fd(ctx: &impl AsContext, fd: BorrowedFd<'_>, size: usize) -> Result<Self> {
         let ctx = ctx.context();
         let g = granularity(ctx, HandleTypes::POSIX_FD)?.minimum;
@@ -131,12 +135,30 @@ impl PhysicalMemory {
                 )
             },
         )?;
-        Ok(PhysicalMemory::from_handle(
-            handle,
-            size,
-            HandleTypes::POSIX_FD,
-            ctx,
-        ))
+        // Owned from here: an error below releases the handle (`cuMemRelease`).
+        let phys = PhysicalMemory::from_handle(handle, size, HandleTypes::POSIX_FD, ctx);
+        // The peer chose the device the memory lives on: check it is ours.
+        // SAFETY: a plain C struct of integers and a pointer; all-zero is valid.
+        let mut prop: CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        ctx.call(
+            || {
+                format!(
+                    "device {}: properties of physical memory imported from descriptor {raw}",
+                    ctx.ordinal()
+                )
+            },
+            // SAFETY: writes one property struct for the handle imported just now.
+            |d| unsafe { cu!(d, cuMemGetAllocationPropertiesFromHandle(&mut prop, handle)) },
+        )?;
+        let (kind, id) = (prop.location.type_, prop.location.id);
+        if kind != CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE || id != ctx.device() {
+            return Err(invalid_arg(format!(
+                "device {}: importing physical memory from descriptor {raw}: it lives at location type {} id {id}, not on this device (released)",
+                ctx.ordinal(),
+                kind.0
+            )));
+        }
+        Ok(phys)
     }
 
     /// Export as a descriptor and send it, with the size, over `sock` (one
@@ -252,8 +274,9 @@ pub fn send_fd(sock: &UnixStream, fd: BorrowedFd<'_>, data: &[u8]) -> Result<()>
 ///
 /// # Errors
 /// [`ErrorKind::Os`] for the failing `recvmsg`, a peer that closed the socket,
-/// a message without a descriptor, or a truncated control message (any
-/// descriptors received are closed).
+/// a message without a descriptor, a truncated message (`MSG_TRUNC`: a
+/// datagram or sequenced-packet socket whose message is longer than `buf`), or
+/// a truncated control message (any descriptors received are closed).
 pub fn recv_fd(sock: &UnixStream, buf: &mut [u8]) -> Result<(OwnedFd, usize)> {
     let what = "receiving a descriptor over a Unix socket";
     let mut control = ControlBuffer([0; 64]);
@@ -312,6 +335,19 @@ pub fn recv_fd(sock: &UnixStream, buf: &mut [u8]) -> Result<(OwnedFd, usize)> {
         }
         // SAFETY: as for CMSG_FIRSTHDR.
         cmsg = unsafe { libc::CMSG_NXTHDR(&msg, cmsg) };
+    }
+    if msg.msg_flags & libc::MSG_TRUNC != 0 {
+        // A datagram or sequenced-packet socket dropped the rest of the message.
+        return Err(os_error(
+            what,
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "the message was truncated (longer than the {} bytes expected)",
+                    buf.len()
+                ),
+            ),
+        ));
     }
     if msg.msg_flags & libc::MSG_CTRUNC != 0 {
         return Err(os_error(

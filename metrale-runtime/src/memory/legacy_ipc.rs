@@ -259,7 +259,10 @@ impl CudaEvent {
 
 /// Another process's `cuMemAlloc` buffer, opened here (`cuIpcOpenMemHandle`):
 /// device memory like a [`DeviceBuffer`] (copies, fills, slices, kernel
-/// arguments), closed on drop after the work of its context.
+/// arguments), closed on drop after the work of its context. While the context
+/// has GPU-side waits pending ([`CudaContext::pending_waits`]) that wait could
+/// block for ever, so the drop leaves the buffer open instead (one line on
+/// stderr).
 pub struct IpcBuffer<T: DeviceRepr> {
     ptr: CUdeviceptr,
     len: usize,
@@ -325,7 +328,12 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     ///
     /// # Safety
     /// The exporter's buffer must hold at least `len` elements of `T`, and the
-    /// exporter must not free it until this buffer is dropped.
+    /// exporter must not free it until this buffer is dropped. The memory must
+    /// not be accessed here (by a copy, a fill or a kernel) before the
+    /// exporter's stream-ordered allocation of it has completed: the exporter
+    /// synchronizes its allocating stream before sending `data`, or sends an IPC
+    /// event ([`CudaEvent::ipc_handle`]) recorded after the allocation, which
+    /// this process makes its stream wait on first.
     ///
     /// # Errors
     /// `InvalidArgument` for a byte size that overflows; the failing call (a

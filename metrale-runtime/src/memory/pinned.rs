@@ -173,9 +173,19 @@ impl<T: DevicePod> PinnedBuffer<T> {
         self.ptr
     }
 
+    /// Number of elements (without making a slice).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the buffer has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     /// Size in bytes.
     pub fn byte_len(&self) -> usize {
-        std::mem::size_of_val(&**self)
+        self.len * std::mem::size_of::<T>()
     }
 
     /// The context the memory was pinned in.

@@ -5,22 +5,35 @@
 //! - A word is a [`SignalWord`]: an element of device memory (borrowed, and noted
 //!   as used by the stream, so freeing it waits for the operation), or an element
 //!   of [`MappedWords`], host memory mapped for the device (shared: each
-//!   operation queues a host function after itself that holds the words until the
-//!   operation is done, so the host memory is never freed under it).
-//! - The host reaches [`MappedWords`] only through atomics (no slice), so its
-//!   accesses never race with each other; the device's are outside the program.
+//!   operation, or batch, queues one host function after itself that holds every
+//!   mapped word it uses until it is done, so the host memory is never freed
+//!   under it). That host function does not drop its hold (the last one would
+//!   free pinned memory where the driver may not be called): it moves it to the
+//!   process's drop-later list, emptied by the next `CudaStream::synchronize`,
+//!   `CudaContext::synchronize` or `MappedWords::new`. When the holder cannot be
+//!   queued, the words are leaked (reported), never freed under the operation.
+//! - Mapped words are refused on a stream being captured through metrale,
+//!   before anything is queued: a graph would replay the operation after the
+//!   words may be gone.
+//! - Every wait queued outside a capture is counted on its context until the
+//!   host function after it runs ([`CudaContext::pending_waits`]): meanwhile,
+//!   frees and unmaps that would wait for the whole context refuse (or leak)
+//!   instead of blocking for ever on a word nobody writes.
+//! - The host reaches [`MappedWords`] only through atomics (no slice, not even
+//!   internally: the length is kept beside the buffer), so its accesses never
+//!   race with each other; the device's are outside the program.
 //! - Flags are typed ([`WaitCondition`], [`WaitFlags`], [`WriteFlags`]); what the
 //!   device cannot do (64-bit operations, the NOR condition) is refused before
 //!   the driver with the device attribute named.
 
-use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use metrale_cuda_sys::{self as sys, CUdeviceptr};
+use metrale_cuda_sys::{self as sys, CUdeviceptr, CUstream};
 
 use super::{note_use, DeviceMemory, DeviceMemoryMut, PinnedBuffer};
-use crate::context::{device_attribute, AsContext, CudaContext};
-use crate::error::{cu, invalid_arg, ErrorKind, Result};
+use crate::context::{device_attribute, drain_dropped_later, drop_later, AsContext, CudaContext};
+use crate::error::{cu, invalid_arg, report_line, CallError, ErrorKind, Result};
 use crate::stream::CudaStream;
 
 /// What a stream wait compares the word with (`CU_STREAM_WAIT_VALUE_*`).
@@ -232,19 +245,11 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
         Ok(())
     }
 
-    /// After an operation was queued: mapped words are held until it is done.
-    fn hold(&self, stream: &CudaStream) -> Result<()> {
-        if let Some(buffer) = &self.mapped {
-            let held = Arc::clone(buffer);
-            let keeper = Arc::clone(&held);
-            if let Err(e) = stream.launch_host_fn(move || drop(keeper)) {
-                // The operation is queued: leak the buffer rather than free it
-                // under the operation.
-                std::mem::forget(held);
-                return Err(e);
-            }
+    /// A hold on the mapped words, for the host function after the operation.
+    fn held(&self, into: &mut Vec<Box<dyn Send>>) {
+        if let Some(words) = &self.mapped {
+            into.push(Box::new(Arc::clone(words)));
         }
-        Ok(())
     }
 }
 
@@ -270,14 +275,17 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
 /// # Ok(()) }
 /// ```
 pub struct MappedWords<T: SignalValue> {
+    /// Never dereferenced (a `&[T]` over words the device and other threads
+    /// store to would be a data race): only `as_ptr` and `context`.
     buffer: PinnedBuffer<T>,
+    len: usize,
     device_ptr: CUdeviceptr,
 }
 
 impl<T: SignalValue> std::fmt::Debug for MappedWords<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MappedWords")
-            .field("len", &self.buffer.len())
+            .field("len", &self.len)
             .field("device_ptr", &format_args!("{:#x}", self.device_ptr))
             .finish()
     }
@@ -289,22 +297,30 @@ impl<T: SignalValue> MappedWords<T> {
     /// # Errors
     /// As [`PinnedBuffer::mapped`]: [`ErrorKind::Unsupported`] when the device
     /// cannot map host memory, `InvalidArgument` for no words, the driver's status.
+    ///
+    /// Before allocating, it drops the mapped words that host functions of
+    /// earlier operations held last (see the module's invariants).
     pub fn new(ctx: &impl AsContext, len: usize) -> Result<MappedWords<T>> {
+        drain_dropped_later();
         let buffer = PinnedBuffer::alloc_mapped(ctx.context(), len)?;
         let Some(device_ptr) = buffer.device_ptr() else {
             return Err(invalid_arg("mapped words without a device address"));
         };
-        Ok(MappedWords { buffer, device_ptr })
+        Ok(MappedWords {
+            buffer,
+            len,
+            device_ptr,
+        })
     }
 
     /// Number of words.
     pub fn len(&self) -> usize {
-        self.buffer.len()
+        self.len
     }
 
     /// Whether there are no words (never: `new` refuses that).
     pub fn is_empty(&self) -> bool {
-        self.buffer.is_empty()
+        self.len == 0
     }
 
     /// The device's address of the first word.
@@ -316,12 +332,14 @@ impl<T: SignalValue> MappedWords<T> {
 impl MappedWords<u32> {
     /// Word `index` as an atomic; `None` past the end.
     pub fn atomic(&self, index: usize) -> Option<&AtomicU32> {
-        if index >= self.buffer.len() {
+        if index >= self.len {
             return None;
         }
-        // SAFETY: in bounds of a live, zeroed allocation aligned for u32; the host
-        // reaches these words only through atomics (no slice is ever handed out),
-        // and `AtomicU32` has the size and alignment of `u32`.
+        // SAFETY: in bounds (`index < len`, the buffer's own length, read without
+        // making a slice) of a live, zeroed allocation aligned for u32; the host
+        // reaches these words only through atomics (the buffer is never
+        // dereferenced to a slice, inside metrale or out), and `AtomicU32` has
+        // the size and alignment of `u32`.
         Some(unsafe { AtomicU32::from_ptr(self.buffer.as_ptr().add(index).cast_mut()) })
     }
 }
@@ -329,7 +347,7 @@ impl MappedWords<u32> {
 impl MappedWords<u64> {
     /// Word `index` as an atomic; `None` past the end.
     pub fn atomic(&self, index: usize) -> Option<&AtomicU64> {
-        if index >= self.buffer.len() {
+        if index >= self.len {
             return None;
         }
         // SAFETY: as for `MappedWords<u32>`; the allocation is page-aligned, so
@@ -393,12 +411,14 @@ impl CudaStream {
     ) -> Result<()> {
         self.wait_checks(word, flags, "wait_value32")?;
         let (a, f) = (word.addr, flags.to_driver());
+        let mut held = Vec::new();
+        word.held(&mut held);
         // SAFETY: a live stream; `a` is a word of live memory the stream may use
-        // (noted, or held by `hold`), aligned for u32.
-        self.call("wait_value32", |d, s| unsafe {
+        // (noted, or held by the host function `queue_mem_ops` queues after it),
+        // aligned for u32.
+        self.queue_mem_ops("wait_value32", held, 1, |d, s| unsafe {
             cu!(d, cuStreamWaitValue32_v2(s, a, value, f))
-        })?;
-        word.hold(self)
+        })
     }
 
     /// As [`CudaStream::wait_value32`] on a 64-bit word
@@ -415,11 +435,12 @@ impl CudaStream {
     ) -> Result<()> {
         self.wait_checks(word, flags, "wait_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
+        let mut held = Vec::new();
+        word.held(&mut held);
         // SAFETY: as for wait_value32, aligned for u64.
-        self.call("wait_value64", |d, s| unsafe {
+        self.queue_mem_ops("wait_value64", held, 1, |d, s| unsafe {
             cu!(d, cuStreamWaitValue64_v2(s, a, value, f))
-        })?;
-        word.hold(self)
+        })
     }
 
     /// Write `value` to `word` once the work queued before it on this stream has
@@ -436,11 +457,12 @@ impl CudaStream {
     ) -> Result<()> {
         word.prepare(self, "write_value32")?;
         let (a, f) = (word.addr, flags.to_driver());
+        let mut held = Vec::new();
+        word.held(&mut held);
         // SAFETY: as for wait_value32.
-        self.call("write_value32", |d, s| unsafe {
+        self.queue_mem_ops("write_value32", held, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
-        })?;
-        word.hold(self)
+        })
     }
 
     /// As [`CudaStream::write_value32`] on a 64-bit word
@@ -457,11 +479,12 @@ impl CudaStream {
     ) -> Result<()> {
         word.prepare(self, "write_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
+        let mut held = Vec::new();
+        word.held(&mut held);
         // SAFETY: as for wait_value64.
-        self.call("write_value64", |d, s| unsafe {
+        self.queue_mem_ops("write_value64", held, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
-        })?;
-        word.hold(self)
+        })
     }
 
     /// Queue several waits and writes as one batch (`cuStreamBatchMemOp_v2`), in
@@ -482,12 +505,15 @@ impl CudaStream {
         }
         use sys::CUstreamBatchMemOpType as Op;
         let mut params: Vec<sys::CUstreamBatchMemOpParams> = Vec::with_capacity(ops.len());
+        let (mut held, mut waits) = (Vec::new(), 0);
         for op in ops {
             // SAFETY: a plain C union of integers, all-zero is a valid value.
             let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
             match *op {
                 MemOp::Wait32(w, v, f) => {
                     self.wait_checks(w, f, "batch_mem_ops")?;
+                    w.held(&mut held);
+                    waits += 1;
                     p.waitValue.operation = Op::CU_STREAM_MEM_OP_WAIT_VALUE_32;
                     p.waitValue.address = w.addr;
                     p.waitValue.__bindgen_anon_1.value = v;
@@ -495,6 +521,8 @@ impl CudaStream {
                 }
                 MemOp::Wait64(w, v, f) => {
                     self.wait_checks(w, f, "batch_mem_ops")?;
+                    w.held(&mut held);
+                    waits += 1;
                     p.waitValue.operation = Op::CU_STREAM_MEM_OP_WAIT_VALUE_64;
                     p.waitValue.address = w.addr;
                     p.waitValue.__bindgen_anon_1.value64 = v;
@@ -502,6 +530,7 @@ impl CudaStream {
                 }
                 MemOp::Write32(w, v, f) => {
                     w.prepare(self, "batch_mem_ops")?;
+                    w.held(&mut held);
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_32;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value = v;
@@ -509,6 +538,7 @@ impl CudaStream {
                 }
                 MemOp::Write64(w, v, f) => {
                     w.prepare(self, "batch_mem_ops")?;
+                    w.held(&mut held);
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_64;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value64 = v;
@@ -518,17 +548,78 @@ impl CudaStream {
             params.push(p);
         }
         let (n, ptr) = (params.len() as u32, params.as_mut_ptr());
-        // SAFETY: `n` initialised operations on checked words, read during the call.
-        self.call("batch_mem_ops", |d, s| unsafe {
+        // SAFETY: `n` initialised operations on checked words (device words noted,
+        // mapped words held by the one host function queued after the batch),
+        // read during the call.
+        self.queue_mem_ops("batch_mem_ops", held, waits, |d, s| unsafe {
             cu!(d, cuStreamBatchMemOp_v2(s, n, ptr, 0))
-        })?;
-        for op in ops {
-            match *op {
-                MemOp::Wait32(w, ..) | MemOp::Write32(w, ..) => w.hold(self)?,
-                MemOp::Wait64(w, ..) | MemOp::Write64(w, ..) => w.hold(self)?,
+        })
+    }
+
+    /// Queue memory operations (`queue`, one driver call), then one host function
+    /// that holds every mapped word of them (`held`) until they are done and
+    /// counts their `waits` passed; all inside one section, so no metrale capture
+    /// begins between the check and the queueing.
+    ///
+    /// Mapped words on a capturing stream are refused before anything is queued.
+    /// Waits are counted on the context before they are queued (not in a capture,
+    /// where nothing is queued). When the host function cannot be queued, the
+    /// operations are already: the words are leaked and the waits stay counted
+    /// (reported on stderr), never freed under the operations.
+    fn queue_mem_ops(
+        &self,
+        what: &'static str,
+        held: Vec<Box<dyn Send>>,
+        waits: usize,
+        queue: impl FnOnce(&'static sys::Driver, CUstream) -> Result<(), CallError>,
+    ) -> Result<()> {
+        let section = self.section();
+        let capturing = self
+            .capturing_now(&section)
+            .map_err(|e| e.about(self.subject(&format!("{what}: capture status"))))?;
+        if capturing && !held.is_empty() {
+            return Err(invalid_arg(format!(
+                "{}: {} mapped signal word(s) while the stream is being captured: every \
+                 replay of the graph would use host memory that may be freed by then \
+                 (use device words in a capture)",
+                self.subject(what),
+                held.len()
+            )));
+        }
+        let counted = if capturing { 0 } else { waits };
+        let counter = Arc::clone(self.context().pending_waits_counter());
+        counter.fetch_add(counted, Ordering::AcqRel);
+        if let Err(e) = self.call(what, queue) {
+            counter.fetch_sub(counted, Ordering::AcqRel);
+            return Err(e);
+        }
+        if held.is_empty() && counted == 0 {
+            return Ok(());
+        }
+        let keeper = move || {
+            // Not dropped here: the last hold would free pinned memory inside a
+            // host function, where the driver may not be called.
+            if !held.is_empty() {
+                drop_later(Box::new(held));
+            }
+            counter.fetch_sub(counted, Ordering::AcqRel);
+        };
+        match self.launch_host_fn_in(&section, keeper) {
+            Ok(()) => Ok(()),
+            Err((e, keeper)) => {
+                drop(section);
+                // The operations are queued: leak their words rather than free
+                // them under the operations; their waits stay counted.
+                std::mem::forget(keeper);
+                report_line(format_args!(
+                    "{}: the operation is queued, but the host function holding its \
+                     mapped words could not be: they are leaked, and its {counted} \
+                     wait(s) stay counted as pending: {e}",
+                    self.subject(what)
+                ));
+                Err(e)
             }
         }
-        Ok(())
     }
 
     fn wait_checks<T: SignalValue>(

@@ -283,7 +283,10 @@ struct Mapping {
 
 /// Reserved device address space (`cuMemAddressReserve`), with the physical
 /// memory mapped into it. On drop everything still mapped is unmapped (after the
-/// work that may use it) and the range is freed.
+/// work that may use it: `cuCtxSynchronize`) and the range is freed. While the
+/// context has GPU-side waits pending ([`CudaContext::pending_waits`]), that wait
+/// could block for ever, so a drop with mappings leaks the range instead (one
+/// line on stderr says so) and [`VirtualRange::unmap`] returns an error.
 ///
 /// The range gives raw addresses only ([`VirtualRange::device_ptr`]); safe typed
 /// access is [`GrowableBuffer`](super::GrowableBuffer).
@@ -307,11 +310,27 @@ impl VirtualRange {
     /// `InvalidArgument` (saying the granularity); the failing
     /// `cuMemAddressReserve`.
     pub fn reserve(ctx: &impl AsContext, size: usize) -> Result<VirtualRange> {
-        let ctx = ctx.context();
+        VirtualRange::reserve_aligned(ctx.context(), size, None)
+    }
+
+    /// As [`VirtualRange::reserve`], the range aligned to `align` (a multiple of
+    /// the minimum granularity, a power of two), or to the granularity for `None`.
+    pub(super) fn reserve_aligned(
+        ctx: &Arc<CudaContext>,
+        size: usize,
+        align: Option<usize>,
+    ) -> Result<VirtualRange> {
         let g = granularity(ctx, HandleTypes::NONE)?.minimum;
         check_multiple(size, g, false, "size", || {
             format!("device {}: reserving address space", ctx.ordinal())
         })?;
+        let align = align.unwrap_or(g);
+        if !align.is_power_of_two() || !align.is_multiple_of(g) {
+            return Err(invalid_arg(format!(
+                "device {}: reserving address space aligned to {align} bytes: not a power of two multiple of the granularity ({g} bytes)",
+                ctx.ordinal()
+            )));
+        }
         let mut base: CUdeviceptr = 0;
         ctx.call(
             || {
@@ -320,8 +339,9 @@ impl VirtualRange {
                     ctx.ordinal()
                 )
             },
-            // SAFETY: writes one address; alignment of one granule, no fixed address.
-            |d| unsafe { cu!(d, cuMemAddressReserve(&mut base, size, g, 0, 0)) },
+            // SAFETY: writes one address; alignment a multiple of the granularity,
+            // no fixed address.
+            |d| unsafe { cu!(d, cuMemAddressReserve(&mut base, size, align, 0, 0)) },
         )?;
         Ok(VirtualRange {
             base,
@@ -530,8 +550,10 @@ impl VirtualRange {
     /// is waited for (`cuCtxSynchronize`).
     ///
     /// # Errors
-    /// `InvalidArgument` when no mapping starts at `offset`; the failing wait
-    /// (the mapping stays) or `cuMemUnmap`.
+    /// `InvalidArgument` when no mapping starts at `offset`, or while the
+    /// context has GPU-side waits pending ([`CudaContext::pending_waits`]: the
+    /// wait could block for ever; the mapping stays); the failing wait (the
+    /// mapping stays) or `cuMemUnmap`.
     pub fn unmap(&mut self, offset: usize) -> Result<Arc<PhysicalMemory>> {
         let Some(pos) = self.mappings.iter().position(|m| m.offset == offset) else {
             return Err(invalid_arg(self.subject(format_args!(
@@ -580,13 +602,17 @@ impl VirtualRange {
 /// Wait for every use of memory of `ctx`: the foreign streams of `uses`, then
 /// the whole context (`cuCtxSynchronize`). Work abandoned by an earlier fault
 /// counts as done. Refused on a thread that captures (the wait would invalidate
-/// its capture).
+/// its capture), and while `ctx` (or the context of a foreign stream) has GPU-side
+/// waits pending ([`CudaContext::pending_waits`]): a wait on a word nobody
+/// writes would make this block for ever.
 pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result<()> {
     if crate::stream::capturing_on_this_thread() {
         return Err(invalid_arg(
             "waiting for the work that uses the memory while this thread captures a graph (the wait would invalidate the capture)",
         ));
     }
+    let waiting = "waiting for the work that uses the memory";
+    ctx.refuse_with_pending_waits(&waiting)?;
     let abandoned = |e: &MetraleError| e.status().is_some_and(crate::stream::work_abandoned);
     if let Some(uses) = uses {
         if uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
@@ -595,6 +621,9 @@ pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone();
+            for f in &foreign {
+                f.context().refuse_with_pending_waits(&waiting)?;
+            }
             for f in &foreign {
                 if let Err(e) = f.synchronize() {
                     if !abandoned(&e) {

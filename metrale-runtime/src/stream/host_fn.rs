@@ -140,17 +140,35 @@ impl CudaStream {
             }
             Err(e) => return Err(e.about(self.subject("capture status"))),
         }
+        let queued = self.launch_host_fn_in(&section, f);
+        drop(section);
+        // `f` drops after the section: its captures may queue stream work.
+        queued.map_err(|(e, f)| {
+            drop(f);
+            e
+        })
+    }
+
+    /// Queue a once-run host function inside `section`, whose caller found the
+    /// stream not capturing (so the driver calls it exactly once). On failure `f`
+    /// is handed back, not dropped, so the caller decides (a holder of memory
+    /// that queued work may still touch must be leaked, not freed).
+    pub(crate) fn launch_host_fn_in<F: FnOnce() + Send + 'static>(
+        &self,
+        _section: &super::Section<'_>,
+        f: F,
+    ) -> std::result::Result<(), (crate::MetraleError, F)> {
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         let queued = self.call("launching a host function", |d, s| {
-            // SAFETY: `run_once::<F>` takes back the box `data` points to, once.
+            // SAFETY: `run_once::<F>` takes back the box `data` points to, once:
+            // the caller's section saw no capture, and none begins before it ends.
             unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_once::<F>), data)) }
         });
-        drop(section);
-        if queued.is_err() {
+        match queued {
+            Ok(()) => Ok(()),
             // SAFETY: the driver refused the call, so it never received `data`.
-            drop(unsafe { Box::from_raw(data.cast::<F>()) });
+            Err(e) => Err((e, *unsafe { Box::from_raw(data.cast::<F>()) })),
         }
-        queued
     }
 
     /// Queue a host function that may run more than once: as

@@ -306,6 +306,7 @@ impl CudaStream {
         let flags = sys::CUstream_flags::CU_STREAM_NON_BLOCKING.0;
         let g = green.raw();
         let mut raw: CUstream = std::ptr::null_mut();
+        let one_call = green.lock_calls();
         ctx.call(
             || {
                 format!(
@@ -313,10 +314,12 @@ impl CudaStream {
                     ctx.ordinal()
                 )
             },
-            // SAFETY: a live green context (held by `green`); writes one CUstream;
-            // CU_STREAM_NON_BLOCKING is the flag the driver requires.
+            // SAFETY: a live green context (held by `green`), no other call on it
+            // meanwhile (`one_call`); writes one CUstream; CU_STREAM_NON_BLOCKING
+            // is the flag the driver requires.
             |d| unsafe { cu!(d, cuGreenCtxStreamCreate(&mut raw, g, flags as c_uint, 0)) },
         )?;
+        drop(one_call);
         Ok(CudaStream::wrap_made(
             ctx,
             raw,
@@ -679,14 +682,20 @@ impl CudaStream {
 
     /// Block until all work queued on the stream has finished; the error carries
     /// the first failure of that work (a kernel's illegal address, ...).
+    /// Afterwards, what host functions had to keep rather than drop (mapped
+    /// signal words whose last holder they were) is dropped here.
     ///
     /// # Errors
     /// `cuStreamSynchronize`'s status.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: a live stream of the bound context.
-        self.call("synchronize", |d, s| unsafe {
+        let done = self.call("synchronize", |d, s| unsafe {
             cu!(d, cuStreamSynchronize(s))
-        })
+        });
+        // What this stream's host functions could not drop (mapped signal words
+        // whose last holder they were) is dropped here.
+        crate::context::drain_dropped_later();
+        done
     }
 
     /// Whether all work queued on the stream has finished (`cuStreamQuery`).

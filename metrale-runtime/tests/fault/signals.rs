@@ -152,6 +152,146 @@ fn a_driver_refusal_names_the_call_and_stream() {
     fake().reset();
 }
 
+/// The host function after an operation often holds the last `Arc` of the
+/// mapped words: it hands it to the drop-later list, and the next synchronize
+/// frees the pinned memory (a drop inside the host function would leak it).
+fn mapped_words_held_last_by_a_host_function_are_freed_after_synchronize() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let before = fake().live(Live::HostMemory);
+    s.write_value32(
+        &SignalWord::mapped(&Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap()), 0).unwrap(),
+        9,
+        WriteFlags::default(),
+    )
+    .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(
+        fake().live(Live::HostMemory),
+        before,
+        "the pinned words were freed"
+    );
+    // A batch: every mapped word is held by one host function.
+    let a = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let b = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let host_fns = fake().calls("cuLaunchHostFunc");
+    let (wa, wb) = (
+        SignalWord::mapped(&a, 0).unwrap(),
+        SignalWord::mapped(&b, 0).unwrap(),
+    );
+    s.batch_mem_ops(&[
+        MemOp::Write32(&wa, 1, WriteFlags::default()),
+        MemOp::Write32(&wb, 2, WriteFlags::default()),
+    ])
+    .unwrap();
+    assert_eq!(fake().calls("cuLaunchHostFunc"), host_fns + 1, "one holder");
+    drop(wa);
+    drop(wb);
+    drop(a);
+    drop(b);
+    s.synchronize().unwrap();
+    assert_eq!(fake().live(Live::HostMemory), before);
+    drop(s);
+    done(reg);
+}
+
+/// Mapped words on a capturing stream are refused before anything is queued
+/// (the op would be recorded into the graph, then the words could not be held).
+fn mapped_words_are_refused_in_a_capture_before_anything_is_queued() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let words = Arc::new(MappedWords::<u32>::new(reg.ctx(), 2).unwrap());
+    let dev = DeviceBuffer::<u32>::zeroed(&s, 1).unwrap();
+    s.synchronize().unwrap();
+    let (w0, w1) = (
+        SignalWord::mapped(&words, 0).unwrap(),
+        SignalWord::mapped(&words, 1).unwrap(),
+    );
+    let d0 = SignalWord::device(&dev, 0).unwrap();
+    let (writes, batches) = (
+        fake().calls("cuStreamWriteValue32_v2"),
+        fake().calls("cuStreamBatchMemOp_v2"),
+    );
+    s.begin_capture(CaptureMode::ThreadLocal).unwrap();
+    let e = s.write_value32(&w0, 9, WriteFlags::default()).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("write_value32: 1 mapped signal word(s) while the stream is being captured"),
+        "{e}"
+    );
+    let e = s
+        .batch_mem_ops(&[
+            MemOp::Write32(&d0, 1, WriteFlags::default()),
+            MemOp::Write32(&w0, 1, WriteFlags::default()),
+            MemOp::Wait32(&w1, 1, WaitFlags::EQ),
+        ])
+        .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("batch_mem_ops: 2 mapped signal word(s)"),
+        "{e}"
+    );
+    // Device words may be captured.
+    s.write_value32(&d0, 3, WriteFlags::default()).unwrap();
+    let graph = s.end_capture().unwrap();
+    assert_eq!(
+        fake().calls("cuStreamWriteValue32_v2"),
+        writes + 1,
+        "only the device word's write"
+    );
+    assert_eq!(
+        fake().calls("cuStreamBatchMemOp_v2"),
+        batches,
+        "nothing of the batch"
+    );
+    assert_eq!(Arc::strong_count(&words), 3, "nothing holds the words");
+    drop(graph);
+    drop(w0);
+    drop(w1);
+    drop(d0);
+    drop(words);
+    drop(dev);
+    drop(s);
+    done(reg);
+}
+
+/// A queued wait is counted on its context until the stream passes it.
+fn pending_waits_are_counted_until_passed() {
+    let reg = setup();
+    let (a, b) = (
+        CudaStream::new(reg.ctx()).unwrap(),
+        CudaStream::new(reg.ctx()).unwrap(),
+    );
+    let flags = DeviceBuffer::<u32>::zeroed(&a, 2).unwrap();
+    a.synchronize().unwrap();
+    let (w0, w1) = (
+        SignalWord::device(&flags, 0).unwrap(),
+        SignalWord::device(&flags, 1).unwrap(),
+    );
+    assert_eq!(reg.ctx().pending_waits(), 0);
+    a.wait_value32(&w0, 1, WaitFlags::EQ).unwrap();
+    a.batch_mem_ops(&[
+        MemOp::Wait32(&w1, 1, WaitFlags::EQ),
+        MemOp::Write32(&w1, 5, WriteFlags::default()),
+    ])
+    .unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 2);
+    // A refused wait is not counted.
+    fake().fail("cuStreamWaitValue32_v2", 999, 1, Some(1));
+    assert!(a.wait_value32(&w0, 1, WaitFlags::EQ).is_err());
+    assert_eq!(reg.ctx().pending_waits(), 2);
+    b.write_value32(&w0, 1, WriteFlags::default()).unwrap();
+    b.write_value32(&w1, 1, WriteFlags::default()).unwrap();
+    a.synchronize().unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 0);
+    drop(w0);
+    drop(w1);
+    drop(flags);
+    drop(a);
+    drop(b);
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -169,6 +309,18 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "signals::a_driver_refusal_names_the_call_and_stream",
             run: a_driver_refusal_names_the_call_and_stream,
+        },
+        Test {
+            name: "signals::mapped_words_held_last_by_a_host_function_are_freed_after_synchronize",
+            run: mapped_words_held_last_by_a_host_function_are_freed_after_synchronize,
+        },
+        Test {
+            name: "signals::mapped_words_are_refused_in_a_capture_before_anything_is_queued",
+            run: mapped_words_are_refused_in_a_capture_before_anything_is_queued,
+        },
+        Test {
+            name: "signals::pending_waits_are_counted_until_passed",
+            run: pending_waits_are_counted_until_passed,
         },
     ]
 }

@@ -89,7 +89,8 @@ fn map_access_and_unmap() {
     // Access is set for part of the range only where it is all mapped.
     range.set_access(4 * MIB, 4 * MIB, &rw).unwrap();
     // Releasing our handles: the mappings keep the memory.
-    drop((phys, other));
+    drop(phys);
+    drop(other);
     assert_eq!(vmm_counts(), (2, 1, 2));
     let e = range.unmap(2 * MIB).unwrap_err();
     assert!(
@@ -221,7 +222,10 @@ fn uses_on_another_device_are_waited_for() {
         "the other device's stream was waited for"
     );
     assert_eq!(h1.stream().to_vec(&other).unwrap(), values);
-    drop((asleep, other, h1, h0));
+    drop(asleep);
+    drop(other);
+    drop(h1);
+    drop(h0);
     done(reg);
 }
 
@@ -585,7 +589,11 @@ fn legacy_ipc_handles_as_bytes() {
     opened.synchronize().unwrap();
     let e = CudaEvent::open_ipc(s, &IpcEventHandle::from_bytes([0; 64])).unwrap_err();
     assert!(e.to_string().contains("cuIpcOpenEventHandle"), "{e}");
-    drop((opened, shared, plain, ordered, buf));
+    drop(opened);
+    drop(shared);
+    drop(plain);
+    drop(ordered);
+    drop(buf);
     done(reg);
 }
 
@@ -646,7 +654,12 @@ fn pools_shared_by_descriptor_and_pointer() {
             .contains("importing a memory pool from descriptor"),
         "{e}"
     );
-    drop((buf, dev, plain, not_imported, imported, pool));
+    drop(buf);
+    drop(dev);
+    drop(plain);
+    drop(not_imported);
+    drop(imported);
+    drop(pool);
     assert_eq!(fake().live(Live::Pools), 0);
     done(reg);
 }
@@ -658,8 +671,185 @@ pub fn children() -> Vec<Child> {
     }]
 }
 
+/// With a GPU-side wait pending on a word nobody writes, a wait for the whole
+/// context would never return: sleep and unmap refuse, drops leak (reported).
+fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
+    let reg = setup();
+    let s = reg.stream();
+    let (a, b) = (
+        CudaStream::new(reg.ctx()).unwrap(),
+        CudaStream::new(reg.ctx()).unwrap(),
+    );
+    let flags = DeviceBuffer::<u32>::zeroed(&a, 1).unwrap();
+    a.synchronize().unwrap();
+    let word = SignalWord::device(&flags, 0).unwrap();
+    let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
+    buf.grow_to(1024).unwrap();
+    let mut range = VirtualRange::reserve(s, 2 * MIB).unwrap();
+    let phys = Arc::new(PhysicalMemory::new(s, 2 * MIB, HandleTypes::NONE).unwrap());
+    range
+        .map(0, phys, 0, 2 * MIB, &[(reg.ctx(), Access::ReadWrite)])
+        .unwrap();
+    let (gb, rb) = (buf.device_ptr(), range.device_ptr());
+    a.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+    // Run in a thread so that a blocking wait fails the test instead of hanging it.
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = std::thread::spawn(move || {
+        let e = buf.sleep(None::<&CudaStream>).unwrap_err();
+        let buf = match e.buffer {
+            SleepState::Awake(buf) => buf,
+            _ => panic!("still awake"),
+        };
+        let text = e.error.to_string();
+        let unmapped = range.unmap(0).unwrap_err().to_string();
+        tx.send((text, unmapped, buf, range)).unwrap();
+    });
+    let (text, unmapped, buf, range) = rx
+        .recv_timeout(std::time::Duration::from_secs(5))
+        .expect("sleep / unmap blocked on the pending wait");
+    t.join().unwrap();
+    assert!(text.contains("1 pending GPU-side wait(s)"), "{text}");
+    assert!(unmapped.contains("pending GPU-side wait(s)"), "{unmapped}");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        drop(buf);
+        drop(range);
+        tx.send(()).unwrap();
+    });
+    rx.recv_timeout(std::time::Duration::from_secs(5))
+        .expect("drop blocked on the pending wait");
+    assert_eq!(
+        vmm_counts(),
+        (2, 2, 2),
+        "both leaked, nothing freed under the wait"
+    );
+    // Clean up what was leaked, through the raw driver.
+    reg.ctx().bind().unwrap();
+    let d = sys::driver().unwrap();
+    for (base, size) in [(gb, 4 * MIB), (rb, 2 * MIB)] {
+        // SAFETY: the leaked ranges' own mappings and reservations, once.
+        unsafe {
+            assert_eq!(
+                (d.cuMemUnmap().unwrap())(base, 2 * MIB),
+                CUresult::CUDA_SUCCESS
+            );
+            assert_eq!(
+                (d.cuMemAddressFree().unwrap())(base, size),
+                CUresult::CUDA_SUCCESS
+            );
+        }
+    }
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    // Released: the count falls and waits for the context work again.
+    b.write_value32(&word, 1, WriteFlags::default()).unwrap();
+    a.synchronize().unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 0);
+    let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
+    buf.grow_to(1024).unwrap();
+    let asleep = buf.sleep(None::<&CudaStream>).map_err(|e| e.error).unwrap();
+    drop(asleep);
+    drop(word);
+    drop(flags);
+    drop(a);
+    drop(b);
+    // Releasing the primary context frees what was leaked.
+    done(reg);
+}
+
+/// A buffer over imported memory cannot sleep: waking would map private memory.
+fn a_buffer_over_shared_memory_refuses_to_sleep() {
+    let reg = setup();
+    let s = reg.stream();
+    let phys = Arc::new(PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap());
+    let buf = GrowableBuffer::<u32>::from_physical(phys).unwrap();
+    let e = buf.sleep(None::<&CudaStream>).unwrap_err();
+    assert!(
+        e.error
+            .to_string()
+            .contains("sleeping a growable buffer over shared physical memory"),
+        "{}",
+        e.error
+    );
+    let buf = match e.buffer {
+        SleepState::Awake(buf) => buf,
+        _ => panic!("awake"),
+    };
+    let host = PinnedBuffer::<u8>::zeroed(s, 2 * MIB).unwrap();
+    let e = buf.sleep_into(s, host).unwrap_err();
+    assert!(e.error.to_string().contains("from_physical"), "{}", e.error);
+    drop(e);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+/// Memory exported on another device is refused at import (and released).
+fn an_import_of_another_devices_memory_is_refused() {
+    let reg = setup();
+    let s = reg.stream();
+    let one = context(1).unwrap();
+    let theirs = PhysicalMemory::new(&one, 2 * MIB, HandleTypes::POSIX_FD).unwrap();
+    let fd = theirs.export_fd().unwrap();
+    let e = PhysicalMemory::import_fd(s, fd.as_fd(), 2 * MIB).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("lives at location type 1 id 1, not on this device"),
+        "{e}"
+    );
+    drop(theirs);
+    assert_eq!(
+        fake().live(Live::PhysicalMemory),
+        0,
+        "the import was released"
+    );
+    let ok = PhysicalMemory::import_fd(&one, fd.as_fd(), 2 * MIB).unwrap();
+    drop(ok);
+    drop(fd);
+    drop(one);
+    done(reg);
+}
+
+/// A message longer than the buffer on a sequenced-packet socket is an error.
+fn a_truncated_message_is_refused() {
+    let mut fds = [0; 2];
+    // SAFETY: writes two descriptors.
+    let r = unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    };
+    assert_eq!(r, 0);
+    use std::os::fd::{FromRawFd, OwnedFd};
+    // SAFETY: the two descriptors socketpair made, owned here.
+    let (tx, rx) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let (tx, rx) = (UnixStream::from(tx), UnixStream::from(rx));
+    let file = std::fs::File::open("/dev/null").unwrap();
+    send_fd(&tx, file.as_fd(), &[7u8; 16]).unwrap();
+    let mut buf = [0u8; 8];
+    let e = recv_fd(&rx, &mut buf).unwrap_err();
+    assert!(e.to_string().contains("the message was truncated"), "{e}");
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::a_pending_wait_makes_sleep_refuse_and_drop_leak",
+            run: a_pending_wait_makes_sleep_refuse_and_drop_leak,
+        },
+        Test {
+            name: "vmm::a_buffer_over_shared_memory_refuses_to_sleep",
+            run: a_buffer_over_shared_memory_refuses_to_sleep,
+        },
+        Test {
+            name: "vmm::an_import_of_another_devices_memory_is_refused",
+            run: an_import_of_another_devices_memory_is_refused,
+        },
+        Test {
+            name: "vmm::a_truncated_message_is_refused",
+            run: a_truncated_message_is_refused,
+        },
         Test {
             name: "vmm::pools_shared_by_descriptor_and_pointer",
             run: pools_shared_by_descriptor_and_pointer,
