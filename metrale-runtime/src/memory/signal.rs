@@ -15,10 +15,14 @@
 //! - Mapped words are refused on a stream being captured through metrale,
 //!   before anything is queued: a graph would replay the operation after the
 //!   words may be gone.
-//! - Every wait queued outside a capture is counted on its context until the
-//!   host function after it runs ([`CudaContext::pending_waits`]): meanwhile,
-//!   frees and unmaps that would wait for the whole context refuse (or leak)
-//!   instead of blocking for ever on a word nobody writes.
+//! - Every wait on mapped words queued outside a capture (the host passes it,
+//!   and may never) is counted on its context until the host function that holds
+//!   the words runs ([`CudaContext::pending_waits`]): meanwhile, frees and unmaps
+//!   that would wait for the whole context refuse (or leak) instead of blocking
+//!   for ever on a word nobody writes. Operations on device words only queue no
+//!   host function (their submit is the driver's call alone): a wait on a device
+//!   word is GPU work like a kernel, and one that never passes blocks what waits
+//!   for the context, as an endless kernel does.
 //! - The host reaches [`MappedWords`] only through atomics (no slice, not even
 //!   internally: the length is kept beside the buffer), so its accesses never
 //!   race with each other; the device's are outside the program.
@@ -586,15 +590,21 @@ impl CudaStream {
                 held.len()
             )));
         }
+        if held.is_empty() {
+            // Device words only: nothing to hold and no host function (the
+            // submit stays the driver's call). Their waits are GPU work like a
+            // kernel's: one that never passes is the program's, as an endless
+            // kernel is (see the module docs).
+            return self.call(what, queue);
+        }
+        // Waits on mapped words are passed by the host, which may never write:
+        // counted until the host function (queued anyway to hold the words).
         let counted = if capturing { 0 } else { waits };
         let counter = Arc::clone(self.context().pending_waits_counter());
         counter.fetch_add(counted, Ordering::AcqRel);
         if let Err(e) = self.call(what, queue) {
             counter.fetch_sub(counted, Ordering::AcqRel);
             return Err(e);
-        }
-        if held.is_empty() && counted == 0 {
-            return Ok(());
         }
         let keeper = move || {
             // Not dropped here: the last hold would free pinned memory inside a

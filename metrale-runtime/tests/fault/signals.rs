@@ -255,18 +255,30 @@ fn mapped_words_are_refused_in_a_capture_before_anything_is_queued() {
     done(reg);
 }
 
-/// A queued wait is counted on its context until the stream passes it.
+/// A queued wait on mapped words is counted on its context until the stream
+/// passes it; waits on device words queue nothing more than the operation.
 fn pending_waits_are_counted_until_passed() {
     let reg = setup();
     let (a, b) = (
         CudaStream::new(reg.ctx()).unwrap(),
         CudaStream::new(reg.ctx()).unwrap(),
     );
-    let flags = DeviceBuffer::<u32>::zeroed(&a, 2).unwrap();
+    let device_flags = DeviceBuffer::<u32>::zeroed(&a, 1).unwrap();
     a.synchronize().unwrap();
+    let host_fns = fake().calls("cuLaunchHostFunc");
+    let dw = SignalWord::device(&device_flags, 0).unwrap();
+    b.write_value32(&dw, 1, WriteFlags::default()).unwrap();
+    a.wait_value32(&dw, 1, WaitFlags::EQ).unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 0, "device words are not counted");
+    assert_eq!(
+        fake().calls("cuLaunchHostFunc"),
+        host_fns,
+        "no host function follows device-word operations"
+    );
+    let flags = Arc::new(MappedWords::<u32>::new(reg.ctx(), 2).unwrap());
     let (w0, w1) = (
-        SignalWord::device(&flags, 0).unwrap(),
-        SignalWord::device(&flags, 1).unwrap(),
+        SignalWord::mapped(&flags, 0).unwrap(),
+        SignalWord::mapped(&flags, 1).unwrap(),
     );
     assert_eq!(reg.ctx().pending_waits(), 0);
     a.wait_value32(&w0, 1, WaitFlags::EQ).unwrap();
@@ -286,7 +298,8 @@ fn pending_waits_are_counted_until_passed() {
     assert_eq!(reg.ctx().pending_waits(), 0);
     drop(w0);
     drop(w1);
-    drop(flags);
+    drop(dw);
+    drop((flags, device_flags));
     drop(a);
     drop(b);
     done(reg);

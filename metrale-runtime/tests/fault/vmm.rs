@@ -671,8 +671,8 @@ pub fn children() -> Vec<Child> {
     }]
 }
 
-/// With a GPU-side wait pending on a word nobody writes, a wait for the whole
-/// context would never return: sleep and unmap refuse, drops leak (reported).
+/// With a GPU-side wait pending on a mapped word the host never writes, a wait
+/// for the whole context would never return: sleep and unmap refuse, drops leak (reported).
 fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
     let reg = setup();
     let s = reg.stream();
@@ -680,9 +680,8 @@ fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
         CudaStream::new(reg.ctx()).unwrap(),
         CudaStream::new(reg.ctx()).unwrap(),
     );
-    let flags = DeviceBuffer::<u32>::zeroed(&a, 1).unwrap();
-    a.synchronize().unwrap();
-    let word = SignalWord::device(&flags, 0).unwrap();
+    let flags = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&flags, 0).unwrap();
     let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
     buf.grow_to(1024).unwrap();
     let mut range = VirtualRange::reserve(s, 2 * MIB).unwrap();
