@@ -455,7 +455,12 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
                 // is still held (`self.pool` drops after this).
                 let closed = unsafe {
                     if from_pool {
-                        cu!(d, cuMemFree_v2(ptr))
+                        // A pool pointer is freed as pool memory: stream-ordered
+                        // (on the legacy stream, after every use, waited above)
+                        // and waited for, so the importer's free completes before
+                        // it tells the exporter it is done.
+                        cu!(d, cuMemFreeAsync(ptr, std::ptr::null_mut()))
+                            .and_then(|()| cu!(d, cuStreamSynchronize(std::ptr::null_mut())))
                     } else {
                         cu!(d, cuIpcCloseMemHandle(ptr))
                     }

@@ -577,11 +577,19 @@ impl CudaStream {
         waits: usize,
         queue: impl FnOnce(&'static sys::Driver, CUstream) -> Result<(), CallError>,
     ) -> Result<()> {
+        if held.is_empty() {
+            // Device words only: nothing to hold, no capture to refuse (the
+            // operation may become a graph node) and no host function, so the
+            // submit is the driver's call. Their waits are GPU work like a
+            // kernel's: one that never passes is the program's, as an endless
+            // kernel is (see the module docs).
+            return self.call(what, queue);
+        }
         let section = self.section();
         let capturing = self
             .capturing_now(&section)
             .map_err(|e| e.about(self.subject(&format!("{what}: capture status"))))?;
-        if capturing && !held.is_empty() {
+        if capturing {
             return Err(invalid_arg(format!(
                 "{}: {} mapped signal word(s) while the stream is being captured: every \
                  replay of the graph would use host memory that may be freed by then \
@@ -589,13 +597,6 @@ impl CudaStream {
                 self.subject(what),
                 held.len()
             )));
-        }
-        if held.is_empty() {
-            // Device words only: nothing to hold and no host function (the
-            // submit stays the driver's call). Their waits are GPU work like a
-            // kernel's: one that never passes is the program's, as an endless
-            // kernel is (see the module docs).
-            return self.call(what, queue);
         }
         // Waits on mapped words are passed by the host, which may never write:
         // counted until the host function (queued anyway to hold the words).
