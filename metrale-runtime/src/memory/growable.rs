@@ -498,18 +498,6 @@ impl<T: DeviceRepr> SleepingBuffer<T> {
                 return Err(invalid_arg("waking a buffer: the saved contents are short"));
             }
         }
-        // Nothing mapped and the pieces contiguous from 0 (a growable buffer's
-        // are): wake as one piece, one `cuMemCreate` + map + access instead of
-        // one per piece (later sleeps then release that one piece).
-        let contiguous = self
-            .pieces
-            .iter()
-            .try_fold(0usize, |end, &(offset, size)| (offset == end).then(|| end + size));
-        if let Some(total) = contiguous {
-            if self.pieces.len() > 1 && self.buffer.range.mappings().next().is_none() {
-                self.pieces = vec![(0, total)];
-            }
-        }
         let section = stream.section();
         if restore {
             stream.refuse_if_capturing(&section, "restoring a sleeping buffer")?;

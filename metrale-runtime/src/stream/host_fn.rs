@@ -2,8 +2,13 @@
 //! work queued before them on a stream has finished (`cuLaunchHostFunc`).
 //!
 //! Invariants:
-//! - What the driver is handed owns the closure: a once-run closure is a
-//!   `Box` the trampoline takes back and frees; a repeatable closure captured into
+//! - What the driver is handed owns the closure: a once-run closure of at most
+//!   48 bytes (8-aligned) is moved into a free slot of a process-wide pool (a
+//!   slot is claimed by one compare-exchange and freed by the trampoline once it
+//!   has moved the closure out), a larger one is a `Box` the trampoline takes
+//!   back and frees (a box costs a `malloc` here and a `free` on the driver's
+//!   thread, measured on the H200 at about a fifth of the raw call); a
+//!   repeatable closure captured into
 //!   a graph is held (an `Arc`) by the captures in progress and then by the graph
 //!   and its executable graphs, so every replay finds it alive.
 //! - A once-run closure is never queued into a capture (a replay would run it
@@ -14,9 +19,11 @@
 //!   refused with [`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)
 //!   instead of calling the driver (which forbids it and may deadlock).
 
+use std::cell::UnsafeCell;
 use std::ffi::c_void;
+use std::mem::{align_of, size_of, MaybeUninit};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CudaStream;
@@ -77,6 +84,70 @@ pub(crate) fn run_guarded(f: impl FnOnce()) {
         // Dropping the payload may panic in turn.
         let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
     }
+}
+
+/// Bytes of a pool slot: closures up to this size (and 8-aligned) take no box.
+const SLOT_BYTES: usize = 48;
+/// Slots in the pool; when the few tried are all in flight, the closure is boxed.
+const SLOTS: usize = 1024;
+
+/// One place for a small closure on its way to the driver's thread.
+#[repr(C, align(64))]
+struct Slot {
+    /// Claimed (compare-exchange from `false`) by a submitter; cleared by the
+    /// trampoline after it moved the closure out, or by the submitter when the
+    /// driver refused the call.
+    busy: AtomicBool,
+    bytes: UnsafeCell<MaybeUninit<[u64; SLOT_BYTES / 8]>>,
+}
+
+// SAFETY: `bytes` is written only by the thread whose compare-exchange claimed
+// the slot, and read only by the one trampoline call it handed the slot to (the
+// driver orders the submit before that call) or by that thread after a refusal;
+// the slot is released (`Release`) after the read and claimed again (`Acquire`)
+// before the next write.
+unsafe impl Sync for Slot {}
+
+#[allow(clippy::declare_interior_mutable_const)]
+const FREE_SLOT: Slot = Slot {
+    busy: AtomicBool::new(false),
+    bytes: UnsafeCell::new(MaybeUninit::uninit()),
+};
+static POOL: [Slot; SLOTS] = [FREE_SLOT; SLOTS];
+/// Where the next claim starts looking.
+static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+/// Whether closures of type `F` travel in a pool slot (a zero-sized one boxes
+/// without allocating).
+const fn fits_slot<F>() -> bool {
+    size_of::<F>() != 0 && size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
+}
+
+/// Claim a free slot (four tries from the hint), or `None`.
+#[inline]
+fn claim_slot() -> Option<&'static Slot> {
+    let start = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+    (0..4).find_map(|k| {
+        let slot = POOL.get((start + k) % SLOTS)?;
+        slot.busy
+            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+            .then_some(slot)
+    })
+}
+
+/// The driver's entry for a once-run closure `F` in a pool slot.
+unsafe extern "C" fn run_slot<F: FnOnce() + Send + 'static>(data: *mut c_void) {
+    // SAFETY: `data` is the slot `launch_host_fn_in` claimed and wrote an `F`
+    // into for this one call (queued outside any capture, so the driver calls
+    // this once); the closure is moved out before the slot is released.
+    let f = unsafe {
+        let slot = &*data.cast_const().cast::<Slot>();
+        let f = std::ptr::read(slot.bytes.get().cast::<F>());
+        slot.busy.store(false, Ordering::Release);
+        f
+    };
+    run_guarded(f);
 }
 
 /// The driver's entry for a once-run closure `F`.
@@ -158,6 +229,31 @@ impl CudaStream {
         _section: &super::Section<'_>,
         f: F,
     ) -> std::result::Result<(), (crate::MetraleError, F)> {
+        if fits_slot::<F>() {
+            if let Some(slot) = claim_slot() {
+                let bytes = slot.bytes.get().cast::<F>();
+                // SAFETY: the slot is ours (claimed above) and holds `SLOT_BYTES`
+                // bytes, 64-aligned: `F` fits (size and alignment checked).
+                unsafe { bytes.write(f) };
+                let data = (slot as *const Slot).cast_mut().cast::<c_void>();
+                let queued = self.call("launching a host function", |d, s| {
+                    // SAFETY: `run_slot::<F>` moves the `F` out of the slot, once:
+                    // the caller's section saw no capture, and none begins before
+                    // it ends.
+                    unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_slot::<F>), data)) }
+                });
+                return match queued {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        // SAFETY: the driver refused the call, so it never received
+                        // the slot: the `F` written above is still there, ours.
+                        let f = unsafe { bytes.read() };
+                        slot.busy.store(false, Ordering::Release);
+                        Err((e, f))
+                    }
+                };
+            }
+        }
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         let queued = self.call("launching a host function", |d, s| {
             // SAFETY: `run_once::<F>` takes back the box `data` points to, once:

@@ -433,8 +433,78 @@ fn futures_under_tokio() {
     assert_eq!(finished, 256);
 }
 
+/// Small closures travel in the pool's slots, large ones in a box; either way
+/// each runs once and drops its captures once, more at a time than there are
+/// slots, from several threads; a refused launch drops the closure at once.
+fn small_and_large_host_functions_run_and_drop_once() {
+    let reg = setup();
+    let ran = Arc::new(AtomicUsize::new(0));
+    let streams: Vec<CudaStream> = (0..3)
+        .map(|_| CudaStream::new(reg.ctx()).unwrap())
+        .collect();
+    let gates: Vec<_> = streams.iter().map(gate).collect();
+    std::thread::scope(|t| {
+        for s in &streams {
+            let ran = &ran;
+            t.spawn(move || {
+                for i in 0..1500u64 {
+                    let r = Arc::clone(ran);
+                    if i % 3 == 0 {
+                        let big = [i; 16]; // 128 bytes and more: boxed
+                        s.launch_host_fn(move || {
+                            assert_eq!(big[15], i);
+                            r.fetch_add(1, Ordering::Relaxed);
+                        })
+                        .unwrap();
+                    } else {
+                        s.launch_host_fn(move || {
+                            r.fetch_add(1, Ordering::Relaxed);
+                        })
+                        .unwrap();
+                    }
+                }
+            });
+        }
+    });
+    // All 4500 are queued behind the gates: more than the pool's 1024 slots.
+    assert_eq!(ran.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        Arc::strong_count(&ran),
+        4501,
+        "every capture held until it runs"
+    );
+    for g in gates {
+        g.send(()).unwrap();
+    }
+    for s in &streams {
+        s.synchronize().unwrap();
+    }
+    assert_eq!(ran.load(Ordering::Relaxed), 4500);
+    assert_eq!(Arc::strong_count(&ran), 1, "every capture dropped once");
+    // Refused by the driver: the closure (slot or box) is dropped now.
+    let s = &streams[0];
+    for big in [false, true] {
+        fake().fail("cuLaunchHostFunc", 999, 1, Some(1));
+        let r = Arc::clone(&ran);
+        let e = if big {
+            let pad = [0u64; 16];
+            s.launch_host_fn(move || drop((r, pad))).unwrap_err()
+        } else {
+            s.launch_host_fn(move || drop(r)).unwrap_err()
+        };
+        assert!(e.to_string().contains("cuLaunchHostFunc"), "{e}");
+        assert_eq!(Arc::strong_count(&ran), 1, "refused closure dropped");
+    }
+    drop(streams);
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "futures::small_and_large_host_functions_run_and_drop_once",
+            run: small_and_large_host_functions_run_and_drop_once,
+        },
         Test {
             name: "futures::host_functions_run_in_order_on_a_driver_thread",
             run: host_functions_run_in_order_on_a_driver_thread,
