@@ -189,10 +189,57 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
     let mut gbuf = Some(gsrc);
     let (mut w_raw, mut w_ours) = (Row::default(), Row::default());
     let (mut w_sleep, mut w_wake) = (Row::default(), Row::default());
+    let mut w_vmm = Row::default();
     let mut host = Some(host);
+    // The same sleep and wake through the raw driver: eight pieces, as grown.
+    let piece = big / 8;
+    let (create, release) = (d.cuMemCreate().unwrap(), d.cuMemRelease().unwrap());
+    let mut vbase: CUdeviceptr = 0;
+    // SAFETY: writes one address; a reservation of `big` bytes.
+    ok("cuMemAddressReserve", unsafe {
+        (d.cuMemAddressReserve().unwrap())(&mut vbase, big, g, 0, 0)
+    });
+    let mut handles = vec![0 as sys::CUmemGenericAllocationHandle; 8];
+    let map_all = |handles: &mut [sys::CUmemGenericAllocationHandle]| {
+        for (i, h) in handles.iter_mut().enumerate() {
+            let at = vbase + (i * piece) as u64;
+            // SAFETY: a new handle of `piece` bytes mapped into its unmapped part
+            // of the reservation, with access for this device.
+            unsafe {
+                ok("cuMemCreate", create(h, piece, &p, 0));
+                ok("cuMemMap", map(at, piece, 0, *h, 0));
+                ok("cuMemSetAccess", set_access(at, piece, access.as_ptr(), 1));
+            }
+        }
+    };
+    map_all(&mut handles);
     for round in 0..rounds {
-        for k in 0..2 {
-            if (round + k) % 2 == 0 {
+        for k in 0..3 {
+            if (round + k) % 3 == 2 {
+                w_vmm.push(
+                    2.0 * big as f64
+                        / time(|| {
+                            // SAFETY: `big` mapped bytes of the reservation and of
+                            // the pinned buffer; each copy waited for before the
+                            // memory is unmapped or reused.
+                            unsafe {
+                                ok("cuMemcpyDtoHAsync_v2", d2h(hp, vbase, big, raw_s));
+                                sync();
+                                for (i, h) in handles.iter().enumerate() {
+                                    ok("cuMemUnmap", unmap(vbase + (i * piece) as u64, piece));
+                                    ok("cuMemRelease", release(*h));
+                                }
+                            }
+                            map_all(&mut handles);
+                            // SAFETY: as above, the new mappings.
+                            unsafe {
+                                ok("cuMemcpyHtoDAsync_v2", h2d(vbase, hp, big, raw_s));
+                            }
+                            sync();
+                        })
+                        / 1e9,
+                );
+            } else if (round + k) % 3 == 0 {
                 w_raw.push(
                     2.0 * big as f64
                         / time(|| {
@@ -222,6 +269,17 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
                 host = h;
             }
         }
+    }
+    // SAFETY: the raw pieces are idle (the last copy was waited for).
+    unsafe {
+        for (i, h) in handles.iter().enumerate() {
+            ok("cuMemUnmap", unmap(vbase + (i * piece) as u64, piece));
+            ok("cuMemRelease", release(*h));
+        }
+        ok(
+            "cuMemAddressFree",
+            (d.cuMemAddressFree().unwrap())(vbase, big),
+        );
     }
     // The contents came back.
     let back = gbuf.as_ref().unwrap();
@@ -273,6 +331,18 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
         &w_ours,
         "  ",
         Some(&ratios(&w_ours, &w_raw)),
+    );
+    line(
+        "  the same through raw VMM calls (GB/s)",
+        &w_vmm,
+        "  ",
+        Some(&ratios(&w_vmm, &w_raw)),
+    );
+    line(
+        "  sleep_into + wake vs the raw VMM calls",
+        &w_ours,
+        "  ",
+        Some(&ratios(&w_ours, &w_vmm)),
     );
     line(
         &format!("  sleep_into {gib} alone (GB/s)"),
