@@ -39,33 +39,43 @@ use std::ffi::OsStr;
 use std::fmt;
 use std::sync::OnceLock;
 
-#[cfg(not(feature = "bindgen"))]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-mod bindings;
+/// The generated bindings of one header as `mod bindings`: the committed file
+/// `src/<file>`, or with the `bindgen` feature the build script's output of the
+/// same name; generated code keeps the header's names and no lints of ours.
+macro_rules! generated_bindings {
+    ($file:literal) => {
+        #[allow(
+            non_camel_case_types,
+            non_snake_case,
+            non_upper_case_globals,
+            missing_docs,
+            unsafe_op_in_unsafe_fn,
+            clippy::all,
+            clippy::pedantic,
+            clippy::undocumented_unsafe_blocks
+        )]
+        #[cfg(not(feature = "bindgen"))]
+        #[path = $file]
+        mod bindings;
 
-#[cfg(feature = "bindgen")]
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-mod bindings {
-    include!(concat!(env!("OUT_DIR"), "/bindings.rs"));
+        #[allow(
+            non_camel_case_types,
+            non_snake_case,
+            non_upper_case_globals,
+            missing_docs,
+            unsafe_op_in_unsafe_fn,
+            clippy::all,
+            clippy::pedantic,
+            clippy::undocumented_unsafe_blocks
+        )]
+        #[cfg(feature = "bindgen")]
+        mod bindings {
+            include!(concat!(env!("OUT_DIR"), "/", $file));
+        }
+    };
 }
+
+generated_bindings!("bindings.rs");
 
 pub use bindings::*;
 

@@ -5,7 +5,7 @@
 //! named by the library's own environment variable (and then only it), else a list
 //! of sonames in order; a failure lists every candidate with the loader's message.
 
-use std::ffi::OsString;
+use std::ffi::{OsStr, OsString};
 use std::fmt;
 
 use crate::LoadAttempt;
@@ -91,6 +91,51 @@ pub(crate) fn candidates(env_var: &str, names: &[&str]) -> Vec<OsString> {
         Some(path) if !path.is_empty() => vec![path],
         _ => names.iter().map(Into::into).collect(),
     }
+}
+
+/// Load the first candidate that loads (see [`candidates`]), collecting every
+/// failed try; `stop` says which failures end the search at once (a library that
+/// loaded but lacks a companion it needs).
+#[cfg(any(feature = "nvrtc", feature = "nccl"))]
+pub(crate) fn load_first<L>(
+    library: &'static str,
+    env_var: &'static str,
+    names: &[&str],
+    load_from: impl Fn(&OsStr) -> Result<L, LibraryLoadError>,
+) -> Result<L, LibraryLoadError> {
+    let mut attempts = Vec::new();
+    for candidate in candidates(env_var, names) {
+        match load_from(&candidate) {
+            Ok(lib) => return Ok(lib),
+            Err(e) if e.companion_of.is_some() => return Err(e),
+            Err(mut e) => attempts.append(&mut e.attempts),
+        }
+    }
+    Err(LibraryLoadError {
+        library,
+        env_var,
+        attempts,
+        companion_of: None,
+    })
+}
+
+/// Whether the function `name` of a header (`names`, in header order) is among
+/// those a table found (`presence`, in the same order); `None` for a name the
+/// header lacks.
+#[cfg(any(feature = "nvrtc", feature = "nccl"))]
+pub(crate) fn has_function(names: &[&'static str], presence: &[bool], name: &str) -> Option<bool> {
+    let index = names.iter().position(|&n| n == name)?;
+    presence.get(index).copied()
+}
+
+/// The functions of a header (`names`) a table did not find, in header order.
+#[cfg(any(feature = "nvrtc", feature = "nccl"))]
+pub(crate) fn missing_functions(names: &[&'static str], presence: &[bool]) -> Vec<&'static str> {
+    names
+        .iter()
+        .zip(presence)
+        .filter_map(|(&name, &present)| (!present).then_some(name))
+        .collect()
 }
 
 /// Open `path` with the loader's default flags; the failure as an attempt.

@@ -23,34 +23,7 @@ use std::sync::OnceLock;
 
 use crate::library::{self, LibraryLoadError, LibraryMissingSymbol};
 
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-#[cfg(not(feature = "bindgen"))]
-#[path = "nccl_bindings.rs"]
-mod bindings;
-
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-#[cfg(feature = "bindgen")]
-mod bindings {
-    include!(concat!(env!("OUT_DIR"), "/nccl_bindings.rs"));
-}
+generated_bindings!("nccl_bindings.rs");
 
 pub use bindings::*;
 
@@ -155,18 +128,8 @@ impl Nccl {
     /// # Errors
     /// [`LibraryLoadError`] listing every candidate tried with the loader's message.
     pub fn load_default() -> Result<Nccl, LibraryLoadError> {
-        let mut attempts = Vec::new();
-        for candidate in library::candidates(LIBNCCL_PATH_VAR, DEFAULT_LIBRARY_NAMES) {
-            match Nccl::load_from(&candidate) {
-                Ok(lib) => return Ok(lib),
-                Err(mut e) => attempts.append(&mut e.attempts),
-            }
-        }
-        Err(LibraryLoadError {
-            library: "NCCL",
-            env_var: LIBNCCL_PATH_VAR,
-            attempts,
-            companion_of: None,
+        library::load_first("NCCL", LIBNCCL_PATH_VAR, DEFAULT_LIBRARY_NAMES, |p| {
+            Nccl::load_from(p)
         })
     }
 
@@ -188,17 +151,12 @@ impl Nccl {
     /// Whether the loaded library exports `name`; `None` when `name` is not a
     /// function of the header.
     pub fn has_function(&self, name: &str) -> Option<bool> {
-        let index = FUNCTION_NAMES.iter().position(|&n| n == name)?;
-        Some(self.fns.presence()[index])
+        library::has_function(&FUNCTION_NAMES, &self.fns.presence(), name)
     }
 
     /// The header functions the loaded library does not export, in header order.
     pub fn missing_functions(&self) -> Vec<&'static str> {
-        FUNCTION_NAMES
-            .iter()
-            .zip(self.fns.presence())
-            .filter_map(|(&name, present)| (!present).then_some(name))
-            .collect()
+        library::missing_functions(&FUNCTION_NAMES, &self.fns.presence())
     }
 
     #[cold]

@@ -25,34 +25,7 @@ use std::sync::OnceLock;
 use crate::library::{self, LibraryLoadError, LibraryMissingSymbol};
 use crate::LoadAttempt;
 
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-#[cfg(not(feature = "bindgen"))]
-#[path = "nvrtc_bindings.rs"]
-mod bindings;
-
-#[allow(
-    non_camel_case_types,
-    non_snake_case,
-    non_upper_case_globals,
-    missing_docs,
-    unsafe_op_in_unsafe_fn,
-    clippy::all,
-    clippy::pedantic,
-    clippy::undocumented_unsafe_blocks
-)]
-#[cfg(feature = "bindgen")]
-mod bindings {
-    include!(concat!(env!("OUT_DIR"), "/nvrtc_bindings.rs"));
-}
+generated_bindings!("nvrtc_bindings.rs");
 
 pub use bindings::*;
 
@@ -137,19 +110,8 @@ impl Nvrtc {
     /// # Errors
     /// [`LibraryLoadError`] listing every candidate tried with the loader's message.
     pub fn load_default() -> Result<Nvrtc, LibraryLoadError> {
-        let mut attempts = Vec::new();
-        for candidate in library::candidates(LIBNVRTC_PATH_VAR, DEFAULT_LIBRARY_NAMES) {
-            match Nvrtc::load_from(&candidate) {
-                Ok(nvrtc) => return Ok(nvrtc),
-                Err(e) if e.companion_of.is_some() => return Err(e),
-                Err(mut e) => attempts.append(&mut e.attempts),
-            }
-        }
-        Err(LibraryLoadError {
-            library: "NVRTC",
-            env_var: LIBNVRTC_PATH_VAR,
-            attempts,
-            companion_of: None,
+        library::load_first("NVRTC", LIBNVRTC_PATH_VAR, DEFAULT_LIBRARY_NAMES, |p| {
+            Nvrtc::load_from(p)
         })
     }
 
@@ -171,17 +133,12 @@ impl Nvrtc {
     /// Whether the loaded library exports `name`; `None` when `name` is not a
     /// function of the header.
     pub fn has_function(&self, name: &str) -> Option<bool> {
-        let index = FUNCTION_NAMES.iter().position(|&n| n == name)?;
-        Some(self.fns.presence()[index])
+        library::has_function(&FUNCTION_NAMES, &self.fns.presence(), name)
     }
 
     /// The header functions the loaded library does not export, in header order.
     pub fn missing_functions(&self) -> Vec<&'static str> {
-        FUNCTION_NAMES
-            .iter()
-            .zip(self.fns.presence())
-            .filter_map(|(&name, present)| (!present).then_some(name))
-            .collect()
+        library::missing_functions(&FUNCTION_NAMES, &self.fns.presence())
     }
 
     #[cold]
