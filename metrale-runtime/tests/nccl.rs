@@ -807,6 +807,72 @@ fn group_defers_frees_and_refuses_unlisted_communicators() {
     );
 }
 
+/// NCCL initializes a communicator made inside a group at the group's end: until
+/// then another thread cannot use it (refused) or drop it (leaked, never
+/// finalized or aborted under the pending init).
+fn a_communicator_made_in_a_group_waits_for_its_end() {
+    reset();
+    let c = ctx(0);
+    let id = NcclId::new().unwrap();
+    let id2 = NcclId::new().unwrap();
+    let (destroys, aborts, finals) = (
+        nccl().calls("ncclCommDestroy"),
+        nccl().calls("ncclCommAbort"),
+        nccl().calls("ncclCommFinalize"),
+    );
+    let mut leaked_raw = std::ptr::null_mut();
+    let comm = group(&[], || {
+        let comm = Communicator::init_rank(&id, 1, 0, &c, &CommConfig::new())?;
+        let leaked = Communicator::init_rank(&id2, 1, 0, &c, &CommConfig::new())?;
+        leaked_raw = leaked.raw();
+        let comm = std::thread::scope(|t| {
+            t.spawn(move || drop(leaked)).join().unwrap();
+            t.spawn(move || {
+                let e = comm.async_status().unwrap_err();
+                assert!(
+                    refusal(&e).contains("made inside a `group` that has not ended"),
+                    "{e}"
+                );
+                comm
+            })
+            .join()
+            .unwrap()
+        });
+        // Inside the group, on its thread, it may be used.
+        comm.async_status()?;
+        Ok(comm)
+    })
+    .unwrap();
+    assert_eq!(
+        (
+            nccl().calls("ncclCommDestroy"),
+            nccl().calls("ncclCommAbort"),
+            nccl().calls("ncclCommFinalize")
+        ),
+        (destroys, aborts, finals),
+        "the communicator dropped on another thread was leaked, not torn down"
+    );
+    // Clean the leaked one up through the raw table (its init ran at the end).
+    let lib = metrale_runtime::sys::nccl::nccl().unwrap();
+    // SAFETY: the leaked communicator's handle, initialized, destroyed once.
+    let st = unsafe { (lib.ncclCommDestroy().unwrap())(leaked_raw) };
+    assert!(st.is_success(), "{st}");
+    // The group ended: usable on any thread.
+    let comm = std::thread::spawn(move || {
+        comm.async_status().unwrap();
+        comm
+    })
+    .join()
+    .unwrap();
+    drop(comm);
+    assert_eq!(
+        nccl().calls("ncclCommDestroy"),
+        destroys + 2,
+        "the raw clean-up and the drop"
+    );
+    assert_eq!(nccl().live(), 0);
+}
+
 fn split_inside_a_group_is_refused() {
     reset();
     let (comm, _s) = one_rank(&CommConfig::new());
@@ -1150,6 +1216,7 @@ fn main() -> ExitCode {
         drop_after_teardown_is_silent,
         missing_library_and_missing_symbol,
         group_defers_frees_and_refuses_unlisted_communicators,
+        a_communicator_made_in_a_group_waits_for_its_end,
         split_inside_a_group_is_refused,
         nccl_comm_blocking_overrides_the_config,
         shared_split_and_parent_take_turns,

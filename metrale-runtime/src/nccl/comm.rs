@@ -59,6 +59,9 @@ pub struct Communicator {
     last_op: Cell<&'static str>,
     /// A non-blocking init made inside a group, not yet polled to completion.
     unsettled: Cell<bool>,
+    /// Made inside a group: usable only in that group (its thread) until the
+    /// group ends, when NCCL runs the init.
+    group_init: Option<Arc<super::group::GroupInit>>,
     /// Shared with the parent or children this communicator shares resources
     /// with (`splitShare`): NCCL forbids using them concurrently, so every NCCL
     /// call on any of them holds it. `None` (no lock taken) otherwise.
@@ -413,6 +416,7 @@ impl Communicator {
             streams: RefCell::new(Vec::new()),
             last_op: Cell::new("no operation"),
             unsettled: Cell::new(false),
+            group_init: in_group().then(super::group::GroupInit::pending),
             serial: parts.serial,
             _names: parts.names,
         }
@@ -635,11 +639,33 @@ impl Communicator {
                 comm: self.info,
             }));
         }
+        if let Some(init) = &self.group_init {
+            if !init.usable_here() {
+                return Err(self.init_pending(call));
+            }
+        }
         if self.unsettled.get() && !in_group() {
             self.unsettled.set(false);
             self.settle_call("init")?;
         }
         Ok(())
+    }
+
+    /// Whether it was made inside a group that has not ended, on another thread
+    /// or after this thread left it (NCCL has not initialized it yet).
+    fn init_pending_elsewhere(&self) -> bool {
+        self.group_init.as_ref().is_some_and(|i| !i.usable_here())
+    }
+
+    #[cold]
+    fn init_pending(&self, call: &'static str) -> crate::error::MetraleError {
+        refused(
+            call,
+            Some(self.info),
+            "the communicator was made inside a `group` that has not ended: NCCL \
+             initializes it at that group's end, so until then it may be used only \
+             inside the group, on the thread that opened it",
+        )
     }
 
     #[cold]
@@ -743,6 +769,16 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         if self.aborted.get() {
+            return;
+        }
+        if self.init_pending_elsewhere() {
+            // Its init is queued in another thread's open group: neither a
+            // finalize nor an abort may race it. Leak it.
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): dropped while the group it was made in is \
+                 still open on another thread; leaked (not finalized)",
+                self.info
+            ));
             return;
         }
         if in_group() {

@@ -3,7 +3,9 @@
 //! communicators.
 
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::ThreadId;
 
 use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t};
 
@@ -19,6 +21,46 @@ thread_local! {
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     /// The communicators the open groups list (borrowed for the group's length).
     static LISTED: RefCell<Vec<ncclComm_t>> = const { RefCell::new(Vec::new()) };
+    /// Inits made inside this thread's open groups: NCCL runs them at the
+    /// outermost `ncclGroupEnd`.
+    static PENDING_INITS: RefCell<Vec<Arc<GroupInit>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// A communicator made inside a group: NCCL initializes it only when the
+/// outermost group of the thread that made it ends. Until then it may be used
+/// only inside that group, on that thread.
+#[derive(Debug)]
+pub(crate) struct GroupInit {
+    thread: ThreadId,
+    ended: AtomicBool,
+}
+
+impl GroupInit {
+    /// Record an init made now, inside this thread's open group.
+    pub(crate) fn pending() -> Arc<GroupInit> {
+        let init = Arc::new(GroupInit {
+            thread: std::thread::current().id(),
+            ended: AtomicBool::new(false),
+        });
+        PENDING_INITS.with(|p| p.borrow_mut().push(Arc::clone(&init)));
+        init
+    }
+
+    /// Whether NCCL may be called on the communicator here: its group ended, or
+    /// this is the thread whose open group holds its init.
+    pub(crate) fn usable_here(&self) -> bool {
+        self.ended.load(Ordering::Acquire)
+            || (self.thread == std::thread::current().id() && in_group())
+    }
+}
+
+/// The outermost group ended (its `ncclGroupEnd` was called): the inits made in
+/// it have run (or failed, which their communicators report).
+fn inits_ended() {
+    let done = PENDING_INITS.with(|p| std::mem::take(&mut *p.borrow_mut()));
+    for init in done {
+        init.ended.store(true, Ordering::Release);
+    }
 }
 
 /// Whether this thread is inside [`group`].
@@ -114,6 +156,21 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
             }
         }
     }
+    /// At the outermost group's end (after `ncclGroupEnd`, also on unwind),
+    /// the inits made inside it have run.
+    struct InitsEnd {
+        outermost: bool,
+    }
+    impl Drop for InitsEnd {
+        fn drop(&mut self) {
+            if self.outermost {
+                inits_ended();
+            }
+        }
+    }
+    let inits_end = InitsEnd {
+        outermost: !in_group(),
+    };
     DEPTH.with(|d| d.set(d.get() + 1));
     let mut open = Open {
         mark,
@@ -157,6 +214,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
             None,
         ))
     };
+    drop(inits_end);
     drop(frees_wait);
     let value = result?;
     ended.map(|()| value)
