@@ -512,8 +512,8 @@ impl CudaContext {
     }
 
     /// Block until all work queued in this context, on every stream, has finished.
-    /// Afterwards, what host functions left to drop is dropped
-    /// ([`drain_dropped_later`]).
+    /// Afterwards, what host functions left to drop is dropped, and releases that
+    /// waited for GPU-side waits to pass are retried.
     ///
     /// # Errors
     /// `cuCtxSynchronize`'s status (the first failure of that work).
@@ -527,14 +527,17 @@ impl CudaContext {
         done
     }
 
-    /// GPU-side waits metrale queued on this context's streams
-    /// ([`CudaStream::wait_value32`](crate::CudaStream::wait_value32) and the
-    /// others, outside captures) that the stream has not yet passed. While this
-    /// is non-zero, a wait for the whole context (`cuCtxSynchronize`) could block
-    /// for ever (a word nobody writes), so freeing virtual memory or closing an
-    /// IPC buffer leaks it (reported) and `sleep` / `unmap` return an error
-    /// instead. A wait whose stream faulted (its host functions never run) stays
-    /// counted for good.
+    /// GPU-side waits on mapped (host) words metrale queued on this context's
+    /// streams ([`CudaStream::wait_value32`](crate::CudaStream::wait_value32)
+    /// and the others, outside captures) that the stream has not yet passed: the
+    /// host passes them, and may not. While this is non-zero, a wait for the
+    /// whole context (`cuCtxSynchronize`) could block for ever, so freeing
+    /// virtual memory, closing an IPC buffer or a `cuMemFree` is deferred until
+    /// they have passed (retried at the next synchronize) and `sleep` / `unmap`
+    /// return an error instead. Waits on device words are not counted: they are
+    /// GPU work like a kernel's, and one that never passes blocks what waits for
+    /// the context as an endless kernel does. A wait whose stream faulted (its
+    /// host functions never run) stays counted for good.
     pub fn pending_waits(&self) -> usize {
         self.pending_waits.load(Ordering::Acquire)
     }
@@ -781,6 +784,14 @@ pub(crate) fn drain_dropped_later() {
     };
     // Dropped outside the lock: their Drop calls the driver.
     drop(taken);
+    // Releases deferred behind pending waits may go now (those still blocked
+    // set the flag again).
+    crate::memory::retry_deferred_frees();
+}
+
+/// A release was deferred: the next drain retries it.
+pub(crate) fn note_deferred_drop() {
+    DROP_LATER_ANY.store(true, Ordering::Release);
 }
 
 /// Whether the calling thread is inside a host function (one thread-local load).

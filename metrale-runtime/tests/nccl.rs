@@ -873,6 +873,39 @@ fn a_communicator_made_in_a_group_waits_for_its_end() {
     assert_eq!(nccl().live(), 0);
 }
 
+/// A nested group's work launches at the outermost end: it may list only what
+/// the outer group lists. A grown buffer (a virtual range) dropped inside a
+/// group is released after the group, like a device buffer's free.
+fn nested_groups_and_ranges_wait_for_the_outermost_end() {
+    reset();
+    let (a, s) = one_rank(&CommConfig::new());
+    let (b, _s2) = one_rank(&CommConfig::new());
+    let starts = nccl().calls("ncclGroupStart");
+    let e = group(&[&a], || group(&[&b], || Ok(()))).unwrap_err();
+    assert!(
+        refusal(&e).contains("a nested group may list only communicators an enclosing group lists"),
+        "{e}"
+    );
+    assert_eq!(
+        nccl().calls("ncclGroupStart"),
+        starts + 1,
+        "the inner group never started"
+    );
+    group(&[&a, &b], || group(&[&b], || Ok(()))).unwrap();
+    let mut g = metrale_runtime::GrowableBuffer::<f32>::new(&s, 1 << 20).unwrap();
+    g.grow_to(1024).unwrap();
+    s.zero(&mut g).unwrap();
+    let (comm, stream) = (&a, &s);
+    group(&[&a], move || {
+        comm.all_reduce_in_place(&mut g, ReduceOp::Sum, stream)?;
+        drop(g);
+        assert_eq!(deferred_frees(), 1, "the range waits for the group");
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(deferred_frees(), 0, "released at the group's end");
+}
+
 fn split_inside_a_group_is_refused() {
     reset();
     let (comm, _s) = one_rank(&CommConfig::new());
@@ -1217,6 +1250,7 @@ fn main() -> ExitCode {
         missing_library_and_missing_symbol,
         group_defers_frees_and_refuses_unlisted_communicators,
         a_communicator_made_in_a_group_waits_for_its_end,
+        nested_groups_and_ranges_wait_for_the_outermost_end,
         split_inside_a_group_is_refused,
         nccl_comm_blocking_overrides_the_config,
         shared_split_and_parent_take_turns,

@@ -81,6 +81,39 @@ fn check_capture(
 /// Frees that waited for a capture (or an NCCL group) to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
 
+/// Whole releases (a virtual range and what it maps, an IPC buffer) that waited
+/// for an NCCL group to end or for pending GPU-side waits on mapped words to
+/// pass: dropped again when a group or capture ends and at the next drain
+/// (`context::drain_dropped_later`); each re-defers itself while it must.
+static DEFERRED_DROPS: Mutex<Vec<Box<dyn Send>>> = Mutex::new(Vec::new());
+
+/// Keep `release` (whose Drop does the release) until it can run.
+pub(crate) fn defer_drop(release: Box<dyn Send>) {
+    DEFERRED_DROPS
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(release);
+    crate::context::note_deferred_drop();
+}
+
+/// Whether a release that waits for every use of `ctx` (and of the contexts of
+/// `uses`' foreign streams) must wait: an NCCL group is open (its collectives
+/// reach their streams only at its end), or a GPU-side wait on mapped words is
+/// pending there (the wait for the context could block for ever).
+pub(crate) fn release_must_wait(ctx: &CudaContext, uses: Option<&Uses>) -> bool {
+    if nccl_groups_open() || ctx.pending_waits() > 0 {
+        return true;
+    }
+    uses.is_some_and(|u| {
+        u.any_foreign.load(std::sync::atomic::Ordering::Acquire)
+            && u.foreign
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .any(|f| f.context().pending_waits() > 0)
+    })
+}
+
 /// The outermost NCCL groups open in the process (`nccl::group`).
 #[cfg(feature = "nccl")]
 static NCCL_GROUPS_OPEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -276,6 +309,11 @@ impl FreeJob {
 
     /// `cuMemFree` after the foreign streams' work.
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
+        if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
+            // `cuMemFree` waits for the device's work, which a wait on a mapped
+            // word nobody writes never ends: after those waits pass, then.
+            return Some(self);
+        }
         if crate::stream::capturing_on_this_thread() {
             // `cuMemFree` and synchronisations are refused on a capturing thread
             // (and would invalidate its capture): after the capture, then.
@@ -392,19 +430,42 @@ impl<F: Fn() -> String> std::fmt::Display for Lazy<'_, F> {
     }
 }
 
-/// Retry the frees that waited for a capture or an NCCL group to end (called
-/// when one ends).
+/// Retry the frees and releases that waited for a capture, an NCCL group or
+/// pending GPU-side waits (called when a capture or group ends, and at each
+/// drain of the drop-later list).
 pub(crate) fn retry_deferred() {
-    let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
-    if jobs.is_empty() {
+    if crate::context::in_host_function() {
         return;
     }
-    let still: Vec<FreeJob> = jobs.into_iter().filter_map(FreeJob::try_free).collect();
-    if !still.is_empty() {
+    if !crate::stream::capturing_on_this_thread() {
+        // (A thread that captures may not wait for its context: later.)
+        let drops = std::mem::take(
+            &mut *DEFERRED_DROPS
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        // Each re-defers itself while it must still wait.
+        drop(drops);
+    }
+    // A capture or group that ended while jobs were taken out found the list
+    // empty: take another turn then (a few, so a job that keeps waiting for
+    // pending waits cannot spin here).
+    for _ in 0..3 {
+        let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
+        if jobs.is_empty() {
+            return;
+        }
+        let still: Vec<FreeJob> = jobs.into_iter().filter_map(FreeJob::try_free).collect();
+        if still.is_empty() {
+            return;
+        }
         DEFERRED
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .extend(still);
+        if crate::stream::captures_in_progress() || nccl_groups_open() {
+            return;
+        }
     }
 }
 
@@ -415,4 +476,8 @@ pub fn deferred_frees() -> usize {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .len()
+        + DEFERRED_DROPS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
 }

@@ -30,9 +30,10 @@ use crate::stream::{AsStream, CudaStream};
 /// the same addresses.
 ///
 /// Dropping it, or sleeping it, waits for every use of the context
-/// (`cuCtxSynchronize`); while the context has GPU-side waits pending
-/// ([`CudaContext::pending_waits`]) that could block for ever, so a drop leaks
-/// the memory (one line on stderr) and `sleep` returns an error instead.
+/// (`cuCtxSynchronize`); while the context has waits on mapped words pending
+/// ([`CudaContext::pending_waits`]) that could block for ever, or an NCCL group
+/// is open, a drop defers the release until they have passed and `sleep`
+/// returns an error instead.
 ///
 /// [`DeviceBuffer`]: super::DeviceBuffer
 ///
@@ -279,9 +280,9 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// it holds the sleeping buffer, part of whose memory is still mapped (waking
     /// maps only what is missing; dropping unmaps the rest). `InvalidArgument`
     /// (the buffer awake) for a buffer made by [`GrowableBuffer::from_physical`],
-    /// and while the context has GPU-side waits pending
+    /// and while the context has waits on mapped words pending
     /// ([`CudaContext::pending_waits`]: waiting for every use could block for
-    /// ever).
+    /// ever) or an NCCL group is open.
     pub fn sleep(
         self,
         save: Option<&impl AsStream>,

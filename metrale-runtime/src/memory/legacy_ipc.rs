@@ -432,6 +432,40 @@ impl<T: DeviceRepr> fmt::Debug for IpcBuffer<T> {
 
 impl<T: DeviceRepr> Drop for IpcBuffer<T> {
     fn drop(&mut self) {
+        drop(IpcClose {
+            ptr: self.ptr,
+            pool: self.pool.take(),
+            ctx: Arc::clone(&self.ctx),
+            made: self.made,
+            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
+        });
+    }
+}
+
+/// The close of an [`IpcBuffer`], run when dropped; it defers itself (to the
+/// deferred releases) while an NCCL group is open or GPU-side waits on mapped
+/// words are pending, since it waits for the whole context first.
+struct IpcClose {
+    ptr: CUdeviceptr,
+    /// The imported pool of a pool pointer, dropped after the pointer's free.
+    pool: Option<Arc<MemPool>>,
+    ctx: Arc<CudaContext>,
+    made: Generation,
+    uses: Uses,
+}
+
+impl Drop for IpcClose {
+    fn drop(&mut self) {
+        if super::free::release_must_wait(&self.ctx, Some(&self.uses)) {
+            super::free::defer_drop(Box::new(IpcClose {
+                ptr: self.ptr,
+                pool: self.pool.take(),
+                ctx: Arc::clone(&self.ctx),
+                made: self.made,
+                uses: std::mem::replace(&mut self.uses, Uses::new(None)),
+            }));
+            return;
+        }
         let what = format!(
             "closing IPC buffer {:#x} on device {}",
             self.ptr,

@@ -284,9 +284,11 @@ struct Mapping {
 /// Reserved device address space (`cuMemAddressReserve`), with the physical
 /// memory mapped into it. On drop everything still mapped is unmapped (after the
 /// work that may use it: `cuCtxSynchronize`) and the range is freed. While the
-/// context has GPU-side waits pending ([`CudaContext::pending_waits`]), that wait
-/// could block for ever, so a drop with mappings leaks the range instead (one
-/// line on stderr says so) and [`VirtualRange::unmap`] returns an error.
+/// context has waits on mapped words pending ([`CudaContext::pending_waits`]),
+/// that wait could block for ever, and while an NCCL group is open its
+/// collectives are not yet on their streams: a drop with mappings then defers
+/// the release until both have passed, and [`VirtualRange::unmap`] returns an
+/// error.
 ///
 /// The range gives raw addresses only ([`VirtualRange::device_ptr`]); safe typed
 /// access is [`GrowableBuffer`](super::GrowableBuffer).
@@ -612,6 +614,12 @@ pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result
         ));
     }
     let waiting = "waiting for the work that uses the memory";
+    if super::free::nccl_groups_open() {
+        return Err(invalid_arg(format!(
+            "{waiting}: an NCCL group is open, whose collectives reach their streams only \
+             when it ends (retry after the group)"
+        )));
+    }
     ctx.refuse_with_pending_waits(&waiting)?;
     let abandoned = |e: &MetraleError| e.status().is_some_and(crate::stream::work_abandoned);
     if let Some(uses) = uses {
@@ -675,6 +683,25 @@ impl VirtualRange {
         if std::mem::replace(&mut self.released, true) {
             return;
         }
+        if !self.mappings.is_empty() && super::free::release_must_wait(&self.ctx, uses) {
+            // Waiting for the context now could miss an open NCCL group's
+            // collectives or block for ever on a pending wait: hand the whole
+            // range (and the record of its uses) to the deferred releases.
+            let range = VirtualRange {
+                base: self.base,
+                size: self.size,
+                granularity: self.granularity,
+                ctx: Arc::clone(&self.ctx),
+                made: self.made,
+                mappings: std::mem::take(&mut self.mappings),
+                released: false,
+            };
+            super::free::defer_drop(Box::new(DeferredRange {
+                range,
+                uses: uses.map(Uses::copy_of),
+            }));
+            return;
+        }
         let what = self.subject(format_args!("freeing"));
         if !self.ctx.may_release(self.made, format_args!("{what}")) {
             // Gone or reset: the driver freed everything.
@@ -705,5 +732,18 @@ impl VirtualRange {
 impl Drop for VirtualRange {
     fn drop(&mut self) {
         self.release(None);
+    }
+}
+
+/// A range whose release waits (see `VirtualRange::release`), with the uses
+/// its owner recorded.
+struct DeferredRange {
+    range: VirtualRange,
+    uses: Option<Uses>,
+}
+
+impl Drop for DeferredRange {
+    fn drop(&mut self) {
+        self.range.release(self.uses.as_ref());
     }
 }

@@ -713,7 +713,9 @@ impl Communicator {
             return;
         }
         if !streams.iter().any(|s| s.same_stream(stream)) {
-            if streams.len() >= KEPT_STREAMS {
+            if streams.len() >= KEPT_STREAMS && !in_group() {
+                // (Not inside a group: its queued work reaches these streams
+                // only at the group's end, so none may be destroyed before.)
                 // Streams only this list still holds: their owners are done
                 // with them, so keep them from piling up (a new stream per step).
                 streams.retain(|s| !s.is_last_handle());

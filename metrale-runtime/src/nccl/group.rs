@@ -116,6 +116,18 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     if crate::context::in_host_function() {
         return Err(crate::error::CallError::InHostFunction.about("ncclGroupStart (nccl::group)"));
     }
+    if in_group() {
+        // NCCL launches a nested group's work at the outermost end: what it
+        // lists must be borrowed (and locked) until then, so by the outer group.
+        if let Some(c) = comms.iter().find(|c| !is_listed(c.raw_handle())) {
+            return Err(super::error::refused(
+                "ncclGroupStart (nccl::group)",
+                Some(c.info()),
+                "a nested group may list only communicators an enclosing group lists: \
+                 its work is launched when the outermost group ends",
+            ));
+        }
+    }
     let nccl = lib()?;
     let start = nccl.ncclGroupStart().map_err(|m| missing(m, None))?;
     let end = nccl.ncclGroupEnd().map_err(|m| missing(m, None))?;
