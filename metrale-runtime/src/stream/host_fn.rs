@@ -128,7 +128,7 @@ const fn fits_slot<F>() -> bool {
 fn claim_slot() -> Option<&'static Slot> {
     let start = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
     (0..4).find_map(|k| {
-        let slot = POOL.get((start + k) % SLOTS)?;
+        let slot = POOL.get(start.wrapping_add(k) % SLOTS)?;
         slot.busy
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
@@ -233,7 +233,7 @@ impl CudaStream {
             if let Some(slot) = claim_slot() {
                 let bytes = slot.bytes.get().cast::<F>();
                 // SAFETY: the slot is ours (claimed above) and holds `SLOT_BYTES`
-                // bytes, 64-aligned: `F` fits (size and alignment checked).
+                // bytes, 8-aligned: `F` fits (size and alignment checked).
                 unsafe { bytes.write(f) };
                 let data = (slot as *const Slot).cast_mut().cast::<c_void>();
                 let queued = self.call("launching a host function", |d, s| {

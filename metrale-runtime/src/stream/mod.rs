@@ -988,7 +988,9 @@ impl CudaEvent {
     pub fn synchronize(&self) -> Result<()> {
         let e = self.raw;
         // SAFETY: a live event.
-        self.call("synchronize", |d| unsafe { cu!(d, cuEventSynchronize(e)) })
+        let done = self.call("synchronize", |d| unsafe { cu!(d, cuEventSynchronize(e)) });
+        crate::context::drain_dropped_later();
+        done
     }
 
     /// Whether the work before the event's last record has finished (an event
