@@ -54,22 +54,10 @@ macro_rules! generated_bindings {
             clippy::pedantic,
             clippy::undocumented_unsafe_blocks
         )]
-        #[cfg(not(feature = "bindgen"))]
-        #[path = $file]
-        mod bindings;
-
-        #[allow(
-            non_camel_case_types,
-            non_snake_case,
-            non_upper_case_globals,
-            missing_docs,
-            unsafe_op_in_unsafe_fn,
-            clippy::all,
-            clippy::pedantic,
-            clippy::undocumented_unsafe_blocks
-        )]
-        #[cfg(feature = "bindgen")]
         mod bindings {
+            #[cfg(not(feature = "bindgen"))]
+            include!($file);
+            #[cfg(feature = "bindgen")]
             include!(concat!(env!("OUT_DIR"), "/", $file));
         }
     };
