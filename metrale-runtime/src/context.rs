@@ -532,9 +532,9 @@ impl CudaContext {
     /// and the others, outside captures) that the stream has not yet passed: the
     /// host passes them, and may not. While this is non-zero, a wait for the
     /// whole context (`cuCtxSynchronize`) could block for ever, so freeing
-    /// virtual memory, closing an IPC buffer or a `cuMemFree` is deferred until
-    /// they have passed (retried at the next synchronize) and `sleep` / `unmap`
-    /// return an error instead. Waits on device words are not counted: they are
+    /// virtual memory or closing an IPC buffer leaks it (one line on stderr), a
+    /// `cuMemFree` is deferred until they have passed (retried at the next
+    /// synchronize), and `sleep` / `unmap` return an error instead. Waits on device words are not counted: they are
     /// GPU work like a kernel's, and one that never passes blocks what waits for
     /// the context as an endless kernel does. A wait whose stream faulted (its
     /// host functions never run) stays counted for good.

@@ -833,6 +833,11 @@ fn a_communicator_made_in_a_group_waits_for_its_end() {
                     refusal(&e).contains("made inside a `group` that has not ended"),
                     "{e}"
                 );
+                // Nor listed in this thread's group, nor aborted here.
+                let e = group(&[&comm], || Ok(())).unwrap_err();
+                assert!(refusal(&e).contains("has not ended"), "{e}");
+                comm.abort();
+                assert!(!comm.is_aborted(), "the abort was skipped");
                 comm
             })
             .join()
@@ -874,8 +879,8 @@ fn a_communicator_made_in_a_group_waits_for_its_end() {
 }
 
 /// A nested group's work launches at the outermost end: it may list only what
-/// the outer group lists. A grown buffer (a virtual range) dropped inside a
-/// group is released after the group, like a device buffer's free.
+/// the outer group lists. A grown buffer (a virtual range) dropped on another
+/// thread while a group is open is released once the group has ended.
 fn nested_groups_and_ranges_wait_for_the_outermost_end() {
     reset();
     let (a, s) = one_rank(&CommConfig::new());
@@ -892,18 +897,32 @@ fn nested_groups_and_ranges_wait_for_the_outermost_end() {
         "the inner group never started"
     );
     group(&[&a, &b], || group(&[&b], || Ok(()))).unwrap();
+    // A grown buffer dropped on another thread while the group is open waits
+    // for the group to end (bounded), then releases.
+    let ranges = fake().live(metrale_fakecuda::Live::ReservedRanges);
     let mut g = metrale_runtime::GrowableBuffer::<f32>::new(&s, 1 << 20).unwrap();
     g.grow_to(1024).unwrap();
     s.zero(&mut g).unwrap();
     let (comm, stream) = (&a, &s);
-    group(&[&a], move || {
+    let t0 = std::time::Instant::now();
+    let dropper = group(&[&a], move || {
         comm.all_reduce_in_place(&mut g, ReduceOp::Sum, stream)?;
-        drop(g);
-        assert_eq!(deferred_frees(), 1, "the range waits for the group");
-        Ok(())
+        let dropper = std::thread::spawn(move || drop(g));
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(!dropper.is_finished(), "the release waits for the group");
+        Ok(dropper)
     })
     .unwrap();
-    assert_eq!(deferred_frees(), 0, "released at the group's end");
+    dropper.join().unwrap();
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "waited for the group, not the bound"
+    );
+    assert_eq!(
+        fake().live(metrale_fakecuda::Live::ReservedRanges),
+        ranges,
+        "released after the group's end"
+    );
 }
 
 fn split_inside_a_group_is_refused() {

@@ -81,38 +81,54 @@ fn check_capture(
 /// Frees that waited for a capture (or an NCCL group) to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
 
-/// Whole releases (a virtual range and what it maps, an IPC buffer) that waited
-/// for an NCCL group to end or for pending GPU-side waits on mapped words to
-/// pass: dropped again when a group or capture ends and at the next drain
-/// (`context::drain_dropped_later`); each re-defers itself while it must.
-static DEFERRED_DROPS: Mutex<Vec<Box<dyn Send>>> = Mutex::new(Vec::new());
-
-/// Keep `release` (whose Drop does the release) until it can run.
-pub(crate) fn defer_drop(release: Box<dyn Send>) {
-    DEFERRED_DROPS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .push(release);
-    crate::context::note_deferred_drop();
-}
-
-/// Whether a release that waits for every use of `ctx` (and of the contexts of
-/// `uses`' foreign streams) must wait: an NCCL group is open (its collectives
-/// reach their streams only at its end), or a GPU-side wait on mapped words is
-/// pending there (the wait for the context could block for ever).
-pub(crate) fn release_must_wait(ctx: &CudaContext, uses: Option<&Uses>) -> bool {
-    if nccl_groups_open() || ctx.pending_waits() > 0 {
-        return true;
+/// Why a release that waits for the whole context (a virtual range's unmaps, an
+/// IPC close) cannot run now, or `None`. An NCCL group open on another thread
+/// is waited out, up to [`GROUP_WAIT`] (groups are short); one open on this
+/// thread cannot end while this thread waits, and a pending wait on mapped
+/// words may never pass: then the caller leaks, with the reason on stderr.
+pub(crate) fn release_blocked(ctx: &CudaContext, uses: Option<&Uses>) -> Option<String> {
+    if crate::context::in_host_function() {
+        return None; // `release_with` reports it.
     }
-    uses.is_some_and(|u| {
+    #[cfg(feature = "nccl")]
+    if nccl_groups_open() {
+        if nccl_group_on_this_thread() {
+            return Some(
+                "dropped inside an NCCL group, whose collectives reach their streams only \
+                 when it ends (drop it after the group)"
+                    .to_owned(),
+            );
+        }
+        let until = std::time::Instant::now() + GROUP_WAIT;
+        while nccl_groups_open() && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_micros(50));
+        }
+        if nccl_groups_open() {
+            return Some(format!(
+                "an NCCL group stayed open on another thread for {GROUP_WAIT:?}, and its \
+                 collectives may still use the memory"
+            ));
+        }
+    }
+    let pending = |c: &CudaContext| c.pending_waits() > 0;
+    let foreign_pending = uses.is_some_and(|u| {
         u.any_foreign.load(std::sync::atomic::Ordering::Acquire)
             && u.foreign
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .iter()
-                .any(|f| f.context().pending_waits() > 0)
+                .any(|f| pending(f.context()))
+    });
+    (pending(ctx) || foreign_pending).then(|| {
+        "GPU-side waits on mapped words are pending, which the host may never pass: \
+         waiting for the context could block for ever"
+            .to_owned()
     })
 }
+
+/// How long a release waits for NCCL groups open on other threads.
+#[cfg(feature = "nccl")]
+pub(crate) const GROUP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The outermost NCCL groups open in the process (`nccl::group`).
 #[cfg(feature = "nccl")]
@@ -311,7 +327,9 @@ impl FreeJob {
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
-            // word nobody writes never ends: after those waits pass, then.
+            // word nobody writes never ends: after those waits pass, then (the
+            // next drain retries it).
+            crate::context::note_deferred_drop();
             return Some(self);
         }
         if crate::stream::capturing_on_this_thread() {
@@ -430,22 +448,12 @@ impl<F: Fn() -> String> std::fmt::Display for Lazy<'_, F> {
     }
 }
 
-/// Retry the frees and releases that waited for a capture, an NCCL group or
-/// pending GPU-side waits (called when a capture or group ends, and at each
-/// drain of the drop-later list).
+/// Retry the frees that waited for a capture, an NCCL group or pending waits on
+/// mapped words (called when a capture or group ends, and at each drain of the
+/// drop-later list: a stream's or context's synchronize, `MappedWords::new`).
 pub(crate) fn retry_deferred() {
     if crate::context::in_host_function() {
         return;
-    }
-    if !crate::stream::capturing_on_this_thread() {
-        // (A thread that captures may not wait for its context: later.)
-        let drops = std::mem::take(
-            &mut *DEFERRED_DROPS
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
-        // Each re-defers itself while it must still wait.
-        drop(drops);
     }
     // A capture or group that ended while jobs were taken out found the list
     // empty: take another turn then (a few, so a job that keeps waiting for
@@ -476,8 +484,4 @@ pub fn deferred_frees() -> usize {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .len()
-        + DEFERRED_DROPS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
 }

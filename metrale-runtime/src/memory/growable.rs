@@ -32,8 +32,9 @@ use crate::stream::{AsStream, CudaStream};
 /// Dropping it, or sleeping it, waits for every use of the context
 /// (`cuCtxSynchronize`); while the context has waits on mapped words pending
 /// ([`CudaContext::pending_waits`]) that could block for ever, or an NCCL group
-/// is open, a drop defers the release until they have passed and `sleep`
-/// returns an error instead.
+/// is open, a drop leaks the memory (one line on stderr; a group open on
+/// another thread is waited out first, up to five seconds) and `sleep` returns
+/// an error instead.
 ///
 /// [`DeviceBuffer`]: super::DeviceBuffer
 ///

@@ -442,9 +442,7 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
     }
 }
 
-/// The close of an [`IpcBuffer`], run when dropped; it defers itself (to the
-/// deferred releases) while an NCCL group is open or GPU-side waits on mapped
-/// words are pending, since it waits for the whole context first.
+/// The close of an [`IpcBuffer`], run when dropped.
 struct IpcClose {
     ptr: CUdeviceptr,
     /// The imported pool of a pool pointer, dropped after the pointer's free.
@@ -456,22 +454,16 @@ struct IpcClose {
 
 impl Drop for IpcClose {
     fn drop(&mut self) {
-        if super::free::release_must_wait(&self.ctx, Some(&self.uses)) {
-            super::free::defer_drop(Box::new(IpcClose {
-                ptr: self.ptr,
-                pool: self.pool.take(),
-                ctx: Arc::clone(&self.ctx),
-                made: self.made,
-                uses: std::mem::replace(&mut self.uses, Uses::new(None)),
-            }));
-            return;
-        }
         let what = format!(
             "closing IPC buffer {:#x} on device {}",
             self.ptr,
             self.ctx.ordinal()
         );
         if !self.ctx.may_release(self.made, format_args!("{what}")) {
+            return;
+        }
+        if let Some(why) = super::free::release_blocked(&self.ctx, Some(&self.uses)) {
+            report_line(format_args!("{what}: leaked (left open): {why}"));
             return;
         }
         // Closing does not wait for queued work: wait for every use first.

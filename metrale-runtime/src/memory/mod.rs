@@ -165,20 +165,6 @@ mod sealed {
                 foreign: Mutex::new(Vec::new()),
             }
         }
-
-        /// The same record (the streams shared), for a release that waits.
-        pub(crate) fn copy_of(uses: &Uses) -> Uses {
-            let foreign = uses
-                .foreign
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .clone();
-            Uses {
-                own: uses.own.clone(),
-                any_foreign: AtomicBool::new(!foreign.is_empty()),
-                foreign: Mutex::new(foreign),
-            }
-        }
     }
 }
 pub(crate) use sealed::Uses;

@@ -608,12 +608,12 @@ impl CudaStream {
             return Err(e);
         }
         let keeper = move || {
+            // The waits passed: counted first, so a drain that sees the flag
+            // below also sees the count fall (and retries what waited for it).
+            counter.fetch_sub(counted, Ordering::AcqRel);
             // Not dropped here: the last hold would free pinned memory inside a
             // host function, where the driver may not be called.
-            if !held.is_empty() {
-                drop_later(Box::new(held));
-            }
-            counter.fetch_sub(counted, Ordering::AcqRel);
+            drop_later(Box::new(held));
         };
         match self.launch_host_fn_in(&section, keeper) {
             Ok(()) => Ok(()),

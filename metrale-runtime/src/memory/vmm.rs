@@ -286,8 +286,9 @@ struct Mapping {
 /// work that may use it: `cuCtxSynchronize`) and the range is freed. While the
 /// context has waits on mapped words pending ([`CudaContext::pending_waits`]),
 /// that wait could block for ever, and while an NCCL group is open its
-/// collectives are not yet on their streams: a drop with mappings then defers
-/// the release until both have passed, and [`VirtualRange::unmap`] returns an
+/// collectives are not yet on their streams: a drop with mappings then waits
+/// for a group open on another thread (up to five seconds) and otherwise leaks
+/// the range with one line on stderr, and [`VirtualRange::unmap`] returns an
 /// error.
 ///
 /// The range gives raw addresses only ([`VirtualRange::device_ptr`]); safe typed
@@ -683,30 +684,22 @@ impl VirtualRange {
         if std::mem::replace(&mut self.released, true) {
             return;
         }
-        if !self.mappings.is_empty() && super::free::release_must_wait(&self.ctx, uses) {
-            // Waiting for the context now could miss an open NCCL group's
-            // collectives or block for ever on a pending wait: hand the whole
-            // range (and the record of its uses) to the deferred releases.
-            let range = VirtualRange {
-                base: self.base,
-                size: self.size,
-                granularity: self.granularity,
-                ctx: Arc::clone(&self.ctx),
-                made: self.made,
-                mappings: std::mem::take(&mut self.mappings),
-                released: false,
-            };
-            super::free::defer_drop(Box::new(DeferredRange {
-                range,
-                uses: uses.map(Uses::copy_of),
-            }));
-            return;
-        }
         let what = self.subject(format_args!("freeing"));
         if !self.ctx.may_release(self.made, format_args!("{what}")) {
             // Gone or reset: the driver freed everything.
             self.mappings.clear();
             return;
+        }
+        if !self.mappings.is_empty() {
+            if let Some(why) = super::free::release_blocked(&self.ctx, uses) {
+                // Waiting for the context now could miss an open NCCL group's
+                // collectives or block for ever: never unmap under them.
+                report_line(format_args!(
+                    "{what}: leaked, {} mapping(s) left mapped: {why}",
+                    self.mappings.len()
+                ));
+                return;
+            }
         }
         if !self.mappings.is_empty() {
             if let Err(e) = self.wait_for_uses(uses).and_then(|()| self.unmap_all()) {
@@ -732,18 +725,5 @@ impl VirtualRange {
 impl Drop for VirtualRange {
     fn drop(&mut self) {
         self.release(None);
-    }
-}
-
-/// A range whose release waits (see `VirtualRange::release`), with the uses
-/// its owner recorded.
-struct DeferredRange {
-    range: VirtualRange,
-    uses: Option<Uses>,
-}
-
-impl Drop for DeferredRange {
-    fn drop(&mut self) {
-        self.range.release(self.uses.as_ref());
     }
 }

@@ -592,7 +592,18 @@ impl Communicator {
     /// Abort the communicator (`ncclCommAbort`): NCCL stops its pending work and
     /// frees it. Later calls are refused with [`NcclError::Aborted`]; Drop does
     /// nothing more. Aborting twice does nothing.
+    /// A communicator made inside a group that has not ended is not aborted (NCCL
+    /// would reclaim it while its init is still queued): refused calls say so,
+    /// and its Drop leaks it.
     pub fn abort(&self) {
+        if self.init_not_ended() {
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): abort skipped, the group it was made in has not \
+                 ended (NCCL has not initialized it yet)",
+                self.info
+            ));
+            return;
+        }
         if self.aborted.replace(true) {
             return;
         }
@@ -651,10 +662,15 @@ impl Communicator {
         Ok(())
     }
 
-    /// Whether it was made inside a group that has not ended, on another thread
-    /// or after this thread left it (NCCL has not initialized it yet).
-    fn init_pending_elsewhere(&self) -> bool {
-        self.group_init.as_ref().is_some_and(|i| !i.usable_here())
+    /// Whether it was made inside a group that has not ended (NCCL has not
+    /// initialized it yet), on any thread.
+    pub(crate) fn init_not_ended(&self) -> bool {
+        self.group_init.as_ref().is_some_and(|i| !i.ended())
+    }
+
+    /// Whether NCCL may be called on it here (see `GroupInit::usable_here`).
+    pub(crate) fn usable_here(&self) -> bool {
+        self.group_init.as_ref().is_none_or(|i| i.usable_here())
     }
 
     #[cold]
@@ -773,12 +789,13 @@ impl Drop for Communicator {
         if self.aborted.get() {
             return;
         }
-        if self.init_pending_elsewhere() {
-            // Its init is queued in another thread's open group: neither a
-            // finalize nor an abort may race it. Leak it.
+        if self.init_not_ended() {
+            // Its init is queued in a group that is still open (here or on
+            // another thread): neither a finalize nor an abort may race it
+            // (NCCL runs an abort's reclaim beside the init). Leak it.
             crate::error::report_line(format_args!(
-                "NCCL communicator ({}): dropped while the group it was made in is \
-                 still open on another thread; leaked (not finalized)",
+                "NCCL communicator ({}): dropped before the group it was made in \
+                 ended; leaked (not finalized)",
                 self.info
             ));
             return;

@@ -49,8 +49,12 @@ impl GroupInit {
     /// Whether NCCL may be called on the communicator here: its group ended, or
     /// this is the thread whose open group holds its init.
     pub(crate) fn usable_here(&self) -> bool {
+        self.ended() || (self.thread == std::thread::current().id() && in_group())
+    }
+
+    /// Whether the group it was made in has ended (NCCL ran the init).
+    pub(crate) fn ended(&self) -> bool {
         self.ended.load(Ordering::Acquire)
-            || (self.thread == std::thread::current().id() && in_group())
     }
 }
 
@@ -115,6 +119,15 @@ pub(crate) fn in_group() -> bool {
 pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Result<R> {
     if crate::context::in_host_function() {
         return Err(crate::error::CallError::InHostFunction.about("ncclGroupStart (nccl::group)"));
+    }
+    if let Some(c) = comms.iter().find(|c| !c.usable_here()) {
+        // Made inside another thread's group that has not ended.
+        return Err(super::error::refused(
+            "ncclGroupStart (nccl::group)",
+            Some(c.info()),
+            "the communicator was made inside a `group` that has not ended: NCCL \
+             initializes it at that group's end",
+        ));
     }
     if in_group() {
         // NCCL launches a nested group's work at the outermost end: what it

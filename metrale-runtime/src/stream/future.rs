@@ -173,9 +173,6 @@ impl Future for StreamDone {
             // thread: no CUDA call there; the callback's status is the answer.
             return Poll::Ready(Ok(()));
         }
-        // What host functions left to drop (and releases waiting for pending
-        // waits) go now, outside the driver's thread.
-        crate::context::drain_dropped_later();
         // Work queued after `done` may still run (NOT_READY): what this future
         // waited for has finished; a failure shows as an error status.
         Poll::Ready(this.stream.query().map(|_| ()))

@@ -988,9 +988,7 @@ impl CudaEvent {
     pub fn synchronize(&self) -> Result<()> {
         let e = self.raw;
         // SAFETY: a live event.
-        let done = self.call("synchronize", |d| unsafe { cu!(d, cuEventSynchronize(e)) });
-        crate::context::drain_dropped_later();
-        done
+        self.call("synchronize", |d| unsafe { cu!(d, cuEventSynchronize(e)) })
     }
 
     /// Whether the work before the event's last record has finished (an event
