@@ -747,6 +747,8 @@ fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
     b.write_value32(&word, 1, WriteFlags::default()).unwrap();
     a.synchronize().unwrap();
     assert_eq!(reg.ctx().pending_waits(), 0);
+    // `b`'s holder of the word may run after `a`'s drain: drain it too.
+    b.synchronize().unwrap();
     let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
     buf.grow_to(1024).unwrap();
     let asleep = buf.sleep(None::<&CudaStream>).map_err(|e| e.error).unwrap();
