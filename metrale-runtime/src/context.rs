@@ -789,8 +789,8 @@ pub(crate) fn drain_dropped_later() {
     crate::memory::retry_deferred_frees();
 }
 
-/// A release was deferred: the next drain retries it.
-pub(crate) fn note_deferred_drop() {
+/// A free was deferred behind pending waits: the next drain retries it.
+pub(crate) fn note_deferred_free() {
     DROP_LATER_ANY.store(true, Ordering::Release);
 }
 

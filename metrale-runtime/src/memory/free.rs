@@ -81,49 +81,20 @@ fn check_capture(
 /// Frees that waited for a capture (or an NCCL group) to end.
 static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
 
-/// Why a release that waits for the whole context (a virtual range's unmaps, an
-/// IPC close) cannot run now, or `None`. An NCCL group open on another thread
-/// is waited out, up to [`GROUP_WAIT`] (groups are short); one open on this
-/// thread cannot end while this thread waits, and a pending wait on mapped
-/// words may never pass: then the caller leaks, with the reason on stderr.
-pub(crate) fn release_blocked(ctx: &CudaContext, uses: Option<&Uses>) -> Option<String> {
-    if crate::context::in_host_function() {
-        return None; // `release_with` reports it.
-    }
+/// Before a release that waits for the whole context (a virtual range's
+/// unmaps, an IPC close): wait out NCCL groups open on other threads, up to
+/// [`GROUP_WAIT`] (groups are short). What is still blocking afterwards (a group
+/// of this thread, which cannot end while it waits, or pending waits on mapped
+/// words) makes `vmm::wait_for_context` refuse, and the caller leaks with the
+/// reason on stderr.
+pub(crate) fn wait_out_nccl_groups() {
     #[cfg(feature = "nccl")]
-    if nccl_groups_open() {
-        if nccl_group_on_this_thread() {
-            return Some(
-                "dropped inside an NCCL group, whose collectives reach their streams only \
-                 when it ends (drop it after the group)"
-                    .to_owned(),
-            );
-        }
+    if nccl_groups_open() && !nccl_group_on_this_thread() {
         let until = std::time::Instant::now() + GROUP_WAIT;
         while nccl_groups_open() && std::time::Instant::now() < until {
             std::thread::sleep(std::time::Duration::from_micros(50));
         }
-        if nccl_groups_open() {
-            return Some(format!(
-                "an NCCL group stayed open on another thread for {GROUP_WAIT:?}, and its \
-                 collectives may still use the memory"
-            ));
-        }
     }
-    let pending = |c: &CudaContext| c.pending_waits() > 0;
-    let foreign_pending = uses.is_some_and(|u| {
-        u.any_foreign.load(std::sync::atomic::Ordering::Acquire)
-            && u.foreign
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .iter()
-                .any(|f| pending(f.context()))
-    });
-    (pending(ctx) || foreign_pending).then(|| {
-        "GPU-side waits on mapped words are pending, which the host may never pass: \
-         waiting for the context could block for ever"
-            .to_owned()
-    })
 }
 
 /// How long a release waits for NCCL groups open on other threads.
@@ -329,7 +300,7 @@ impl FreeJob {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the
             // next drain retries it).
-            crate::context::note_deferred_drop();
+            crate::context::note_deferred_free();
             return Some(self);
         }
         if crate::stream::capturing_on_this_thread() {

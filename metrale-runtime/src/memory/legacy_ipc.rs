@@ -432,28 +432,6 @@ impl<T: DeviceRepr> fmt::Debug for IpcBuffer<T> {
 
 impl<T: DeviceRepr> Drop for IpcBuffer<T> {
     fn drop(&mut self) {
-        drop(IpcClose {
-            ptr: self.ptr,
-            pool: self.pool.take(),
-            ctx: Arc::clone(&self.ctx),
-            made: self.made,
-            uses: std::mem::replace(&mut self.uses, Uses::new(None)),
-        });
-    }
-}
-
-/// The close of an [`IpcBuffer`], run when dropped.
-struct IpcClose {
-    ptr: CUdeviceptr,
-    /// The imported pool of a pool pointer, dropped after the pointer's free.
-    pool: Option<Arc<MemPool>>,
-    ctx: Arc<CudaContext>,
-    made: Generation,
-    uses: Uses,
-}
-
-impl Drop for IpcClose {
-    fn drop(&mut self) {
         let what = format!(
             "closing IPC buffer {:#x} on device {}",
             self.ptr,
@@ -462,11 +440,10 @@ impl Drop for IpcClose {
         if !self.ctx.may_release(self.made, format_args!("{what}")) {
             return;
         }
-        if let Some(why) = super::free::release_blocked(&self.ctx, Some(&self.uses)) {
-            report_line(format_args!("{what}: leaked (left open): {why}"));
-            return;
-        }
-        // Closing does not wait for queued work: wait for every use first.
+        // Closing does not wait for queued work: wait for every use first (an
+        // NCCL group open on another thread is waited out; what still blocks the
+        // wait leaks the buffer).
+        super::free::wait_out_nccl_groups();
         if let Err(e) = super::vmm::wait_for_context(&self.ctx, Some(&self.uses)) {
             report_line(format_args!(
                 "{what}: leaked (left open), its uses could not be waited for: {e}"

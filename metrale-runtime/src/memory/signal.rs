@@ -566,8 +566,7 @@ impl CudaStream {
     /// begins between the check and the queueing.
     ///
     /// Mapped words on a capturing stream are refused before anything is queued.
-    /// Waits are counted on the context before they are queued (not in a capture,
-    /// where nothing is queued). When the host function cannot be queued, the
+    /// Their waits are counted on the context before they are queued. When the host function cannot be queued, the
     /// operations are already: the words are leaked and the waits stay counted
     /// (reported on stderr), never freed under the operations.
     fn queue_mem_ops(
@@ -600,7 +599,7 @@ impl CudaStream {
         }
         // Waits on mapped words are passed by the host, which may never write:
         // counted until the host function (queued anyway to hold the words).
-        let counted = if capturing { 0 } else { waits };
+        let counted = waits;
         let counter = Arc::clone(self.context().pending_waits_counter());
         counter.fetch_add(counted, Ordering::AcqRel);
         if let Err(e) = self.call(what, queue) {

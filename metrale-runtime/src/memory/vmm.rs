@@ -691,17 +691,10 @@ impl VirtualRange {
             return;
         }
         if !self.mappings.is_empty() {
-            if let Some(why) = super::free::release_blocked(&self.ctx, uses) {
-                // Waiting for the context now could miss an open NCCL group's
-                // collectives or block for ever: never unmap under them.
-                report_line(format_args!(
-                    "{what}: leaked, {} mapping(s) left mapped: {why}",
-                    self.mappings.len()
-                ));
-                return;
-            }
-        }
-        if !self.mappings.is_empty() {
+            // An open NCCL group's collectives are not on their streams yet:
+            // another thread's group is waited out; what still blocks the wait
+            // (this thread's group, pending mapped waits) leaks it below.
+            super::free::wait_out_nccl_groups();
             if let Err(e) = self.wait_for_uses(uses).and_then(|()| self.unmap_all()) {
                 report_line(format_args!(
                     "{what}: leaked, {} mapping(s) could not be unmapped: {e}",
