@@ -2989,25 +2989,47 @@ static CUresult queue_job(void *s, const struct job *j, int node_type) {
     return enqueue(s, j);
 }
 
+/* Run `body` in the context of stream `s`, as the driver does for the calls
+ * whose only handle is a stream (memory operations, host functions): it takes
+ * the context from the stream, whatever is current (seen on driver 580). The
+ * null stream still means the current context's. */
+#define ON_STREAM_CTX(s, body)                                                      \
+    do {                                                                            \
+        struct handle *h__ = (s) ? find((s), K_STREAM) : NULL;                      \
+        if ((s) && !h__) return INVALID_HANDLE;                                     \
+        struct ctx *saved__ = current;                                              \
+        if (h__) current = ((struct stream *)(s))->ctx;                             \
+        CUresult r2__ = (body);                                                     \
+        current = saved__;                                                          \
+        return r2__;                                                                \
+    } while (0)
+
 static CUresult do_host_func(void *s, void (*fn)(void *), void *data) {
     NEED_CTX();
     if (!fn) return INVALID_VALUE;
     struct job j = {.type = JOB_HOST, .fn = fn, .data = data};
     return queue_job(s, &j, NODE_HOST);
 }
+static CUresult host_func_on(void *s, void (*fn)(void *), void *data) {
+    ON_STREAM_CTX(s, do_host_func(s, fn, data));
+}
 EXPORT CUresult cuLaunchHostFunc(void *s, void (*fn)(void *), void *data) {
-    LOCKED(do_host_func(s, fn, data));
+    LOCKED(host_func_on(s, fn, data));
 }
 
 /* A device word for a memory operation: non-null and aligned. */
-static CUresult mem_op(void *s, int type, CUdeviceptr addr, unsigned long long value,
-                       unsigned flags, int wide) {
+static CUresult mem_op_here(void *s, int type, CUdeviceptr addr, unsigned long long value,
+                            unsigned flags, int wide) {
     NEED_CTX();
     if (!addr || addr % (wide ? 8 : 4)) return INVALID_VALUE;
     if (type == JOB_WAIT_VALUE && (flags & ~(3u | (1u << 30)))) return INVALID_VALUE;
     if (type == JOB_WRITE_VALUE && (flags & ~1u)) return INVALID_VALUE;
     struct job j = {.type = type, .addr = addr, .value = value, .flags = flags, .wide = wide};
     return queue_job(s, &j, NODE_MEM_OP);
+}
+static CUresult mem_op(void *s, int type, CUdeviceptr addr, unsigned long long value,
+                       unsigned flags, int wide) {
+    ON_STREAM_CTX(s, mem_op_here(s, type, addr, value, flags, wide));
 }
 EXPORT CUresult cuStreamWaitValue32_v2(void *s, CUdeviceptr addr, unsigned value, unsigned flags) {
     LOCKED(mem_op(s, JOB_WAIT_VALUE, addr, value, flags, 0));
@@ -3062,8 +3084,11 @@ static CUresult do_batch(void *s, unsigned count, const struct batch_op *ops, un
     }
     return SUCCESS;
 }
+static CUresult batch_on(void *s, unsigned count, const void *ops, unsigned flags) {
+    ON_STREAM_CTX(s, do_batch(s, count, ops, flags));
+}
 EXPORT CUresult cuStreamBatchMemOp_v2(void *s, unsigned count, const void *ops, unsigned flags) {
-    LOCKED(do_batch(s, count, ops, flags));
+    LOCKED(batch_on(s, count, ops, flags));
 }
 
 static CUresult do_host_alloc(void **p, size_t bytes, unsigned flags) {

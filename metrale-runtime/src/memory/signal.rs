@@ -574,7 +574,7 @@ impl CudaStream {
         what: &'static str,
         held: Vec<Box<dyn Send>>,
         waits: usize,
-        queue: impl FnOnce(&'static sys::Driver, CUstream) -> Result<(), CallError>,
+        queue: impl FnMut(&'static sys::Driver, CUstream) -> Result<(), CallError>,
     ) -> Result<()> {
         if held.is_empty() {
             // Device words only: nothing to hold, no capture to refuse (the
@@ -582,7 +582,7 @@ impl CudaStream {
             // submit is the driver's call. Their waits are GPU work like a
             // kernel's: one that never passes is the program's, as an endless
             // kernel is (see the module docs).
-            return self.call(what, queue);
+            return self.call_unbound(what, queue);
         }
         let section = self.section();
         let capturing = self
@@ -602,7 +602,7 @@ impl CudaStream {
         let counted = waits;
         let counter = Arc::clone(self.context().pending_waits_counter());
         counter.fetch_add(counted, Ordering::AcqRel);
-        if let Err(e) = self.call(what, queue) {
+        if let Err(e) = self.call_unbound(what, queue) {
             counter.fetch_sub(counted, Ordering::AcqRel);
             return Err(e);
         }

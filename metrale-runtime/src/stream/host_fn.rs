@@ -236,7 +236,7 @@ impl CudaStream {
                 // bytes, 8-aligned: `F` fits (size and alignment checked).
                 unsafe { bytes.write(f) };
                 let data = (slot as *const Slot).cast_mut().cast::<c_void>();
-                let queued = self.call("launching a host function", |d, s| {
+                let queued = self.call_unbound("launching a host function", |d, s| {
                     // SAFETY: `run_slot::<F>` moves the `F` out of the slot, once:
                     // the caller's section saw no capture, and none begins before
                     // it ends.
@@ -255,7 +255,7 @@ impl CudaStream {
             }
         }
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
-        let queued = self.call("launching a host function", |d, s| {
+        let queued = self.call_unbound("launching a host function", |d, s| {
             // SAFETY: `run_once::<F>` takes back the box `data` points to, once:
             // the caller's section saw no capture, and none begins before it ends.
             unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_once::<F>), data)) }
@@ -291,7 +291,7 @@ impl CudaStream {
             .unwrap_or_else(PoisonError::into_inner)
             .push(keep);
         // SAFETY: `run_held` borrows `data`, held by the capture list from now on.
-        self.call("capturing a host function", |d, s| unsafe {
+        self.call_unbound("capturing a host function", |d, s| unsafe {
             cu!(d, cuLaunchHostFunc(s, Some(run_held), data))
         })
     }

@@ -164,7 +164,8 @@ impl Drop for Section<'_> {
 }
 
 // SAFETY: the handle is written once at creation and only read; the driver lets any
-// thread queue work on a stream once its context is bound, which every use does.
+// thread queue work on a stream (it binds the context first, or, for the calls
+// whose only handle is the stream, the driver takes the context from it).
 unsafe impl Send for StreamInner {}
 // SAFETY: shared access reads the handle and uses only atomics, a `OnceLock` and a
 // `Mutex` for its mutable state; the driver is thread-safe for the stream.
@@ -669,6 +670,36 @@ impl CudaStream {
     ) -> Result<R> {
         let raw = self.inner.raw;
         self.inner.ctx.call(|| self.subject(what), |d| f(d, raw))
+    }
+
+    /// Call `f` with the driver on this stream without binding the context first;
+    /// name the stream on failure. For the calls whose only handle is the stream
+    /// (stream memory operations, host functions): the driver takes the context
+    /// from the stream, which the H200 probe of driver 580 confirmed with no
+    /// context and with another context current. A driver that wants a current
+    /// context anyway answers `CUDA_ERROR_INVALID_CONTEXT` without queueing
+    /// anything; the call is then bound and made again, so the unbound attempt
+    /// can cost a retry but never a wrong result. `f` may run twice. The null
+    /// stream and the special handles (legacy, per-thread) mean the current
+    /// context's: those calls are always bound.
+    #[inline]
+    pub(crate) fn call_unbound<R>(
+        &self,
+        what: &'static str,
+        mut f: impl FnMut(&'static sys::Driver, CUstream) -> Result<R, CallError>,
+    ) -> Result<R> {
+        let raw = self.inner.raw;
+        let ctx = &self.inner.ctx;
+        if (raw as usize) <= 2 {
+            return ctx.call(|| self.subject(what), |d| f(d, raw));
+        }
+        match f(ctx.driver(), raw) {
+            Ok(r) => Ok(r),
+            Err(e) if e.status() == Some(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT) => {
+                ctx.call(|| self.subject(what), |d| f(d, raw))
+            }
+            Err(e) => Err(e.about(self.subject(what))),
+        }
     }
 
     /// `device N stream 0x..: what` for error texts.

@@ -308,8 +308,78 @@ fn pending_waits_are_counted_until_passed() {
     done(reg);
 }
 
+/// Stream memory operations and host functions are queued without binding: the
+/// driver takes the context from the stream (as driver 580 does), so they work,
+/// on the right device, with another context current or none, and leave the
+/// thread's current context as it was.
+fn stream_operations_take_the_context_from_the_stream() {
+    let reg = setup();
+    let other = host(1).unwrap();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let flags = DeviceBuffer::<u32>::zeroed(&s, 2).unwrap();
+    s.synchronize().unwrap();
+    let word = SignalWord::device(&flags, 1).unwrap();
+    let d1 = other.ctx().raw().cast::<std::ffi::c_void>();
+    let ran = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    for current in [d1, std::ptr::null_mut()] {
+        // SAFETY: device 1's live context, or none.
+        let st = unsafe { (sys::driver().unwrap().cuCtxSetCurrent().unwrap())(current.cast()) };
+        assert!(st.is_success());
+        let sets = fake().calls("cuCtxSetCurrent");
+        s.write_value32(&word, 9, WriteFlags::default()).unwrap();
+        s.wait_value32(&word, 9, WaitFlags::EQ).unwrap();
+        let r = Arc::clone(&ran);
+        s.launch_host_fn(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        if current.is_null() {
+            // Nothing was bound by those calls.
+            assert_eq!(fake().current_context(), current);
+        } else {
+            assert_eq!(
+                fake().current_context(),
+                d1,
+                "device 1's context stays current"
+            );
+        }
+        assert_eq!(
+            fake().calls("cuCtxSetCurrent"),
+            sets,
+            "no bind for stream operations"
+        );
+        s.synchronize().unwrap();
+        assert_eq!(s.to_vec(&flags).unwrap(), [0, 9]);
+        s.write_value32(&word, 0, WriteFlags::default()).unwrap();
+    }
+    s.synchronize().unwrap();
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    // A driver that wants a current context answers INVALID_CONTEXT without
+    // queueing: the call is bound and made again.
+    let before = fake().calls("cuStreamWriteValue32_v2");
+    fake().fail("cuStreamWriteValue32_v2", 201, 1, Some(1));
+    s.write_value32(&word, 4, WriteFlags::default()).unwrap();
+    assert_eq!(
+        fake().calls("cuStreamWriteValue32_v2"),
+        before + 2,
+        "made again"
+    );
+    assert_eq!(
+        fake().current_context(),
+        reg.ctx().raw().cast(),
+        "bound for the retry"
+    );
+    assert_eq!(s.to_vec(&flags).unwrap(), [0, 4]);
+    drop((flags, s, other));
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "signals::stream_operations_take_the_context_from_the_stream",
+            run: stream_operations_take_the_context_from_the_stream,
+        },
         Test {
             name: "signals::a_wait_is_released_by_a_write_from_another_stream",
             run: a_wait_is_released_by_a_write_from_another_stream,

@@ -233,6 +233,49 @@ fn a_wait_value_is_released_by_another_stream_and_by_the_host() {
     }
 }
 
+/// Stream memory operations and host functions are queued without binding a
+/// context: with another context of the device current (made through the
+/// driver) and with none, they run on the stream's context, and the thread's
+/// current context is left as it was.
+fn stream_operations_run_on_the_streams_context_whatever_is_current() {
+    let reg = registry();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let flag = DeviceBuffer::<u32>::zeroed(&s, 2).unwrap();
+    s.synchronize().unwrap();
+    let word = SignalWord::device(&flag, 1).unwrap();
+    let d = sys::driver().unwrap();
+    let mut other: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context; no creation parameters.
+    let made = unsafe {
+        (d.cuCtxCreate_v4().unwrap())(&mut other, std::ptr::null_mut(), 0, reg.ctx().device())
+    };
+    assert!(made.is_success(), "cuCtxCreate_v4: {made}");
+    let (get, set) = (d.cuCtxGetCurrent().unwrap(), d.cuCtxSetCurrent().unwrap());
+    let ran = Arc::new(AtomicUsize::new(0));
+    for (i, current) in [other, std::ptr::null_mut()].into_iter().enumerate() {
+        // SAFETY: a live context made above, or none.
+        assert!(unsafe { set(current) }.is_success());
+        let v = 10 + i as u32;
+        s.write_value32(&word, v, WriteFlags::default()).unwrap();
+        s.wait_value32(&word, v, WaitFlags::EQ).unwrap();
+        let r = Arc::clone(&ran);
+        s.launch_host_fn(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        let mut now: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes one context.
+        assert!(unsafe { get(&mut now) }.is_success());
+        assert_eq!(now, current, "the calls bound nothing");
+        s.synchronize().unwrap();
+        assert_eq!(s.to_vec(&flag).unwrap(), [0, v]);
+    }
+    assert_eq!(ran.load(Ordering::SeqCst), 2);
+    reg.ctx().bind().unwrap();
+    // SAFETY: the context made above, current on no thread now.
+    assert!(unsafe { (d.cuCtxDestroy_v2().unwrap())(other) }.is_success());
+}
+
 fn sixty_four_futures_over_four_streams_under_tokio() {
     let reg = registry();
     let spin = reg.function("kernels", "spin").unwrap();
@@ -292,6 +335,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "signals::wait_value_released_by_a_stream_and_the_host",
             run: a_wait_value_is_released_by_another_stream_and_by_the_host,
+        },
+        Test {
+            name: "signals::stream_operations_run_on_the_streams_context",
+            run: stream_operations_run_on_the_streams_context_whatever_is_current,
         },
         Test {
             name: "futures::sixty_four_over_four_streams_under_tokio",
