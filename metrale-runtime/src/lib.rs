@@ -113,7 +113,8 @@ pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
     Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,
-    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TENSOR_MAP_MAX_RANK,
+    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TensorMapLayout,
+    TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
     deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,

@@ -1,6 +1,8 @@
 //! Issue 23: the cost of encoding a tensor map (a 2-D f32 map, 32 x 32 boxes,
-//! 128-byte swizzle) through `TensorMap::tiled(..).encode()` beside the raw
-//! `cuTensorMapEncodeTiled` with the same arguments, and of `replace_address`
+//! 128-byte swizzle) through `TensorMap::tiled(..).encode()` (every rule checked
+//! per call) and through a `TensorMapLayout` checked once (`layout.encode(&mem)`:
+//! the memory's checks per call) beside the raw `cuTensorMapEncodeTiled` with
+//! the same arguments, the three interleaved batch by batch; and of `replace_address`
 //! (consuming the map) and `set_address` (in place) beside
 //! `cuTensorMapReplaceAddress`. Batches of 1,000 calls, paths interleaved.
 
@@ -34,6 +36,13 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
             .encode()
             .unwrap()
     };
+    let layout = TensorMap::tiled(&a)
+        .dims(&dims)
+        .strides(&strides)
+        .box_dims(&boxes)
+        .swizzle(Swizzle::B128)
+        .layout()?;
+    let via_layout = || layout.encode(&a).unwrap();
     let raw = || {
         let mut m = CUtensorMap { opaque: [0; 16] };
         // SAFETY: a writable map; arrays of the rank's length; `a` covers the tensor.
@@ -58,27 +67,40 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
     };
     let batch = if quick { 200 } else { 1_000 };
     let (mut e_raw, mut e_ours) = (Row::default(), Row::default());
+    let mut e_layout = Row::default();
     let (mut r_raw, mut r_ours) = (Row::default(), Row::default());
     let mut r_set = Row::default();
     let mut base = raw();
     for round in 0..rounds {
         let mut er = 0.0;
         let mut eo = 0.0;
-        for k in 0..2 {
-            if (round + k) % 2 == 0 {
-                er += time(|| {
-                    (0..batch).for_each(|_| {
-                        std::hint::black_box(raw());
+        let mut el = 0.0;
+        for k in 0..3 {
+            match (round + k) % 3 {
+                0 => {
+                    er += time(|| {
+                        (0..batch).for_each(|_| {
+                            std::hint::black_box(raw());
+                        })
                     })
-                });
-            } else {
-                eo += time(|| {
-                    (0..batch).for_each(|_| {
-                        std::hint::black_box(ours());
+                }
+                1 => {
+                    eo += time(|| {
+                        (0..batch).for_each(|_| {
+                            std::hint::black_box(ours());
+                        })
                     })
-                });
+                }
+                _ => {
+                    el += time(|| {
+                        (0..batch).for_each(|_| {
+                            std::hint::black_box(via_layout());
+                        })
+                    })
+                }
             }
         }
+        e_layout.push(el * 1e9 / batch as f64);
         e_raw.push(er * 1e9 / batch as f64);
         e_ours.push(eo * 1e9 / batch as f64);
         let rr = time(|| {
@@ -131,6 +153,12 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         &e_ours,
         "ns",
         Some(&ratios(&e_ours, &e_raw)),
+    );
+    line(
+        "tensor map encode: TensorMapLayout::encode(&mem)",
+        &e_layout,
+        "ns",
+        Some(&ratios(&e_layout, &e_raw)),
     );
     line(
         "replace address: cuTensorMapReplaceAddress",

@@ -244,17 +244,6 @@ impl<V: Copy + fmt::Debug> fmt::Debug for Dims<V> {
     }
 }
 
-/// What a tensor map describes: enough to check another address against it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-struct Shape {
-    data_type: TensorDataType,
-    dims: Dims<u64>,
-    strides: Dims<u64>,
-    interleave: Interleave,
-    /// Bytes from the first element to one past the last the map reaches.
-    extent: u64,
-}
-
 /// The options of a tiled tensor map over `mem`, checked and encoded by
 /// [`TensorMapBuilder::encode`]. Dimension 0 is the innermost (contiguous) one.
 ///
@@ -310,16 +299,19 @@ struct Im2col {
 /// `const __grid_constant__ CUtensorMap`).
 ///
 /// The driver's bytes are the first field, aligned as the header's `CUtensorMap`
-/// (128 bytes, more than the 64 the driver requires); the shape and extent the map
-/// was checked with follow them, for [`TensorMap::replace_address`].
+/// (64 bytes, as the driver requires); what another address is checked against
+/// ([`TensorMap::set_address`]) follows them.
 #[repr(C)]
 pub struct TensorMap<'a, T: TensorElement> {
     raw: sys::CUtensorMap,
-    shape: Shape,
     base: CUdeviceptr,
+    /// Bytes from the first element to one past the last the map reaches.
+    extent: u64,
     /// The memory's context, borrowed with the memory (no reference count to
     /// touch per map).
     ctx: &'a Arc<CudaContext>,
+    data_type: TensorDataType,
+    interleave: Interleave,
     _mem: PhantomData<&'a T>,
 }
 
@@ -327,11 +319,168 @@ impl<T: TensorElement> fmt::Debug for TensorMap<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TensorMap")
             .field("address", &format_args!("{:#x}", self.base))
-            .field("data_type", &self.shape.data_type)
-            .field("dims", &self.shape.dims)
-            .field("strides", &self.shape.strides)
+            .field("data_type", &self.data_type)
+            .field("extent", &self.extent)
             .field("device", &self.ctx.ordinal())
             .finish_non_exhaustive()
+    }
+}
+
+/// The layout of a tensor map (sizes, strides, box, element strides, data type,
+/// interleave, swizzle, L2 promotion, fill, im2col corners), checked against
+/// every documented rule once by [`TensorMapBuilder::layout`], then encoded over
+/// any memory it fits by [`TensorMapLayout::encode`]: one map per buffer of the
+/// same shape (per layer, per batch slot) pays only the checks that depend on the
+/// memory (its device's context, the address alignment and the extent).
+#[derive(Clone, Copy)]
+pub struct TensorMapLayout<T: TensorElement> {
+    data_type: TensorDataType,
+    rank: u32,
+    dims: Dims<u64>,
+    strides: Dims<u64>,
+    box_dims: [u32; TENSOR_MAP_MAX_RANK],
+    element_strides: [u32; TENSOR_MAP_MAX_RANK],
+    interleave: Interleave,
+    swizzle: Swizzle,
+    l2_promotion: L2Promotion,
+    oob_fill: OobFill,
+    im2col: Option<Im2col>,
+    /// Bytes from the first element to one past the last the map reaches.
+    extent: u64,
+    _t: PhantomData<fn() -> T>,
+}
+
+impl<T: TensorElement> fmt::Debug for TensorMapLayout<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorMapLayout")
+            .field("data_type", &self.data_type)
+            .field("dims", &self.dims)
+            .field("strides", &self.strides)
+            .field("box_dims", &&self.box_dims[..self.dims.len()])
+            .field("interleave", &self.interleave)
+            .field("swizzle", &self.swizzle)
+            .field("im2col", &self.im2col.is_some())
+            .field("extent", &self.extent)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T: TensorElement> TensorMapLayout<T> {
+    /// Bytes from the first element to one past the last the layout reaches: the
+    /// least memory it can be encoded over.
+    pub fn extent(&self) -> u64 {
+        self.extent
+    }
+
+    /// Encode a map of this layout over `mem` (a buffer or slice; the map borrows
+    /// it), after the checks that depend on the memory: the address aligned as
+    /// the layout needs, and the extent within the memory.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
+    /// rule before the driver; the driver's status (with the address) otherwise.
+    #[inline(always)]
+    pub fn encode<'a, M: DeviceMemory<T>>(&self, mem: &'a M) -> Result<TensorMap<'a, T>> {
+        let base = mem.device_ptr();
+        let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        check_address(base, self.interleave)?;
+        if self.extent > bytes {
+            return Err(self.too_small(bytes));
+        }
+        self.encode_at(mem.memory_context(), base)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn too_small(&self, bytes: u64) -> MetraleError {
+        refuse(format_args!(
+            "sizes {:?} with byte strides {:?} reach {} bytes, beyond the {bytes} bytes of \
+             the memory",
+            self.dims, self.strides, self.extent
+        ))
+    }
+
+    /// The driver's encoding at `base` (checked by the caller).
+    #[inline(always)]
+    fn encode_at<'a>(
+        &self,
+        ctx: &'a Arc<CudaContext>,
+        base: CUdeviceptr,
+    ) -> Result<TensorMap<'a, T>> {
+        // Built in place, as the value returned: the driver writes straight into
+        // it (no copy of the map on the way out).
+        let mut out: Result<TensorMap<'a, T>> = Ok(TensorMap {
+            raw: sys::CUtensorMap { opaque: [0; 16] },
+            base,
+            extent: self.extent,
+            ctx,
+            data_type: self.data_type,
+            interleave: self.interleave,
+            _mem: PhantomData,
+        });
+        let Ok(map) = &mut out else {
+            return out;
+        };
+        let raw = &mut map.raw;
+        let encoded = ctx.call_unbound(
+            // Encoding is host work on the caller's arrays: no context is bound.
+            || format!("tensor map at {base:#x}"),
+            |d| {
+                if let Some(i) = &self.im2col {
+                    // SAFETY: as below; the corner arrays hold rank - 2 values
+                    // (checked).
+                    return unsafe {
+                        cu!(
+                            d,
+                            cuTensorMapEncodeIm2col(
+                                raw,
+                                self.data_type.to_driver(),
+                                self.rank,
+                                base as *mut c_void,
+                                self.dims.v.as_ptr(),
+                                self.strides.v.as_ptr(),
+                                i.lower.v.as_ptr(),
+                                i.upper.v.as_ptr(),
+                                i.channels_per_pixel,
+                                i.pixels_per_column,
+                                self.element_strides.as_ptr(),
+                                interleave_raw(self.interleave),
+                                swizzle_raw(self.swizzle),
+                                l2_raw(self.l2_promotion),
+                                oob_raw(self.oob_fill),
+                            )
+                        )
+                    };
+                }
+                // SAFETY: `raw` is a writable, 64-aligned CUtensorMap; each array
+                // holds at least `rank` values (checked when the layout was made);
+                // the caller checked the address and the extent against the
+                // memory, which the map's lifetime keeps alive.
+                unsafe {
+                    cu!(
+                        d,
+                        cuTensorMapEncodeTiled(
+                            raw,
+                            self.data_type.to_driver(),
+                            self.rank,
+                            base as *mut c_void,
+                            self.dims.v.as_ptr(),
+                            self.strides.v.as_ptr(),
+                            self.box_dims.as_ptr(),
+                            self.element_strides.as_ptr(),
+                            interleave_raw(self.interleave),
+                            swizzle_raw(self.swizzle),
+                            l2_raw(self.l2_promotion),
+                            oob_raw(self.oob_fill),
+                        )
+                    )
+                }
+            },
+        );
+        if let Err(e) = encoded {
+            out = Err(e);
+        }
+        out
     }
 }
 
@@ -387,9 +536,11 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         let (raw, base) = self.moved_to(mem)?;
         Ok(TensorMap {
             raw,
-            shape: self.shape,
             base,
+            extent: self.extent,
             ctx: mem.memory_context(),
+            data_type: self.data_type,
+            interleave: self.interleave,
             _mem: PhantomData,
         })
     }
@@ -421,13 +572,13 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         }
         let base = mem.device_ptr();
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        check_address(base, self.shape.interleave)?;
-        check_extent(
-            self.shape.extent,
-            bytes,
-            &self.shape.dims,
-            &self.shape.strides,
-        )?;
+        check_address(base, self.interleave)?;
+        if self.extent > bytes {
+            return Err(refuse(format_args!(
+                "the map reaches {} bytes, beyond the {bytes} bytes of the memory",
+                self.extent
+            )));
+        }
         let mut raw = self.raw;
         ctx.call_unbound(
             // Encoding is host work on the caller's arrays: no context is bound.
@@ -602,78 +753,23 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// rule and the value, before the driver; the driver's status (with the
     /// address) otherwise; a missing-symbol error on drivers before CUDA 12.0.
     pub fn encode(self) -> Result<TensorMap<'a, T>> {
-        let p = self.check()?;
-        let base = self.base;
-        // Built in place: the driver writes straight into the returned map.
-        let mut map = TensorMap {
-            raw: sys::CUtensorMap { opaque: [0; 16] },
-            shape: p.shape,
-            base,
-            ctx: self.ctx,
-            _mem: PhantomData,
-        };
-        let raw = &mut map.raw;
-        self.ctx.call_unbound(
-            // Encoding is host work on the caller's arrays: no context is bound.
-            || format!("tensor map at {base:#x}"),
-            |d| {
-                if let Some(i) = &self.im2col {
-                    // SAFETY: as below; the corner arrays hold rank - 2 values
-                    // (checked).
-                    return unsafe {
-                        cu!(
-                            d,
-                            cuTensorMapEncodeIm2col(
-                                raw,
-                                self.data_type.to_driver(),
-                                p.rank as u32,
-                                base as *mut c_void,
-                                p.shape.dims.v.as_ptr(),
-                                p.shape.strides.v.as_ptr(),
-                                i.lower.v.as_ptr(),
-                                i.upper.v.as_ptr(),
-                                i.channels_per_pixel,
-                                i.pixels_per_column,
-                                p.element_strides.as_ptr(),
-                                interleave_raw(self.interleave),
-                                swizzle_raw(self.swizzle),
-                                l2_raw(self.l2_promotion),
-                                oob_raw(self.oob_fill),
-                            )
-                        )
-                    };
-                }
-                // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
-                // holds at least `rank` values (checked); the address and every
-                // size were checked against the memory, which `'a` keeps alive.
-                unsafe {
-                    cu!(
-                        d,
-                        cuTensorMapEncodeTiled(
-                            raw,
-                            self.data_type.to_driver(),
-                            p.rank as u32,
-                            base as *mut c_void,
-                            p.shape.dims.v.as_ptr(),
-                            p.shape.strides.v.as_ptr(),
-                            p.box_dims.as_ptr(),
-                            p.element_strides.as_ptr(),
-                            interleave_raw(self.interleave),
-                            swizzle_raw(self.swizzle),
-                            l2_raw(self.l2_promotion),
-                            oob_raw(self.oob_fill),
-                        )
-                    )
-                }
-            },
-        )?;
-        Ok(map)
+        let layout = self.check()?;
+        layout.encode_at(self.ctx, self.base)
+    }
+
+    /// Check every rule, against this builder's memory too, and keep the layout
+    /// for [`TensorMapLayout::encode`] over other memory of the same shape.
+    ///
+    /// # Errors
+    /// As [`TensorMapBuilder::encode`], before the driver.
+    pub fn layout(self) -> Result<TensorMapLayout<T>> {
+        self.check()
     }
 
     /// Every documented rule, in the order the driver lists them. Inlined into
     /// `encode`, with the refusals' texts built out of line.
     #[inline(always)]
-    fn check(&self) -> Result<Checked> {
+    fn check(&self) -> Result<TensorMapLayout<T>> {
         let fail = |text: fmt::Arguments<'_>| Err(refuse(text));
         if let Some((what, n)) = self.too_long {
             return fail(format_args!(
@@ -851,17 +947,20 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
                 self.data_type
             ));
         }
-        Ok(Checked {
-            rank,
-            shape: Shape {
-                data_type: self.data_type,
-                dims,
-                strides,
-                interleave: self.interleave,
-                extent,
-            },
+        Ok(TensorMapLayout {
+            data_type: self.data_type,
+            rank: rank as u32,
+            dims,
+            strides,
             box_dims: box_dims.v,
             element_strides: element_strides.v,
+            interleave: self.interleave,
+            swizzle: self.swizzle,
+            l2_promotion: self.l2_promotion,
+            oob_fill: self.oob_fill,
+            im2col: self.im2col,
+            extent,
+            _t: PhantomData,
         })
     }
 }
@@ -934,14 +1033,6 @@ fn check_im2col(
         }
     }
     Ok(())
-}
-
-/// What `check` settled.
-struct Checked {
-    rank: usize,
-    shape: Shape,
-    box_dims: [u32; TENSOR_MAP_MAX_RANK],
-    element_strides: [u32; TENSOR_MAP_MAX_RANK],
 }
 
 fn interleave_raw(i: Interleave) -> CUtensorMapInterleave {

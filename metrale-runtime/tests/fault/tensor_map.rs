@@ -385,8 +385,8 @@ fn replace_address_moves_the_map_to_memory_of_the_same_shape() {
     let e = moved.replace_address(&small).unwrap_err();
     assert_eq!(
         e.to_string(),
-        "invalid argument: tensor map: sizes [64, 64] with byte strides [256] reach 16384 \
-         bytes, beyond the 16128 bytes of the memory"
+        "invalid argument: tensor map: the map reaches 16384 bytes, beyond the 16128 \
+         bytes of the memory"
     );
     let again = TensorMap::tiled(&a).dims(&[64, 64]).encode().unwrap();
     let off = b.slice(2..).unwrap();
@@ -465,8 +465,81 @@ fn child_old_driver_tensor_map() {
     println!("old driver tensor map: ok");
 }
 
+/// A layout checked once encodes maps over other memory of its shape: the same
+/// fields reach the driver, and only the memory's checks run per map (refused
+/// before the driver for memory too small or misaligned).
+fn a_layout_is_checked_once_and_encoded_over_memory_of_its_shape() {
+    let reg = setup();
+    let s = reg.stream();
+    let a = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+    let b = DeviceBuffer::<f32>::alloc(s, 64 * 64 + 8).unwrap();
+    let small = DeviceBuffer::<f32>::alloc(s, 64 * 63).unwrap();
+    let before = fake().calls("cuTensorMapEncodeTiled");
+    let layout = TensorMap::tiled(&a)
+        .dims(&[64, 64])
+        .box_dims(&[16, 16])
+        .swizzle(Swizzle::B64)
+        .layout()
+        .unwrap();
+    assert_eq!(
+        fake().calls("cuTensorMapEncodeTiled"),
+        before,
+        "no driver call"
+    );
+    assert_eq!(layout.extent(), 64 * 64 * 4);
+    let direct = TensorMap::tiled(&b)
+        .dims(&[64, 64])
+        .box_dims(&[16, 16])
+        .swizzle(Swizzle::B64)
+        .encode()
+        .unwrap();
+    let via = layout.encode(&b).unwrap();
+    assert_eq!(
+        via.as_raw().opaque,
+        direct.as_raw().opaque,
+        "the same bytes"
+    );
+    assert_eq!(via.address(), b.device_ptr());
+    let on_a = layout.encode(&a).unwrap();
+    assert_eq!(encoded(&on_a).address, a.device_ptr());
+    let calls = fake().calls("cuTensorMapEncodeTiled");
+    let e = layout.encode(&small).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: tensor map: sizes [64, 64] with byte strides [256] reach 16384 \
+         bytes, beyond the 16128 bytes of the memory"
+    );
+    let off = b.slice(1..).unwrap();
+    let e = layout.encode(&off).unwrap_err();
+    assert!(e.to_string().contains("aligned to 16 bytes"), "{e}");
+    assert_eq!(
+        fake().calls("cuTensorMapEncodeTiled"),
+        calls,
+        "refused before the driver"
+    );
+    // The rules are checked when the layout is made, with the same texts.
+    let e = TensorMap::tiled(&a)
+        .dims(&[64, 64])
+        .box_dims(&[300, 16])
+        .layout()
+        .unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: tensor map: box size 0 must be in 1..=256: 300"
+    );
+    // A driver failure names the call, as for the builder.
+    fake().fail("cuTensorMapEncodeTiled", 1, 1, Some(1));
+    let e = layout.encode(&a).unwrap_err();
+    assert!(e.to_string().contains("cuTensorMapEncodeTiled"), "{e}");
+    layout.encode(&a).unwrap();
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "tensor_map::a_layout_is_checked_once_and_encoded_over_memory_of_its_shape",
+            run: a_layout_is_checked_once_and_encoded_over_memory_of_its_shape,
+        },
         Test {
             name: "tensor_map::every_rule_is_refused_before_the_driver",
             run: every_rule_is_refused_before_the_driver,
