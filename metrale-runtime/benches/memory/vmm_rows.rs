@@ -90,10 +90,13 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
     let access = [rw(dev)];
     let n_map = 200;
     let (mut m_raw, mut m_ours) = (Row::default(), Row::default());
+    let mut m_raw_sync = Row::default();
+    let ctx_sync = d.cuCtxSynchronize().unwrap();
     for round in 0..rounds {
-        let (mut tr, mut to) = (0.0, 0.0);
-        for k in 0..2 {
-            if (round + k) % 2 == 0 {
+        let (mut tr, mut to, mut ts) = (0.0, 0.0, 0.0);
+        for k in 0..3 {
+            let path = (round + k) % 3;
+            if path != 1 {
                 for _ in 0..n_map {
                     let t = Instant::now();
                     // SAFETY: one chunk of a reserved, unmapped range and a live
@@ -105,7 +108,16 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
                             set_access(raw_base, g, access.as_ptr(), 1),
                         );
                     }
-                    tr += t.elapsed().as_secs_f64();
+                    let dt = t.elapsed().as_secs_f64();
+                    if path == 0 {
+                        tr += dt;
+                    } else {
+                        ts += dt;
+                        // As `VirtualRange::unmap` does: wait for the context
+                        // before unmapping (untimed, like the unmap).
+                        // SAFETY: the current context, bound by the stream's work.
+                        ok("cuCtxSynchronize", unsafe { ctx_sync() });
+                    }
                     // SAFETY: the mapping made above; nothing used it.
                     ok("cuMemUnmap", unsafe { unmap(raw_base, g) });
                 }
@@ -118,6 +130,7 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
                 }
             }
         }
+        m_raw_sync.push(ts * 1e6 / n_map as f64);
         m_raw.push(tr * 1e6 / n_map as f64);
         m_ours.push(to * 1e6 / n_map as f64);
     }
@@ -190,6 +203,12 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
     let (mut w_raw, mut w_ours) = (Row::default(), Row::default());
     let (mut w_sleep, mut w_wake) = (Row::default(), Row::default());
     let mut w_vmm = Row::default();
+    // The same with a pause between sleep and wake (untimed): a released range's
+    // memory keeps the copy engines busy for a while (measured: an H2D copy
+    // right after releasing 1 GiB takes ~2.5 ms longer), which a model that
+    // sleeps for longer than that never meets.
+    let (mut w_apart, mut w_vmm_apart) = (Row::default(), Row::default());
+    let pause = std::time::Duration::from_millis(50);
     let mut host = Some(host);
     // The same sleep and wake through the raw driver: eight pieces, as grown.
     let piece = big / 8;
@@ -213,60 +232,85 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
         }
     };
     map_all(&mut handles);
+    let raw_sleep = |handles: &[sys::CUmemGenericAllocationHandle]| {
+        // SAFETY: `big` mapped bytes of the reservation and of the pinned
+        // buffer; the copy is waited for before the memory is unmapped.
+        unsafe {
+            ok("cuMemcpyDtoHAsync_v2", d2h(hp, vbase, big, raw_s));
+            sync();
+            for (i, h) in handles.iter().enumerate() {
+                ok("cuMemUnmap", unmap(vbase + (i * piece) as u64, piece));
+                ok("cuMemRelease", release(*h));
+            }
+        }
+    };
+    let raw_wake = |handles: &mut Vec<sys::CUmemGenericAllocationHandle>| {
+        map_all(handles);
+        // SAFETY: as above, the new mappings; waited for.
+        unsafe {
+            ok("cuMemcpyHtoDAsync_v2", h2d(vbase, hp, big, raw_s));
+        }
+        sync();
+    };
     for round in 0..rounds {
-        for k in 0..3 {
-            if (round + k) % 3 == 2 {
-                w_vmm.push(
-                    2.0 * big as f64
-                        / time(|| {
-                            // SAFETY: `big` mapped bytes of the reservation and of
-                            // the pinned buffer; each copy waited for before the
-                            // memory is unmapped or reused.
-                            unsafe {
-                                ok("cuMemcpyDtoHAsync_v2", d2h(hp, vbase, big, raw_s));
-                                sync();
-                                for (i, h) in handles.iter().enumerate() {
-                                    ok("cuMemUnmap", unmap(vbase + (i * piece) as u64, piece));
-                                    ok("cuMemRelease", release(*h));
+        for k in 0..5 {
+            match (round + k) % 5 {
+                2 => {
+                    w_vmm.push(
+                        2.0 * big as f64
+                            / time(|| {
+                                raw_sleep(&handles);
+                                raw_wake(&mut handles);
+                            })
+                            / 1e9,
+                    );
+                }
+                3 => {
+                    let t_sleep = time(|| raw_sleep(&handles));
+                    std::thread::sleep(pause);
+                    let t_wake = time(|| raw_wake(&mut handles));
+                    w_vmm_apart.push(2.0 * big as f64 / (t_sleep + t_wake) / 1e9);
+                }
+                0 => {
+                    w_raw.push(
+                        2.0 * big as f64
+                            / time(|| {
+                                // SAFETY: `big` bytes of the pinned buffer and the
+                                // device buffer, each copy waited for.
+                                unsafe {
+                                    ok("cuMemcpyDtoHAsync_v2", d2h(hp, dp, big, raw_s));
+                                    sync();
+                                    ok("cuMemcpyHtoDAsync_v2", h2d(dp, hp, big, raw_s));
+                                    sync();
                                 }
-                            }
-                            map_all(&mut handles);
-                            // SAFETY: as above, the new mappings.
-                            unsafe {
-                                ok("cuMemcpyHtoDAsync_v2", h2d(vbase, hp, big, raw_s));
-                            }
-                            sync();
-                        })
-                        / 1e9,
-                );
-            } else if (round + k) % 3 == 0 {
-                w_raw.push(
-                    2.0 * big as f64
-                        / time(|| {
-                            // SAFETY: `big` bytes of the pinned buffer and the
-                            // device buffer, each copy waited for.
-                            unsafe {
-                                ok("cuMemcpyDtoHAsync_v2", d2h(hp, dp, big, raw_s));
-                                sync();
-                                ok("cuMemcpyHtoDAsync_v2", h2d(dp, hp, big, raw_s));
-                                sync();
-                            }
-                        })
-                        / 1e9,
-                );
-            } else {
-                let b = gbuf.take().unwrap();
-                let h = host.take().unwrap();
-                let t = Instant::now();
-                let asleep = b.sleep_into(s, h).map_err(|e| e.error)?;
-                let t_sleep = t.elapsed().as_secs_f64();
-                let (b, h) = asleep.wake_keeping_host(s).map_err(|e| e.error)?;
-                let t_all = t.elapsed().as_secs_f64();
-                w_ours.push(2.0 * big as f64 / t_all / 1e9);
-                w_sleep.push(big as f64 / t_sleep / 1e9);
-                w_wake.push(big as f64 / (t_all - t_sleep) / 1e9);
-                gbuf = Some(b);
-                host = h;
+                            })
+                            / 1e9,
+                    );
+                }
+                path => {
+                    let apart = path == 4;
+                    let b = gbuf.take().unwrap();
+                    let h = host.take().unwrap();
+                    let t = Instant::now();
+                    let asleep = b.sleep_into(s, h).map_err(|e| e.error)?;
+                    let t_sleep = t.elapsed().as_secs_f64();
+                    if apart {
+                        std::thread::sleep(pause);
+                    }
+                    let t = Instant::now();
+                    let (b, h) = asleep.wake_keeping_host(s).map_err(|e| e.error)?;
+                    let t_wake = t.elapsed().as_secs_f64();
+                    let rate = 2.0 * big as f64 / (t_sleep + t_wake) / 1e9;
+                    if apart {
+                        w_apart.push(rate);
+                    } else {
+                        w_ours.push(rate);
+                        w_sleep.push(big as f64 / t_sleep / 1e9);
+                        w_wake.push(big as f64 / t_wake / 1e9);
+                    }
+                    gbuf = Some(b);
+                    host = h;
+                }
             }
         }
     }
@@ -307,6 +351,18 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
         &m_ours,
         "  ",
         Some(&ratios(&m_ours, &m_raw)),
+    );
+    line(
+        "  raw, each untimed unmap after cuCtxSynchronize as ours (us)",
+        &m_raw_sync,
+        "  ",
+        Some(&ratios(&m_raw_sync, &m_raw)),
+    );
+    line(
+        "  VirtualRange::map vs that raw row",
+        &m_ours,
+        "  ",
+        Some(&ratios(&m_ours, &m_raw_sync)),
     );
     line(
         &format!("device-to-device {gib}, cuMemAlloc buffers (GB/s)"),
@@ -351,6 +407,18 @@ pub fn run(s: &CudaStream, big: usize, rounds: usize) -> Result<(), MetraleError
         None,
     );
     line(&format!("  wake {gib} alone (GB/s)"), &w_wake, "  ", None);
+    line(
+        &format!("sleep_into, 50 ms, wake {gib}, saved (GB/s)"),
+        &w_apart,
+        "  ",
+        Some(&ratios(&w_apart, &w_raw)),
+    );
+    line(
+        "  the same through raw VMM calls (GB/s)",
+        &w_vmm_apart,
+        "  ",
+        Some(&ratios(&w_vmm_apart, &w_raw)),
+    );
     match (i_raw, i_ours) {
         (Some(r), Some(o)) => {
             line(

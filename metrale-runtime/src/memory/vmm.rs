@@ -482,7 +482,7 @@ impl VirtualRange {
         let pos = self.mappings.partition_point(|m| m.offset < offset);
         self.mappings.insert(pos, Mapping { offset, size, phys });
         if !descs.is_empty() {
-            if let Err(e) = self.set_access_raw(ptr, size, &descs) {
+            if let Err(e) = self.set_access_raw(ptr, size, descs.as_slice(), true) {
                 // Nothing can have used memory without access: undo at once.
                 let undo = self.ctx.with(|d| {
                     // SAFETY: the mapping made just above, unused.
@@ -503,18 +503,26 @@ impl VirtualRange {
         Ok(())
     }
 
+    /// `cuMemSetAccess`; `bound`: this thread bound the context for the call just
+    /// before (the mapping), so it is not checked again.
     fn set_access_raw(
         &self,
         ptr: CUdeviceptr,
         size: usize,
         descs: &[CUmemAccessDesc],
+        bound: bool,
     ) -> Result<()> {
-        self.ctx.call(
-            || self.subject(format_args!("setting access to {size} bytes at {ptr:#x}")),
-            // SAFETY: the part is mapped (the caller's check); `descs` is valid for
-            // its length.
-            |d| unsafe { cu!(d, cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len())) },
-        )
+        let subject = || self.subject(format_args!("setting access to {size} bytes at {ptr:#x}"));
+        // SAFETY: the part is mapped (the caller's check); `descs` is valid for
+        // its length.
+        let call = |d: &'static metrale_cuda_sys::Driver| unsafe {
+            cu!(d, cuMemSetAccess(ptr, size, descs.as_ptr(), descs.len()))
+        };
+        if bound {
+            self.ctx.call_unbound(subject, call)
+        } else {
+            self.ctx.call(subject, call)
+        }
     }
 
     /// Give each device of `access` that access to `[offset, offset + size)`,
@@ -545,7 +553,7 @@ impl VirtualRange {
         if descs.is_empty() {
             return Ok(());
         }
-        self.set_access_raw(self.base + offset as u64, size, &descs)
+        self.set_access_raw(self.base + offset as u64, size, descs.as_slice(), false)
     }
 
     /// Unmap the mapping that starts at `offset` and give its physical memory
@@ -648,22 +656,60 @@ pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result
     }
 }
 
-fn access_descs(access: &[(&Arc<CudaContext>, Access)]) -> Result<Vec<CUmemAccessDesc>> {
-    access
-        .iter()
-        .map(|(ctx, a)| {
-            let id = i32::try_from(ctx.ordinal()).map_err(|_| {
-                invalid_arg(format!("device ordinal {} is out of range", ctx.ordinal()))
-            })?;
-            Ok(CUmemAccessDesc {
-                location: CUmemLocation {
-                    type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                    id,
-                },
-                flags: a.flags(),
-            })
-        })
-        .collect()
+/// Access descriptors, for up to eight devices without an allocation.
+struct AccessDescs {
+    inline: [CUmemAccessDesc; 8],
+    len: usize,
+    more: Vec<CUmemAccessDesc>,
+}
+
+impl AccessDescs {
+    fn as_slice(&self) -> &[CUmemAccessDesc] {
+        if self.more.is_empty() {
+            self.inline.get(..self.len).unwrap_or(&[])
+        } else {
+            &self.more
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.as_slice().is_empty()
+    }
+}
+
+fn access_descs(access: &[(&Arc<CudaContext>, Access)]) -> Result<AccessDescs> {
+    let none = CUmemAccessDesc {
+        location: CUmemLocation {
+            type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: 0,
+        },
+        flags: CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE,
+    };
+    let mut out = AccessDescs {
+        inline: [none; 8],
+        len: 0,
+        more: Vec::new(),
+    };
+    for (i, (ctx, a)) in access.iter().enumerate() {
+        let id = i32::try_from(ctx.ordinal()).map_err(|_| {
+            invalid_arg(format!("device ordinal {} is out of range", ctx.ordinal()))
+        })?;
+        let desc = CUmemAccessDesc {
+            location: CUmemLocation {
+                type_: CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id,
+            },
+            flags: a.flags(),
+        };
+        match out.inline.get_mut(i) {
+            Some(slot) if access.len() <= 8 => {
+                *slot = desc;
+                out.len = i + 1;
+            }
+            _ => out.more.push(desc),
+        }
+    }
+    Ok(out)
 }
 
 impl fmt::Debug for VirtualRange {
