@@ -229,6 +229,7 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
     }
 
     /// Check the word against `stream` and note the use, before queueing.
+    #[inline(always)]
     fn prepare(&self, stream: &CudaStream, what: &str) -> Result<()> {
         stream.context().check_same(
             self.ctx,
@@ -250,6 +251,7 @@ impl<'a, T: SignalValue> SignalWord<'a, T> {
     }
 
     /// A hold on the mapped words, for the host function after the operation.
+    #[inline(always)]
     fn held(&self, into: &mut Vec<Box<dyn Send>>) {
         if let Some(words) = &self.mapped {
             into.push(Box::new(Arc::clone(words)));
@@ -415,14 +417,19 @@ impl CudaStream {
     ) -> Result<()> {
         self.wait_checks(word, flags, "wait_value32")?;
         let (a, f) = (word.addr, flags.to_driver());
-        let mut held = Vec::new();
-        word.held(&mut held);
         // SAFETY: a live stream; `a` is a word of live memory the stream may use
         // (noted, or held by the host function `queue_mem_ops` queues after it),
         // aligned for u32.
-        self.queue_mem_ops("wait_value32", held, 1, |d, s| unsafe {
-            cu!(d, cuStreamWaitValue32_v2(s, a, value, f))
-        })
+        let queue =
+            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWaitValue32_v2(s, a, value, f)) };
+        if word.mapped.is_none() {
+            // A device word: nothing to hold, no host function (see
+            // `queue_mem_ops`), so the submit is the driver's call.
+            return self.call_unbound("wait_value32", queue);
+        }
+        let mut held = Vec::new();
+        word.held(&mut held);
+        self.queue_mem_ops("wait_value32", held, 1, queue)
     }
 
     /// As [`CudaStream::wait_value32`] on a 64-bit word
@@ -439,12 +446,17 @@ impl CudaStream {
     ) -> Result<()> {
         self.wait_checks(word, flags, "wait_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value32, aligned for u64.
+        let queue =
+            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWaitValue64_v2(s, a, value, f)) };
+        if word.mapped.is_none() {
+            // A device word: nothing to hold, no host function (see
+            // `queue_mem_ops`), so the submit is the driver's call.
+            return self.call_unbound("wait_value64", queue);
+        }
         let mut held = Vec::new();
         word.held(&mut held);
-        // SAFETY: as for wait_value32, aligned for u64.
-        self.queue_mem_ops("wait_value64", held, 1, |d, s| unsafe {
-            cu!(d, cuStreamWaitValue64_v2(s, a, value, f))
-        })
+        self.queue_mem_ops("wait_value64", held, 1, queue)
     }
 
     /// Write `value` to `word` once the work queued before it on this stream has
@@ -461,12 +473,17 @@ impl CudaStream {
     ) -> Result<()> {
         word.prepare(self, "write_value32")?;
         let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value32.
+        let queue =
+            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWriteValue32_v2(s, a, value, f)) };
+        if word.mapped.is_none() {
+            // A device word: nothing to hold, no host function (see
+            // `queue_mem_ops`), so the submit is the driver's call.
+            return self.call_unbound("write_value32", queue);
+        }
         let mut held = Vec::new();
         word.held(&mut held);
-        // SAFETY: as for wait_value32.
-        self.queue_mem_ops("write_value32", held, 0, |d, s| unsafe {
-            cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
-        })
+        self.queue_mem_ops("write_value32", held, 0, queue)
     }
 
     /// As [`CudaStream::write_value32`] on a 64-bit word
@@ -483,12 +500,17 @@ impl CudaStream {
     ) -> Result<()> {
         word.prepare(self, "write_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
+        // SAFETY: as for wait_value64.
+        let queue =
+            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWriteValue64_v2(s, a, value, f)) };
+        if word.mapped.is_none() {
+            // A device word: nothing to hold, no host function (see
+            // `queue_mem_ops`), so the submit is the driver's call.
+            return self.call_unbound("write_value64", queue);
+        }
         let mut held = Vec::new();
         word.held(&mut held);
-        // SAFETY: as for wait_value64.
-        self.queue_mem_ops("write_value64", held, 0, |d, s| unsafe {
-            cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
-        })
+        self.queue_mem_ops("write_value64", held, 0, queue)
     }
 
     /// Queue several waits and writes as one batch (`cuStreamBatchMemOp_v2`), in

@@ -19,7 +19,7 @@
 //!   refused with [`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)
 //!   instead of calling the driver (which forbids it and may deadlock).
 
-use std::cell::UnsafeCell;
+use std::cell::{Cell, UnsafeCell};
 use std::ffi::c_void;
 use std::mem::{align_of, size_of, MaybeUninit};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -114,8 +114,16 @@ const FREE_SLOT: Slot = Slot {
     bytes: UnsafeCell::new(MaybeUninit::uninit()),
 };
 static POOL: [Slot; SLOTS] = [FREE_SLOT; SLOTS];
-/// Where the next claim starts looking.
+/// Where a thread that has not claimed a slot yet starts looking (threads start
+/// 64 slots apart).
 static NEXT_SLOT: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Where this thread's next claim starts looking (`usize::MAX`: not yet
+    /// placed): a thread-local cursor keeps the claim at one compare-exchange,
+    /// with no shared counter to bounce between submitting threads.
+    static CURSOR: Cell<usize> = const { Cell::new(usize::MAX) };
+}
 
 /// Whether closures of type `F` travel in a pool slot (a zero-sized one boxes
 /// without allocating).
@@ -123,10 +131,19 @@ const fn fits_slot<F>() -> bool {
     size_of::<F>() != 0 && size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
 }
 
-/// Claim a free slot (four tries from the hint), or `None`.
+/// Claim a free slot (four tries from this thread's cursor), or `None`.
 #[inline]
 fn claim_slot() -> Option<&'static Slot> {
-    let start = NEXT_SLOT.fetch_add(1, Ordering::Relaxed);
+    let start = CURSOR
+        .try_with(|c| {
+            let mut at = c.get();
+            if at == usize::MAX {
+                at = NEXT_SLOT.fetch_add(64, Ordering::Relaxed);
+            }
+            c.set(at.wrapping_add(1));
+            at
+        })
+        .ok()?;
     (0..4).find_map(|k| {
         let slot = POOL.get(start.wrapping_add(k) % SLOTS)?;
         slot.busy

@@ -447,6 +447,7 @@ impl CudaStream {
 
     /// Whether the stream is being captured (asked of the driver), inside a section
     /// that said it may be.
+    #[inline(always)]
     pub(crate) fn capturing_now(&self, section: &Section<'_>) -> Result<bool, CallError> {
         if !section.may_capture {
             return Ok(false);
@@ -454,7 +455,10 @@ impl CudaStream {
         self.capturing_driver()
     }
 
-    /// The driver's answer to "is the stream being captured".
+    /// The driver's answer to "is the stream being captured" (out of line: the
+    /// submit paths only ask it for a stream marked for capture).
+    #[cold]
+    #[inline(never)]
     fn capturing_driver(&self) -> Result<bool, CallError> {
         Ok(self.capture_status_raw()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
@@ -682,7 +686,7 @@ impl CudaStream {
     /// can cost a retry but never a wrong result. `f` may run twice. The null
     /// stream and the special handles (legacy, per-thread) mean the current
     /// context's: those calls are always bound.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn call_unbound<R>(
         &self,
         what: &'static str,
