@@ -407,21 +407,10 @@ impl<T: TensorElement> TensorMapLayout<T> {
         ctx: &'a Arc<CudaContext>,
         base: CUdeviceptr,
     ) -> Result<TensorMap<'a, T>> {
-        // Built in place, as the value returned: the driver writes straight into
-        // it (no copy of the map on the way out).
-        let mut out: Result<TensorMap<'a, T>> = Ok(TensorMap {
-            raw: sys::CUtensorMap { opaque: [0; 16] },
-            base,
-            extent: self.extent,
-            ctx,
-            data_type: self.data_type,
-            interleave: self.interleave,
-            _mem: PhantomData,
-        });
-        let Ok(map) = &mut out else {
-            return out;
-        };
-        let raw = &mut map.raw;
+        // Encoded into a local and moved into the map (measured: fewer instructions
+        // than encoding inside the returned value, whose address then escapes).
+        let mut raw_map = sys::CUtensorMap { opaque: [0; 16] };
+        let raw = &mut raw_map;
         let encoded = ctx.call_unbound(
             // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
@@ -477,10 +466,16 @@ impl<T: TensorElement> TensorMapLayout<T> {
                 }
             },
         );
-        if let Err(e) = encoded {
-            out = Err(e);
-        }
-        out
+        encoded?;
+        Ok(TensorMap {
+            raw: raw_map,
+            base,
+            extent: self.extent,
+            ctx,
+            data_type: self.data_type,
+            interleave: self.interleave,
+            _mem: PhantomData,
+        })
     }
 }
 
