@@ -1,7 +1,8 @@
 //! NCCL against raw `ncclAllReduce` through the sys table, same process, rounds
-//! interleaved, one rank on device 0: the submit cost of an 8-byte all-reduce,
-//! the bandwidth of a 256 MiB all-reduce, and a graph of 100 small all-reduces
-//! replayed against the same 100 queued eagerly.
+//! interleaved (the paths take turns going first), one rank on device 0: the
+//! submit cost of an 8-byte all-reduce, the bandwidth of a 256 MiB all-reduce,
+//! and a graph of 100 small all-reduces replayed against the same 100 queued
+//! eagerly.
 //!
 //! `cargo bench -p metrale-runtime --features nccl --bench nccl [-- --rounds N | --quick]`.
 //! Without a GPU or NCCL it says so and exits with status 2.
@@ -42,39 +43,46 @@ fn run() -> Result<(), MetraleError> {
         comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)?;
     }
     s.synchronize()?;
-    for _ in 0..n_rounds {
-        base.push(
-            time(|| {
-                for _ in 0..calls {
-                    // SAFETY: 2 floats at `small_ptr` on device 0; a live
-                    // communicator and stream of that device.
-                    let st = unsafe {
-                        raw_all_reduce(
-                            small_ptr,
-                            small_ptr,
-                            2,
-                            ncclDataType_t::ncclFloat32,
-                            ncclRedOp_t::ncclSum,
-                            raw_comm,
-                            raw_stream,
-                        )
-                    };
-                    assert!(st.is_success(), "{st}");
-                }
-            }) * 1e6
-                / calls as f64,
-        );
-        s.synchronize()?;
-        ours.push(
-            time(|| {
-                for _ in 0..calls {
-                    comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)
-                        .unwrap();
-                }
-            }) * 1e6
-                / calls as f64,
-        );
-        s.synchronize()?;
+    // The two paths take turns going first, round by round (as in the other
+    // benches), so an effect of going first or second falls on both alike.
+    let raw_batch = || {
+        time(|| {
+            for _ in 0..calls {
+                // SAFETY: 2 floats at `small_ptr` on device 0; a live
+                // communicator and stream of that device.
+                let st = unsafe {
+                    raw_all_reduce(
+                        small_ptr,
+                        small_ptr,
+                        2,
+                        ncclDataType_t::ncclFloat32,
+                        ncclRedOp_t::ncclSum,
+                        raw_comm,
+                        raw_stream,
+                    )
+                };
+                assert!(st.is_success(), "{st}");
+            }
+        }) * 1e6
+            / calls as f64
+    };
+    for round in 0..n_rounds {
+        for k in 0..2 {
+            if (round + k) % 2 == 0 {
+                base.push(raw_batch());
+            } else {
+                ours.push(
+                    time(|| {
+                        for _ in 0..calls {
+                            comm.all_reduce_in_place(&mut small, ReduceOp::Sum, &s)
+                                .unwrap();
+                        }
+                    }) * 1e6
+                        / calls as f64,
+                );
+            }
+            s.synchronize()?;
+        }
     }
     header("8-byte all-reduce, submit cost per call");
     line("raw ncclAllReduce (sys table)", &base, "us", None);
