@@ -708,6 +708,9 @@ static struct {
 static long launches;
 static void *last_free_stream;
 static int last_prefetch_dev = -99;
+/* Stream calls want the stream's context current (an older driver's rule, not
+ * driver 580's): 201 with none current, 400 with another. */
+static int stream_ctx_strict;
 
 /* ---- control -------------------------------------------------------------- */
 
@@ -724,6 +727,12 @@ EXPORT void fakecuda_reset(void) {
     last_free_stream = NULL;
     last_prefetch_dev = -99;
     green_orphans = 0;
+    stream_ctx_strict = 0;
+    pthread_mutex_unlock(&lock);
+}
+EXPORT void fakecuda_set_stream_ctx_strict(int on) {
+    pthread_mutex_lock(&lock);
+    stream_ctx_strict = on;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_fail(const char *name, int status, long from_call, long times) {
@@ -2992,11 +3001,16 @@ static CUresult queue_job(void *s, const struct job *j, int node_type) {
 /* Run `body` in the context of stream `s`, as the driver does for the calls
  * whose only handle is a stream (memory operations, host functions): it takes
  * the context from the stream, whatever is current (seen on driver 580). The
- * null stream still means the current context's. */
+ * null stream still means the current context's. With `stream_ctx_strict` the
+ * stream's context must be current instead (refused before anything queues). */
 #define ON_STREAM_CTX(s, body)                                                      \
     do {                                                                            \
         struct handle *h__ = (s) ? find((s), K_STREAM) : NULL;                      \
         if ((s) && !h__) return INVALID_HANDLE;                                     \
+        if (stream_ctx_strict && h__) {                                             \
+            if (!current) return INVALID_CONTEXT;                                   \
+            if (((struct stream *)(s))->ctx != current) return INVALID_HANDLE;      \
+        }                                                                           \
         struct ctx *saved__ = current;                                              \
         if (h__) current = ((struct stream *)(s))->ctx;                             \
         CUresult r2__ = (body);                                                     \

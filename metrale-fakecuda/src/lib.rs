@@ -226,6 +226,19 @@ impl Fake {
         )
     }
 
+    /// Make stream memory operations and host functions refuse unless the
+    /// stream's context is current (`CUDA_ERROR_INVALID_CONTEXT` with none,
+    /// `CUDA_ERROR_INVALID_HANDLE` with another), as an older driver might;
+    /// until the next reset.
+    pub fn set_stream_ctx_strict(&self, on: bool) {
+        call!(
+            self,
+            "fakecuda_set_stream_ctx_strict",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
     /// How many devices `cuDeviceGetCount` reports (0..=2; default 2).
     pub fn set_device_count(&self, n: i32) {
         call!(

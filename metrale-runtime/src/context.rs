@@ -13,7 +13,10 @@
 //! - Every driver call that needs the context binds it first ([`CudaContext::bind`]:
 //!   one `cuCtxGetCurrent`, and `cuCtxSetCurrent` only when another or no context is
 //!   current). metrale leaves its context current afterwards; code that shares the
-//!   thread with other CUDA libraries keeps its own with a [`ContextGuard`].
+//!   thread with other CUDA libraries keeps its own with a [`ContextGuard`]. Calls
+//!   whose only handle is a stream (stream memory operations, host functions) and
+//!   host-side encodes bind nothing: they neither need nor switch the current
+//!   context (a driver that refuses them unbound gets them bound and made again).
 //! - `CudaContext::release_with` is the body of every Drop: it binds the context
 //!   and frees unless the context is already gone (driver shut down, primary
 //!   context reset or re-created), in which case there is nothing left to free. When
@@ -685,9 +688,12 @@ impl<T: AsContext + ?Sized> AsContext for Arc<T> {
 /// Keeps the calling thread's current CUDA context across metrale calls: saved by
 /// [`ContextGuard::save`], made current again when the guard drops.
 ///
-/// metrale binds its own context before each call and leaves it current (so the
-/// next call needs no switch). Code that shares a thread with other CUDA libraries
-/// and relies on the context it set can hold a guard around metrale calls:
+/// metrale binds its own context before each call that needs it and leaves it
+/// current (so the next call needs no switch); stream memory operations and host
+/// functions bind nothing (the driver takes the context from the stream), though
+/// with no context current driver 580 leaves the stream's current after them.
+/// Code that shares a thread with other CUDA libraries and relies on the context
+/// it set can hold a guard around metrale calls:
 ///
 /// ```no_run
 /// # fn main() -> metrale_runtime::Result<()> {

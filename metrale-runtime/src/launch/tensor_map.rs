@@ -299,7 +299,8 @@ struct Im2col {
 /// `const __grid_constant__ CUtensorMap`).
 ///
 /// The driver's bytes are the first field, aligned as the header's `CUtensorMap`
-/// (64 bytes, as the driver requires); what another address is checked against
+/// (128 bytes, as the 13.0 header declares it; the driver requires 64); what
+/// another address is checked against
 /// ([`TensorMap::set_address`]) follows them.
 #[repr(C)]
 pub struct TensorMap<'a, T: TensorElement> {
@@ -441,7 +442,7 @@ impl<T: TensorElement> TensorMapLayout<T> {
                         )
                     };
                 }
-                // SAFETY: `raw` is a writable, 64-aligned CUtensorMap; each array
+                // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
                 // holds at least `rank` values (checked when the layout was made);
                 // the caller checked the address and the extent against the
                 // memory, which the map's lifetime keeps alive.

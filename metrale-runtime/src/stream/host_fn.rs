@@ -262,7 +262,7 @@ impl CudaStream {
                 return match queued {
                     Ok(()) => Ok(()),
                     Err(e) => {
-                        // SAFETY: the driver refused the call, so it never received
+                        // SAFETY: the driver refused every attempt, so it never received
                         // the slot: the `F` written above is still there, ours.
                         let f = unsafe { bytes.read() };
                         slot.busy.store(false, Ordering::Release);
@@ -279,7 +279,7 @@ impl CudaStream {
         });
         match queued {
             Ok(()) => Ok(()),
-            // SAFETY: the driver refused the call, so it never received `data`.
+            // SAFETY: the driver refused every attempt, so it never received `data`.
             Err(e) => Err((e, *unsafe { Box::from_raw(data.cast::<F>()) })),
         }
     }

@@ -111,6 +111,14 @@ unsafe impl Send for EventHandle {}
 // SAFETY: as for Send.
 unsafe impl Sync for EventHandle {}
 
+/// Whether an unbound stream call's `status` may be the driver wanting the
+/// stream's context current (see `CudaStream::call_unbound`).
+fn refused_for_context(status: sys::CUresult) -> bool {
+    status == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT
+        || status == sys::CUresult::CUDA_ERROR_INVALID_HANDLE
+        || status == sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED
+}
+
 /// Metrale captures in progress in this process. While there is none, no stream
 /// can be capturing through metrale, and the launch path does no capture work.
 static CAPTURES: AtomicUsize = AtomicUsize::new(0);
@@ -680,10 +688,13 @@ impl CudaStream {
     /// name the stream on failure. For the calls whose only handle is the stream
     /// (stream memory operations, host functions): the driver takes the context
     /// from the stream, which the H200 probe of driver 580 confirmed with no
-    /// context and with another context current. A driver that wants a current
-    /// context anyway answers `CUDA_ERROR_INVALID_CONTEXT` without queueing
-    /// anything; the call is then bound and made again, so the unbound attempt
-    /// can cost a retry but never a wrong result. `f` may run twice. The null
+    /// context and with another context current. A driver that wants the
+    /// stream's context current anyway refuses before queueing anything:
+    /// `CUDA_ERROR_INVALID_CONTEXT` (none current), `CUDA_ERROR_INVALID_HANDLE`
+    /// (another current: the stream is not of it) or
+    /// `CUDA_ERROR_CONTEXT_IS_DESTROYED` (the current one was destroyed); the
+    /// call is then bound and made again, so the unbound attempt can cost a
+    /// retry but never a wrong result. `f` may run twice. The null
     /// stream and the special handles (legacy, per-thread) mean the current
     /// context's: those calls are always bound.
     #[inline(always)]
@@ -699,7 +710,7 @@ impl CudaStream {
         }
         match f(ctx.driver(), raw) {
             Ok(r) => Ok(r),
-            Err(e) if e.status() == Some(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT) => {
+            Err(e) if e.status().is_some_and(refused_for_context) => {
                 ctx.call(|| self.subject(what), |d| f(d, raw))
             }
             Err(e) => Err(e.about(self.subject(what))),

@@ -370,6 +370,61 @@ fn stream_operations_take_the_context_from_the_stream() {
         "bound for the retry"
     );
     assert_eq!(s.to_vec(&flags).unwrap(), [0, 4]);
+
+    // A driver that wants the stream's context current (refusing 201 with none,
+    // 400 with another): each call is refused once, bound and made again, and
+    // each host function runs exactly once.
+    fake().set_stream_ctx_strict(true);
+    let before = ran.load(Ordering::SeqCst);
+    for current in [d1, std::ptr::null_mut()] {
+        // SAFETY: device 1's live context, or none.
+        let st = unsafe { (sys::driver().unwrap().cuCtxSetCurrent().unwrap())(current.cast()) };
+        assert!(st.is_success());
+        let writes = fake().calls("cuStreamWriteValue32_v2");
+        s.write_value32(&word, 6, WriteFlags::default()).unwrap();
+        assert_eq!(
+            fake().calls("cuStreamWriteValue32_v2"),
+            writes + 2,
+            "refused, then bound"
+        );
+        assert_eq!(
+            fake().current_context(),
+            reg.ctx().raw().cast(),
+            "bound for the retry"
+        );
+        // SAFETY: as above.
+        let st = unsafe { (sys::driver().unwrap().cuCtxSetCurrent().unwrap())(current.cast()) };
+        assert!(st.is_success());
+        let hosts = fake().calls("cuLaunchHostFunc");
+        let r = Arc::clone(&ran);
+        s.launch_host_fn(move || {
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        assert_eq!(
+            fake().calls("cuLaunchHostFunc"),
+            hosts + 2,
+            "refused, then bound"
+        );
+        // A closure too large for a slot travels boxed: the same retry.
+        let big = [7u64; 16];
+        let r = Arc::clone(&ran);
+        // SAFETY: as above.
+        let st = unsafe { (sys::driver().unwrap().cuCtxSetCurrent().unwrap())(current.cast()) };
+        assert!(st.is_success());
+        s.launch_host_fn(move || {
+            r.fetch_add(big.len() as u32, Ordering::SeqCst);
+        })
+        .unwrap();
+        s.synchronize().unwrap();
+        assert_eq!(s.to_vec(&flags).unwrap(), [0, 6]);
+    }
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        before + 2 * (1 + 16),
+        "each ran once"
+    );
+    fake().set_stream_ctx_strict(false);
     drop((flags, s, other));
     done(reg);
 }
