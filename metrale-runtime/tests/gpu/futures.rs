@@ -281,6 +281,26 @@ fn stream_operations_run_on_the_streams_context_whatever_is_current() {
         assert_eq!(s.to_vec(&flag).unwrap(), [0, v]);
     }
     assert_eq!(ran.load(Ordering::SeqCst), 2);
+    // A stream on a green context (CUDA 12.4+), with none current.
+    match SmResource::of_device(reg.host().context()) {
+        Ok(all) => {
+            let green = GreenContext::new(&[&all]).unwrap();
+            let g = CudaStream::on_green_context(&green).unwrap();
+            // SAFETY: no context current.
+            assert!(unsafe { set(std::ptr::null_mut()) }.is_success());
+            g.write_value32(&word, 42, WriteFlags::default()).unwrap();
+            let r = Arc::clone(&ran);
+            g.launch_host_fn(move || {
+                r.fetch_add(1, Ordering::SeqCst);
+            })
+            .unwrap();
+            g.synchronize().unwrap();
+            assert_eq!(s.to_vec(&flag).unwrap(), [0, 42]);
+            assert_eq!(ran.load(Ordering::SeqCst), 3);
+            drop((g, green));
+        }
+        Err(e) => assert!(matches!(e.kind(), ErrorKind::MissingSymbol { .. }), "{e}"),
+    }
     reg.ctx().bind().unwrap();
     // SAFETY: the context made above, current on no thread now.
     assert!(unsafe { (d.cuCtxDestroy_v2().unwrap())(other) }.is_success());
