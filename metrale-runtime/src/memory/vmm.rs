@@ -585,6 +585,17 @@ impl VirtualRange {
         })
     }
 
+    /// Unmap the mapping that starts at `offset`, whose uses the caller waited
+    /// for (a sleep releasing each piece once its saved copy has completed).
+    pub(super) fn unmap_waited(&mut self, offset: usize) -> Result<Arc<PhysicalMemory>> {
+        let Some(pos) = self.mappings.iter().position(|m| m.offset == offset) else {
+            return Err(invalid_arg(self.subject(format_args!(
+                "unmapping: no mapping starts at offset {offset}"
+            ))));
+        };
+        self.unmap_at(pos)
+    }
+
     /// Unmap mapping `pos` (its uses were waited for).
     fn unmap_at(&mut self, pos: usize) -> Result<Arc<PhysicalMemory>> {
         let Some(m) = self.mappings.get(pos) else {

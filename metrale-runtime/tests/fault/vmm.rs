@@ -837,8 +837,69 @@ fn a_truncated_message_is_refused() {
     assert!(e.to_string().contains("the message was truncated"), "{e}");
 }
 
+/// A save is released group by group (64 MiB or more each) as its copies
+/// complete: a failure partway leaves the released part asleep with its bytes
+/// saved and the rest mapped with its contents; waking restores only what was
+/// released. A failure before anything was released hands the buffer back awake.
+fn a_save_that_fails_partway_keeps_what_it_released() {
+    let reg = setup();
+    let s = reg.stream();
+    let n = 32 * MIB; // u32 elements: 128 MiB in two pieces of 64 MiB
+    let mut buf = GrowableBuffer::<u32>::new(s, n).unwrap();
+    buf.grow_to(n / 2).unwrap();
+    buf.grow_to(n).unwrap();
+    let values: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761)).collect();
+    s.copy_h2d(&values, &mut buf).unwrap();
+    // The second group's copy cannot be queued: nothing released yet.
+    fake().fail("cuMemcpyDtoHAsync_v2", 999, 2, Some(1));
+    let err = buf.sleep(Some(s)).unwrap_err();
+    assert!(
+        err.error.to_string().contains("cuMemcpyDtoHAsync_v2"),
+        "{}",
+        err.error
+    );
+    let SleepState::Awake(buf) = err.buffer else {
+        panic!("nothing was released, the buffer is awake");
+    };
+    assert_eq!(vmm_counts(), (2, 1, 2), "both pieces still mapped");
+    assert_eq!(s.to_vec(&buf).unwrap(), values);
+    // The second group's copy fails after the first group was released.
+    fake().fail("cuEventSynchronize", 999, 2, Some(1));
+    let err = buf.sleep(Some(s)).unwrap_err();
+    assert!(
+        err.error.to_string().contains("cuEventSynchronize"),
+        "{}",
+        err.error
+    );
+    let SleepState::Asleep(asleep) = err.buffer else {
+        panic!("the first piece was released: the buffer is asleep");
+    };
+    assert!(asleep.is_saved());
+    assert_eq!(vmm_counts(), (1, 1, 1), "the second piece still mapped");
+    let copies = fake().calls("cuMemcpyHtoDAsync_v2");
+    let buf = asleep.wake(s).unwrap();
+    assert_eq!(
+        fake().calls("cuMemcpyHtoDAsync_v2"),
+        copies + 1,
+        "only the released piece is restored"
+    );
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    assert_eq!(s.to_vec(&buf).unwrap(), values, "every byte back");
+    // And a whole sleep and wake, group by group.
+    let asleep = buf.sleep(Some(s)).unwrap();
+    assert_eq!(vmm_counts(), (0, 1, 0));
+    let buf = asleep.wake(s).unwrap();
+    assert_eq!(s.to_vec(&buf).unwrap(), values);
+    drop(buf);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::a_save_that_fails_partway_keeps_what_it_released",
+            run: a_save_that_fails_partway_keeps_what_it_released,
+        },
         Test {
             name: "vmm::a_pending_wait_makes_sleep_refuse_and_drop_leak",
             run: a_pending_wait_makes_sleep_refuse_and_drop_leak,
