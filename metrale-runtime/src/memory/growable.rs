@@ -10,7 +10,7 @@ use std::fmt;
 use std::ops::RangeBounds;
 use std::sync::Arc;
 
-use metrale_cuda_sys::{self as sys, CUdeviceptr};
+use metrale_cuda_sys::{CUdeviceptr, CUevent};
 
 use super::device::bounds;
 use super::vmm::{granularity, round_up, Access, HandleTypes, PhysicalMemory, VirtualRange};
@@ -339,7 +339,9 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             Some((stream, host)) => match self.save_and_release(stream, host, &pieces) {
                 Ok(host) => (Some(host), None),
                 Err(Unsaved {
-                    error, host: None, ..
+                    error,
+                    released: false,
+                    ..
                 }) => return Err(sleep_error(error, SleepState::Awake(self))),
                 Err(Unsaved { error, host, .. }) => (host, Some(error)),
             },
@@ -374,8 +376,10 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// right after releasing 1 GiB ran ~2.5 ms longer) then overlaps the copies
     /// still running, instead of the wake that follows.
     ///
-    /// Every queued copy has finished when this returns. On failure `host` is
-    /// handed back only when some piece was unmapped (its saved bytes are then
+    /// All of it happens inside one section of `stream` (no metrale capture can
+    /// begin there), and every copy queued has finished or been abandoned by a
+    /// fault when this returns (the crate's waits poll until then). On failure
+    /// `host` is handed back when some piece was unmapped (its saved bytes are
     /// needed to wake); pieces whose copy did not complete stay mapped.
     fn save_and_release(
         &mut self,
@@ -383,15 +387,16 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         host: Option<PinnedBuffer<u8>>,
         pieces: &[(usize, usize)],
     ) -> std::result::Result<PinnedBuffer<u8>, Unsaved> {
-        let unsaved = |error| Unsaved { error, host: None };
+        let unsaved = |error| Unsaved {
+            error,
+            released: false,
+            host: None,
+        };
         let ctx = Arc::clone(&self.range.ctx);
-        if !stream.context().same(&ctx) {
-            return Err(unsaved(invalid_arg(format!(
-                "saving a sleeping buffer of device {}: the stream is of device {}",
-                ctx.ordinal(),
-                stream.ordinal()
-            ))));
-        }
+        stream
+            .context()
+            .check_same(&ctx, || "saving a sleeping buffer".to_owned(), "the stream")
+            .map_err(unsaved)?;
         let mut host = match host {
             Some(h) => h,
             None => PinnedBuffer::<u8>::zeroed(stream, self.mapped.max(1)).map_err(unsaved)?,
@@ -409,11 +414,15 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             ctx: &ctx,
             list: Vec::new(),
         };
-        // Groups of pieces, each ended by an event: (first piece, end piece, event).
-        let mut groups: Vec<(usize, usize, usize)> = Vec::new();
         let section = stream.section();
+        if let Err(e) = stream.refuse_if_capturing(&section, "saving a sleeping buffer") {
+            // Nothing queued.
+            return Err(unsaved(e));
+        }
+        // Groups of pieces, each ended by an event: (first piece, end piece, event).
+        let mut groups: Vec<(usize, usize, CUevent)> = Vec::new();
+        let mut queued_any = false;
         let queued: Result<()> = (|| {
-            stream.refuse_if_capturing(&section, "saving a sleeping buffer")?;
             let (mut first, mut bytes) = (0, 0);
             for (i, &(offset, size)) in pieces.iter().enumerate() {
                 let n = size.min(self.mapped.saturating_sub(offset));
@@ -428,11 +437,14 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
                     // (this piece, mapped) and inside `host` (checked: it covers
                     // every mapped byte); nothing else uses either (every use was
                     // waited for; the buffer is consumed by the sleep); `host`
-                    // outlives the copy (every queued copy is waited for before
-                    // this returns); the stream is not capturing (this section).
+                    // outlives the copy and the piece stays mapped until it has
+                    // finished (each is unmapped only after its group's event,
+                    // and every path out waits for the stream first); the stream
+                    // is not being captured (this section).
                     stream.call("saving a sleeping buffer", |d, s| unsafe {
                         cu!(d, cuMemcpyDtoHAsync_v2(to, from, n, s))
                     })?;
+                    queued_any = true;
                     bytes += n;
                 }
                 if bytes >= GROUP || i + 1 == pieces.len() {
@@ -443,12 +455,11 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
             }
             Ok(())
         })();
-        drop(section);
         let mut released = false;
         let mut failed = queued.err();
         if failed.is_none() {
             for &(first, end, ev) in &groups {
-                if let Err(e) = events.synchronize(ev) {
+                if let Err(e) = stream.wait_done(ev) {
                     failed = Some(e);
                     break;
                 }
@@ -472,25 +483,19 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         let Some(error) = failed else {
             return Ok(host);
         };
-        // Nothing may still write `host` once it is handed back or dropped.
-        let waited = stream.call("saving a sleeping buffer", |d, s| {
-            // SAFETY: a live stream of the bound context.
-            unsafe { cu!(d, cuStreamSynchronize(s)) }
-        });
-        if let Err(e) = waited {
-            if !e.status().is_some_and(crate::stream::work_abandoned) {
-                // The copies' fate is unknown: keep the pinned memory from
-                // being freed under them.
-                std::mem::forget(host);
-                crate::error::report_line(format_args!(
-                    "saving a sleeping buffer: waiting for the copies failed ({e}); the \
-                     pinned host buffer is leaked"
-                ));
-                return Err(Unsaved { error, host: None });
+        if queued_any {
+            // Nothing may still read the pieces or write `host` once it is handed
+            // back or dropped: wait for the stream inside the section (the
+            // crate's waits return once the work finished or was abandoned; a
+            // failed record waits for the stream itself).
+            if let Ok(done) = stream.record_done_in(&section) {
+                let _ = stream.wait_done(done);
             }
         }
+        drop(section);
         Err(Unsaved {
             error,
+            released,
             host: released.then_some(host),
         })
     }
@@ -499,6 +504,8 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
 /// A save that did not complete (see `GrowableBuffer::save_and_release`).
 struct Unsaved {
     error: MetraleError,
+    /// Whether some piece was unmapped (the buffer is then asleep).
+    released: bool,
     /// The saved bytes, when some piece was released (they restore it).
     host: Option<PinnedBuffer<u8>>,
 }
@@ -506,13 +513,13 @@ struct Unsaved {
 /// Events a sleep records between its copies, destroyed on every path.
 struct RawEvents<'a> {
     ctx: &'a CudaContext,
-    list: Vec<sys::CUevent>,
+    list: Vec<CUevent>,
 }
 
 impl RawEvents<'_> {
-    /// Record a new event on `stream`; its index.
-    fn record(&mut self, stream: &CudaStream) -> Result<usize> {
-        let mut ev: sys::CUevent = std::ptr::null_mut();
+    /// Record a new event on `stream` (it is destroyed with this list).
+    fn record(&mut self, stream: &CudaStream) -> Result<CUevent> {
+        let mut ev: CUevent = std::ptr::null_mut();
         self.ctx.call(
             || "saving a sleeping buffer: an event",
             // SAFETY: writes one event handle; timing disabled.
@@ -523,19 +530,7 @@ impl RawEvents<'_> {
             // SAFETY: an event of this context, made above, and a live stream of it.
             unsafe { cu!(d, cuEventRecord(ev, s)) }
         })?;
-        Ok(self.list.len() - 1)
-    }
-
-    /// Wait for event `i`.
-    fn synchronize(&self, i: usize) -> Result<()> {
-        let Some(&ev) = self.list.get(i) else {
-            return Ok(());
-        };
-        self.ctx.call(
-            || "saving a sleeping buffer: waiting for a copy",
-            // SAFETY: an event made and recorded by `record`, not destroyed yet.
-            |d| unsafe { cu!(d, cuEventSynchronize(ev)) },
-        )
+        Ok(ev)
     }
 }
 

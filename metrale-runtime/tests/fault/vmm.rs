@@ -850,7 +850,7 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     buf.grow_to(n).unwrap();
     let values: Vec<u32> = (0..n as u32).map(|i| i.wrapping_mul(2654435761)).collect();
     s.copy_h2d(&values, &mut buf).unwrap();
-    // The second group's copy cannot be queued: nothing released yet.
+    // The second piece's copy cannot be queued: nothing released yet.
     fake().fail("cuMemcpyDtoHAsync_v2", 999, 2, Some(1));
     let err = buf.sleep(Some(s)).unwrap_err();
     assert!(
@@ -863,8 +863,30 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     };
     assert_eq!(vmm_counts(), (2, 1, 2), "both pieces still mapped");
     assert_eq!(s.to_vec(&buf).unwrap(), values);
-    // The second group's copy fails after the first group was released.
+    // Refused while this thread captures, before anything is queued or waited
+    // for: awake, and the capture goes on.
+    let mut outcome = None;
+    let graph = s
+        .capture(|cs| -> metrale_runtime::Result<()> {
+            outcome = Some(buf.sleep(Some(cs)));
+            Ok(())
+        })
+        .unwrap();
+    drop(graph);
+    let err = outcome.unwrap().unwrap_err();
+    assert!(
+        err.error.to_string().contains("captures a graph"),
+        "{}",
+        err.error
+    );
+    let SleepState::Awake(buf) = err.buffer else {
+        panic!("refused in a capture: the buffer is awake");
+    };
+    assert_eq!(vmm_counts(), (2, 1, 2));
+    // The wait for the second group fails after the first group was released
+    // (and the stream's own wait fails too): asleep, saved, nothing leaked.
     fake().fail("cuEventSynchronize", 999, 2, Some(1));
+    fake().fail("cuStreamSynchronize", 999, 1, Some(1));
     let err = buf.sleep(Some(s)).unwrap_err();
     assert!(
         err.error.to_string().contains("cuEventSynchronize"),
