@@ -298,7 +298,10 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     ///
     /// # Errors
     /// As `sleep`; `InvalidArgument` (the buffer awake, `host` dropped) for a
-    /// `host` shorter than the mapped bytes.
+    /// `host` shorter than the mapped bytes. On any failure `host` stays with
+    /// the buffer only when part of it was released (asleep: it holds those
+    /// bytes for the wake); otherwise it is dropped, after every copy into it
+    /// finished.
     pub fn sleep_into(
         self,
         stream: &impl AsStream,
