@@ -3,16 +3,23 @@
 //!
 //! Invariants:
 //! - What the driver is handed owns the closure: a once-run closure of at most
-//!   48 bytes (8-aligned) is moved into a free slot of a process-wide pool (a
-//!   slot is claimed by one compare-exchange and freed by the trampoline once it
-//!   has moved the closure out), a larger one is a `Box` the trampoline takes
-//!   back and frees (a box costs a `malloc` here and a `free` on the driver's
-//!   thread, measured on the H200 at about a fifth of the raw call); a
-//!   repeatable closure captured into
-//!   a graph is held (an `Arc`) by the captures in progress and then by the graph
-//!   and its executable graphs, so every replay finds it alive.
-//! - A once-run closure is never queued into a capture (a replay would run it
-//!   again after it was freed): refused inside a metrale capture.
+//!   48 bytes (8-aligned) is moved into a free slot of a process-wide pool, and
+//!   the driver gets the slot's tag (index and generation), not a pointer; a
+//!   slot is claimed by one compare-exchange and taken by the one trampoline
+//!   call that finds it full in the generation its tag names, which moves the
+//!   closure out and frees the slot. A larger closure is a `Box` the trampoline
+//!   takes back and frees (a box costs a `malloc` here and a `free` on the
+//!   driver's thread, measured on the H200 at about a sixth of the raw call); a
+//!   repeatable closure captured into a graph is held (an `Arc`) by the
+//!   captures in progress and then by the graph and its executable graphs, so
+//!   every replay finds it alive.
+//! - A once-run closure is refused on a stream marked for a metrale capture (a
+//!   graph would replay it). A boxed one is queued inside a section, so no
+//!   metrale capture begins before it is queued. A slot one is queued without a
+//!   section (one load says the stream is not marked): a capture that begins in
+//!   between may take the host function, and its replays then find the slot's
+//!   generation taken or moved on, so the closure runs at most once, never on
+//!   freed or foreign bytes.
 //! - A panic never unwinds into the driver: it is caught, reported on stderr, and
 //!   the stream goes on with the work after the host function.
 //! - While a host function runs, the thread is marked: metrale calls from it are
@@ -23,7 +30,7 @@ use std::cell::{Cell, UnsafeCell};
 use std::ffi::c_void;
 use std::mem::{align_of, size_of, MaybeUninit};
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CudaStream;
@@ -94,23 +101,34 @@ const SLOTS: usize = 1024;
 /// One place for a small closure on its way to the driver's thread.
 #[repr(C, align(64))]
 struct Slot {
-    /// Claimed (compare-exchange from `false`) by a submitter; cleared by the
-    /// trampoline after it moved the closure out, or by the submitter when the
-    /// driver refused the call.
-    busy: AtomicBool,
+    /// `generation << 2 | state` (`FREE`, `FULL`, `TAKING`): claimed by a
+    /// compare-exchange from `FREE` to `FULL` with the next generation, taken by
+    /// the one trampoline call that finds `FULL` with the generation its tag
+    /// names (a compare-exchange to `TAKING`), freed after the closure is moved
+    /// out (or by the submitter when the driver refused the call).
+    state: AtomicU64,
     bytes: UnsafeCell<MaybeUninit<[u64; SLOT_BYTES / 8]>>,
 }
 
+const FREE: u64 = 0;
+const FULL: u64 = 1;
+const TAKING: u64 = 2;
+/// Bits of the driver's argument naming the slot (`SLOTS` is 2^10).
+const INDEX_BITS: u32 = 10;
+/// The generation bits the driver's argument carries beside the index.
+const TAG_GEN_MASK: u64 = (1 << (usize::BITS - INDEX_BITS)) - 1;
+
 // SAFETY: `bytes` is written only by the thread whose compare-exchange claimed
-// the slot, and read only by the one trampoline call it handed the slot to (the
-// driver orders the submit before that call) or by that thread after a refusal;
-// the slot is released (`Release`) after the read and claimed again (`Acquire`)
-// before the next write.
+// the slot (`FREE` to `FULL`), and read only by the one trampoline call whose
+// compare-exchange took it (`FULL` to `TAKING`, same generation; the driver
+// orders the submit before that call) or by the claiming thread after a
+// refusal; the slot is freed (`Release`) after the read and claimed again
+// (`Acquire`) before the next write.
 unsafe impl Sync for Slot {}
 
 #[allow(clippy::declare_interior_mutable_const)]
 const FREE_SLOT: Slot = Slot {
-    busy: AtomicBool::new(false),
+    state: AtomicU64::new(FREE),
     bytes: UnsafeCell::new(MaybeUninit::uninit()),
 };
 static POOL: [Slot; SLOTS] = [FREE_SLOT; SLOTS];
@@ -131,9 +149,17 @@ const fn fits_slot<F>() -> bool {
     size_of::<F>() != 0 && size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
 }
 
+/// A claimed slot: the slot, its state as claimed, and the driver's argument
+/// naming it (index and generation).
+struct Claimed {
+    slot: &'static Slot,
+    state: u64,
+    tag: usize,
+}
+
 /// Claim a free slot (four tries from this thread's cursor), or `None`.
 #[inline]
-fn claim_slot() -> Option<&'static Slot> {
+fn claim_slot() -> Option<Claimed> {
     let start = CURSOR
         .try_with(|c| {
             let mut at = c.get();
@@ -145,25 +171,52 @@ fn claim_slot() -> Option<&'static Slot> {
         })
         .ok()?;
     (0..4).find_map(|k| {
-        let slot = POOL.get(start.wrapping_add(k) % SLOTS)?;
-        slot.busy
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_ok()
-            .then_some(slot)
+        let index = start.wrapping_add(k) % SLOTS;
+        let slot = POOL.get(index)?;
+        let now = slot.state.load(Ordering::Relaxed);
+        if now & 3 != FREE {
+            return None;
+        }
+        let state = ((now >> 2).wrapping_add(1) << 2) | FULL;
+        slot.state
+            .compare_exchange(now, state, Ordering::Acquire, Ordering::Relaxed)
+            .ok()?;
+        let tag = (((state >> 2) & TAG_GEN_MASK) as usize) << INDEX_BITS | index;
+        Some(Claimed { slot, state, tag })
     })
 }
 
-/// The driver's entry for a once-run closure `F` in a pool slot.
+/// The driver's entry for a once-run closure `F` in a pool slot; `data` is the
+/// slot's tag, not a pointer. A call whose tag no longer names a full slot of
+/// its generation (a graph that captured the host function, replayed again or
+/// after the slot was reused) does nothing: the closure runs at most once.
 unsafe extern "C" fn run_slot<F: FnOnce() + Send + 'static>(data: *mut c_void) {
-    // SAFETY: `data` is the slot `launch_host_fn_in` claimed and wrote an `F`
-    // into for this one call (queued outside any capture, so the driver calls
-    // this once); the closure is moved out before the slot is released.
-    let f = unsafe {
-        let slot = &*data.cast_const().cast::<Slot>();
-        let f = std::ptr::read(slot.bytes.get().cast::<F>());
-        slot.busy.store(false, Ordering::Release);
-        f
+    let tag = data.addr();
+    let Some(slot) = POOL.get(tag & (SLOTS - 1)) else {
+        return;
     };
+    let now = slot.state.load(Ordering::Acquire);
+    if now & 3 != FULL || (now >> 2) & TAG_GEN_MASK != (tag >> INDEX_BITS) as u64 {
+        return;
+    }
+    if slot
+        .state
+        .compare_exchange(
+            now,
+            (now & !3) | TAKING,
+            Ordering::Acquire,
+            Ordering::Relaxed,
+        )
+        .is_err()
+    {
+        return;
+    }
+    // SAFETY: this call took the slot (`FULL` to `TAKING` in the generation its
+    // tag names), so it holds the `F` the submitter wrote under that claim (the
+    // function is instantiated for that `F`); it is moved out before the slot is
+    // freed, and no other call can take it.
+    let f = unsafe { std::ptr::read(slot.bytes.get().cast::<F>()) };
+    slot.state.store(now & !3, Ordering::Release);
     run_guarded(f);
 }
 
@@ -215,6 +268,22 @@ impl CudaStream {
     /// [`CudaStream::launch_host_fn_repeat`]); `cuLaunchHostFunc`'s status (then
     /// `f` is dropped here).
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
+        let f = if fits_slot::<F>() && !self.marked_for_capture() {
+            // Not marked: no metrale capture is in progress on this stream, so
+            // no section is taken. One that begins concurrently may take the
+            // host function; the slot's generation tag then lets its replays
+            // run the closure at most once.
+            match self.launch_in_slot(f) {
+                Ok(Ok(())) => return Ok(()),
+                Ok(Err((e, f))) => {
+                    drop(f);
+                    return Err(e);
+                }
+                Err(f) => f,
+            }
+        } else {
+            f
+        };
         let section = self.section();
         match self.capturing_now(&section) {
             Ok(false) => {}
@@ -246,31 +315,14 @@ impl CudaStream {
         _section: &super::Section<'_>,
         f: F,
     ) -> std::result::Result<(), (crate::MetraleError, F)> {
-        if fits_slot::<F>() {
-            if let Some(slot) = claim_slot() {
-                let bytes = slot.bytes.get().cast::<F>();
-                // SAFETY: the slot is ours (claimed above) and holds `SLOT_BYTES`
-                // bytes, 8-aligned: `F` fits (size and alignment checked).
-                unsafe { bytes.write(f) };
-                let data = (slot as *const Slot).cast_mut().cast::<c_void>();
-                let queued = self.call_unbound("launching a host function", |d, s| {
-                    // SAFETY: `run_slot::<F>` moves the `F` out of the slot, once:
-                    // the caller's section saw no capture, and none begins before
-                    // it ends.
-                    unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_slot::<F>), data)) }
-                });
-                return match queued {
-                    Ok(()) => Ok(()),
-                    Err(e) => {
-                        // SAFETY: the driver refused every attempt, so it never received
-                        // the slot: the `F` written above is still there, ours.
-                        let f = unsafe { bytes.read() };
-                        slot.busy.store(false, Ordering::Release);
-                        Err((e, f))
-                    }
-                };
+        let f = if fits_slot::<F>() {
+            match self.launch_in_slot(f) {
+                Ok(queued) => return queued,
+                Err(f) => f,
             }
-        }
+        } else {
+            f
+        };
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         let queued = self.call_unbound("launching a host function", |d, s| {
             // SAFETY: `run_once::<F>` takes back the box `data` points to, once:
@@ -282,6 +334,43 @@ impl CudaStream {
             // SAFETY: the driver refused every attempt, so it never received `data`.
             Err(e) => Err((e, *unsafe { Box::from_raw(data.cast::<F>()) })),
         }
+    }
+
+    /// Queue `f` in a pool slot: `Err(f)` when `F` does not fit or no slot is
+    /// free; otherwise the driver's answer, with `f` handed back when it refused.
+    #[inline]
+    #[allow(clippy::type_complexity)]
+    fn launch_in_slot<F: FnOnce() + Send + 'static>(
+        &self,
+        f: F,
+    ) -> std::result::Result<std::result::Result<(), (crate::MetraleError, F)>, F> {
+        if !fits_slot::<F>() {
+            return Err(f);
+        }
+        let Some(Claimed { slot, state, tag }) = claim_slot() else {
+            return Err(f);
+        };
+        let bytes = slot.bytes.get().cast::<F>();
+        // SAFETY: the slot is ours (claimed above) and holds `SLOT_BYTES` bytes,
+        // 8-aligned: `F` fits (size and alignment checked).
+        unsafe { bytes.write(f) };
+        let data = std::ptr::without_provenance_mut::<c_void>(tag);
+        let queued = self.call_unbound("launching a host function", |d, s| {
+            // SAFETY: `run_slot::<F>` moves the `F` out of the slot its tag
+            // names, at most once whatever the driver does with the call (a
+            // capture replaying it finds the generation taken or moved on).
+            unsafe { cu!(d, cuLaunchHostFunc(s, Some(run_slot::<F>), data)) }
+        });
+        Ok(match queued {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                // SAFETY: the driver refused every attempt, so it never received
+                // the tag: the `F` written above is still there, ours.
+                let f = unsafe { bytes.read() };
+                slot.state.store(state & !3, Ordering::Release);
+                Err((e, f))
+            }
+        })
     }
 
     /// Queue a host function that may run more than once: as

@@ -418,6 +418,14 @@ impl CudaStream {
         }
     }
 
+    /// Whether a metrale capture (or capture join) may be in progress on this
+    /// stream: one load, no section. Only for work that stays sound if a capture
+    /// begins right after the answer (see `launch_host_fn`'s pool slots).
+    #[inline]
+    pub(crate) fn marked_for_capture(&self) -> bool {
+        self.inner.capture_marks.load(AtomicOrdering::SeqCst) != 0
+    }
+
     /// Take the capture lock, mark the stream as possibly capturing and wait until
     /// no fast section is open on it: afterwards every new section takes the lock
     /// and asks the driver. The lock is held until the returned guard drops, so

@@ -238,6 +238,67 @@ fn futures_on_two_devices_and_many_streams() {
     out.unwrap();
 }
 
+/// A pool-slot host function taken by a capture that metrale did not see begin
+/// (here a raw one; in safe code, a capture racing the submit on another thread)
+/// runs at most once however often the graph replays: the slot's generation tag
+/// is taken by the first replay.
+fn a_slot_host_function_taken_by_a_capture_runs_at_most_once() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let d = sys::driver().unwrap();
+    let raw_s = s.raw();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // SAFETY: a live stream, captured in global mode until the end below.
+    let st = unsafe {
+        (d.cuStreamBeginCapture_v2().unwrap())(
+            raw_s,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        )
+    };
+    assert!(st.is_success(), "{st}");
+    let (r, marker) = (Arc::clone(&runs), 7u64);
+    s.launch_host_fn(move || {
+        r.fetch_add(marker as usize, Ordering::SeqCst);
+    })
+    .unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    let st = unsafe { (d.cuStreamEndCapture().unwrap())(raw_s, &mut graph) };
+    assert!(st.is_success(), "{st}");
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: a graph made by the capture above.
+    let st = unsafe { (d.cuGraphInstantiateWithFlags().unwrap())(&mut exec, graph, 0) };
+    assert!(st.is_success(), "{st}");
+    // Another closure claims slots meanwhile (the pool moves on).
+    for _ in 0..3 {
+        let r = Arc::clone(&runs);
+        let x = 1000u64;
+        s.launch_host_fn(move || {
+            r.fetch_add(x as usize, Ordering::SeqCst);
+        })
+        .unwrap();
+    }
+    for _ in 0..3 {
+        // SAFETY: an executable graph of one host node, on a live stream.
+        let st = unsafe { (d.cuGraphLaunch().unwrap())(exec, raw_s) };
+        assert!(st.is_success(), "{st}");
+    }
+    s.synchronize().unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3000 + 7,
+        "the captured closure ran once"
+    );
+    // SAFETY: the executable graph and graph made above, idle now.
+    unsafe {
+        assert!((d.cuGraphExecDestroy().unwrap())(exec).is_success());
+        assert!((d.cuGraphDestroy().unwrap())(graph).is_success());
+    }
+    assert_eq!(Arc::strong_count(&runs), 1, "every closure was dropped");
+    drop(s);
+    done(reg);
+}
+
 fn once_host_functions_are_refused_in_a_capture_and_repeatable_ones_replay() {
     let reg = setup();
     let s = CudaStream::new(reg.ctx()).unwrap();
@@ -501,6 +562,10 @@ fn small_and_large_host_functions_run_and_drop_once() {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "futures::a_slot_host_function_taken_by_a_capture_runs_at_most_once",
+            run: a_slot_host_function_taken_by_a_capture_runs_at_most_once,
+        },
         Test {
             name: "futures::small_and_large_host_functions_run_and_drop_once",
             run: small_and_large_host_functions_run_and_drop_once,

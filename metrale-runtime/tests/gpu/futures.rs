@@ -306,6 +306,61 @@ fn stream_operations_run_on_the_streams_context_whatever_is_current() {
     assert!(unsafe { (d.cuCtxDestroy_v2().unwrap())(other) }.is_success());
 }
 
+/// On the real driver: a pool-slot host function taken by a capture metrale did
+/// not begin (a raw one here) runs at most once over three replays, and every
+/// closure is dropped.
+fn a_slot_host_function_taken_by_a_raw_capture_runs_at_most_once() {
+    let reg = registry();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let d = sys::driver().unwrap();
+    let raw_s = s.raw();
+    let runs = Arc::new(AtomicUsize::new(0));
+    // SAFETY: a live stream, captured until the end below.
+    let st = unsafe {
+        (d.cuStreamBeginCapture_v2().unwrap())(
+            raw_s,
+            sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        )
+    };
+    assert!(st.is_success(), "{st}");
+    let (r, marker) = (Arc::clone(&runs), 7u64);
+    s.launch_host_fn(move || {
+        r.fetch_add(marker as usize, Ordering::SeqCst);
+    })
+    .unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: ends the capture begun above.
+    let st = unsafe { (d.cuStreamEndCapture().unwrap())(raw_s, &mut graph) };
+    assert!(st.is_success(), "{st}");
+    let mut exec: sys::CUgraphExec = std::ptr::null_mut();
+    // SAFETY: a graph made by the capture above.
+    let st = unsafe { (d.cuGraphInstantiateWithFlags().unwrap())(&mut exec, graph, 0) };
+    assert!(st.is_success(), "{st}");
+    for _ in 0..3 {
+        let r = Arc::clone(&runs);
+        let x = 1000u64;
+        s.launch_host_fn(move || {
+            r.fetch_add(x as usize, Ordering::SeqCst);
+        })
+        .unwrap();
+        // SAFETY: an executable graph of one host node, on a live stream.
+        let st = unsafe { (d.cuGraphLaunch().unwrap())(exec, raw_s) };
+        assert!(st.is_success(), "{st}");
+    }
+    s.synchronize().unwrap();
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3000 + 7,
+        "the captured closure ran once"
+    );
+    // SAFETY: the executable graph and graph made above, idle now.
+    unsafe {
+        assert!((d.cuGraphExecDestroy().unwrap())(exec).is_success());
+        assert!((d.cuGraphDestroy().unwrap())(graph).is_success());
+    }
+    assert_eq!(Arc::strong_count(&runs), 1, "every closure was dropped");
+}
+
 fn sixty_four_futures_over_four_streams_under_tokio() {
     let reg = registry();
     let spin = reg.function("kernels", "spin").unwrap();
@@ -369,6 +424,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "signals::stream_operations_run_on_the_streams_context",
             run: stream_operations_run_on_the_streams_context_whatever_is_current,
+        },
+        Test {
+            name: "futures::a_slot_host_function_in_a_raw_capture_runs_once",
+            run: a_slot_host_function_taken_by_a_raw_capture_runs_at_most_once,
         },
         Test {
             name: "futures::sixty_four_over_four_streams_under_tokio",
