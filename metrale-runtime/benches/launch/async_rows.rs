@@ -212,7 +212,7 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
     let wait_ours = || stream.wait_value32(&word, 1, WaitFlags::GEQ).unwrap();
     stream.write_value32(&word, 1, WriteFlags::default())?;
     // What the difference is made of: the raw call with a boxed 8 bytes freed by
-    // the host function, and ours with a closure that captures nothing (no box).
+    // the host function, and ours with a closure that captures nothing.
     let host_raw_boxed = || {
         let data = Box::into_raw(Box::new(black_box(1u64))).cast::<c_void>();
         // SAFETY: `free_box` takes the box back once.
@@ -332,7 +332,7 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         Some(&ratios(&hb_raw, &h_raw)),
     );
     line(
-        "  ours, a closure capturing nothing (no box)",
+        "  ours, a closure capturing nothing",
         &hz_ours,
         "us",
         Some(&ratios(&hz_ours, &h_raw)),

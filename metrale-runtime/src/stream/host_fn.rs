@@ -143,10 +143,10 @@ thread_local! {
     static CURSOR: Cell<usize> = const { Cell::new(usize::MAX) };
 }
 
-/// Whether closures of type `F` travel in a pool slot (a zero-sized one boxes
-/// without allocating).
+/// Whether closures of type `F` travel in a pool slot (a zero-sized one too:
+/// the slot's tag is what keeps it to one run).
 const fn fits_slot<F>() -> bool {
-    size_of::<F>() != 0 && size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
+    size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
 }
 
 /// A claimed slot: the slot, its state as claimed, and the driver's argument
