@@ -120,25 +120,31 @@ impl CudaGraphExec {
     #[inline]
     pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
-        if !self.host_fns.is_empty() {
-            // The replay's host nodes may run after this graph is dropped: a host
-            // function queued after the replay holds them until it has run.
-            // (Refused in a capture, before the graph is launched.)
-            stream.refuse_in_capture("replaying a graph with host functions")?;
-        }
         let (g, s) = (self.raw, stream.raw());
-        // SAFETY: a live executable graph and a stream of its context; the rest is
-        // the caller's contract.
+        if self.host_fns.is_empty() {
+            // SAFETY: a live executable graph and a stream of its context; the
+            // rest is the caller's contract.
+            return self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) });
+        }
+        // The replay's host nodes may run after this graph is dropped: a host
+        // function queued right after the replay, on this stream, holds them
+        // until it has run. One section covers the refusal in a capture, the
+        // launch and that keeper, so no capture can begin between them and take
+        // the keeper away from the stream.
+        let section = stream.section();
+        stream.refuse_if_capturing(&section, "replaying a graph with host functions")?;
+        // SAFETY: as above.
         self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })?;
-        if !self.host_fns.is_empty() {
-            let held = Arc::clone(&self.host_fns);
-            let keeper = Arc::clone(&held);
-            if let Err(e) = stream.launch_host_fn(move || drop(keeper)) {
-                // The replay is queued: leak its host functions rather than let
-                // them go while it may run them.
-                std::mem::forget(held);
-                return Err(e);
-            }
+        let held = Arc::clone(&self.host_fns);
+        let keeper = Arc::clone(&held);
+        let kept = stream.launch_host_fn_in(&section, move || drop(keeper));
+        drop(section);
+        if let Err((e, keeper)) = kept {
+            // The replay is queued: leak its host functions rather than let
+            // them go while it may run them.
+            std::mem::forget(keeper);
+            std::mem::forget(held);
+            return Err(e);
         }
         Ok(())
     }

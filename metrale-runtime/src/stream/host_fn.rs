@@ -146,7 +146,9 @@ thread_local! {
 /// Whether closures of type `F` travel in a pool slot (a zero-sized one too:
 /// the slot's tag is what keeps it to one run).
 const fn fits_slot<F>() -> bool {
-    size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
+    // Only where the tag keeps 54 bits of generation (a 64-bit `usize`): with
+    // fewer, a stale tag held by a graph could meet its generation again.
+    usize::BITS == 64 && size_of::<F>() <= SLOT_BYTES && align_of::<F>() <= 8
 }
 
 /// A claimed slot: the slot, its state as claimed, and the driver's argument
@@ -262,6 +264,11 @@ impl CudaStream {
     /// work after it. After an error of the context (a faulting kernel) the
     /// driver no longer calls host functions; `f` is then never run nor freed.
     ///
+    /// A capture that another thread begins on this stream while the call is
+    /// being made may take the host function: it then runs at most once, on
+    /// that graph's first replay, or never (and is never freed) if the graph is
+    /// not replayed.
+    ///
     /// # Errors
     /// `InvalidArgument` while the stream is being captured through metrale (a
     /// graph would run a once-only closure on every replay: use
@@ -314,7 +321,7 @@ impl CudaStream {
         &self,
         _section: &super::Section<'_>,
         f: F,
-    ) -> std::result::Result<(), (crate::MetraleError, F)> {
+    ) -> std::result::Result<(), (crate::MetraleError, Option<F>)> {
         let f = if fits_slot::<F>() {
             match self.launch_in_slot(f) {
                 Ok(queued) => return queued,
@@ -332,18 +339,19 @@ impl CudaStream {
         match queued {
             Ok(()) => Ok(()),
             // SAFETY: the driver refused every attempt, so it never received `data`.
-            Err(e) => Err((e, *unsafe { Box::from_raw(data.cast::<F>()) })),
+            Err(e) => Err((e, Some(*unsafe { Box::from_raw(data.cast::<F>()) }))),
         }
     }
 
     /// Queue `f` in a pool slot: `Err(f)` when `F` does not fit or no slot is
-    /// free; otherwise the driver's answer, with `f` handed back when it refused.
+    /// free; otherwise the driver's answer, with `f` handed back when it refused
+    /// (`None` should a driver have run the host function anyway).
     #[inline]
     #[allow(clippy::type_complexity)]
     fn launch_in_slot<F: FnOnce() + Send + 'static>(
         &self,
         f: F,
-    ) -> std::result::Result<std::result::Result<(), (crate::MetraleError, F)>, F> {
+    ) -> std::result::Result<std::result::Result<(), (crate::MetraleError, Option<F>)>, F> {
         if !fits_slot::<F>() {
             return Err(f);
         }
@@ -364,11 +372,21 @@ impl CudaStream {
         Ok(match queued {
             Ok(()) => Ok(()),
             Err(e) => {
-                // SAFETY: the driver refused every attempt, so it never received
-                // the tag: the `F` written above is still there, ours.
+                // Take the slot back as a trampoline would (full, this
+                // generation): should a driver have queued the call anyway, the
+                // closure is then read once, here or there, never twice.
+                if slot
+                    .state
+                    .compare_exchange(state, state & !3, Ordering::Acquire, Ordering::Relaxed)
+                    .is_err()
+                {
+                    return Ok(Err((e, None)));
+                }
+                // SAFETY: the slot went back from full to free in this claim's
+                // generation by the exchange above, so no trampoline took it: the
+                // `F` written above is still there, ours.
                 let f = unsafe { bytes.read() };
-                slot.state.store(state & !3, Ordering::Release);
-                Err((e, f))
+                Err((e, Some(f)))
             }
         })
     }
@@ -400,18 +418,5 @@ impl CudaStream {
         self.call_unbound("capturing a host function", |d, s| unsafe {
             cu!(d, cuLaunchHostFunc(s, Some(run_held), data))
         })
-    }
-
-    /// Refuse an operation that only makes sense outside a capture.
-    pub(crate) fn refuse_in_capture(&self, what: &str) -> Result<()> {
-        let section = self.section();
-        match self.capturing_now(&section) {
-            Ok(false) => Ok(()),
-            Ok(true) => Err(invalid_arg(format!(
-                "{}: {what} is not possible while the stream is being captured",
-                self.subject("")
-            ))),
-            Err(e) => Err(e.about(self.subject("capture status"))),
-        }
     }
 }

@@ -289,6 +289,37 @@ fn a_slot_host_function_taken_by_a_capture_runs_at_most_once() {
         3000 + 7,
         "the captured closure ran once"
     );
+    // A stale replay meeting its slot full again in a newer generation (the
+    // pool went round while every host function of `s` waits behind a gate)
+    // leaves that closure alone: replayed on another stream, then `s` opened.
+    let open = gate(&s);
+    let others = Arc::new(AtomicUsize::new(0));
+    for _ in 0..1100 {
+        let o = Arc::clone(&others);
+        let one = 1u64;
+        s.launch_host_fn(move || {
+            o.fetch_add(one as usize, Ordering::SeqCst);
+        })
+        .unwrap();
+    }
+    let t = CudaStream::new(reg.ctx()).unwrap();
+    for _ in 0..3 {
+        // SAFETY: as above, on another live stream of the context.
+        let st = unsafe { (d.cuGraphLaunch().unwrap())(exec, t.raw()) };
+        assert!(st.is_success(), "{st}");
+    }
+    t.synchronize().unwrap();
+    assert_eq!(others.load(Ordering::SeqCst), 0, "nothing ran: s waits");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        3007,
+        "the stale replays ran nothing"
+    );
+    open.send(()).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(others.load(Ordering::SeqCst), 1100, "each ran once");
+    assert_eq!(Arc::strong_count(&others), 1);
+    drop(t);
     // SAFETY: the executable graph and graph made above, idle now.
     unsafe {
         assert!((d.cuGraphExecDestroy().unwrap())(exec).is_success());
