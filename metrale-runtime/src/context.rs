@@ -690,8 +690,10 @@ impl<T: AsContext + ?Sized> AsContext for Arc<T> {
 ///
 /// metrale binds its own context before each call that needs it and leaves it
 /// current (so the next call needs no switch); stream memory operations and host
-/// functions bind nothing (the driver takes the context from the stream), though
-/// with no context current driver 580 leaves the stream's current after them.
+/// functions on a stream of its own bind nothing (the driver takes the context
+/// from the stream; a driver that refuses them unbound gets them bound and made
+/// again, and the null stream is always bound), though with no context current
+/// driver 580 leaves the stream's current after them.
 /// Code that shares a thread with other CUDA libraries and relies on the context
 /// it set can hold a guard around metrale calls:
 ///

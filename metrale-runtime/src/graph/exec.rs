@@ -139,12 +139,18 @@ impl CudaGraphExec {
         let keeper = Arc::clone(&held);
         let kept = stream.launch_host_fn_in(&section, move || drop(keeper));
         drop(section);
-        if let Err((e, keeper)) = kept {
-            // The replay is queued: leak its host functions rather than let
-            // them go while it may run them.
-            std::mem::forget(keeper);
-            std::mem::forget(held);
-            return Err(e);
+        match kept {
+            Ok(()) => {}
+            // A driver that reported an error ran the keeper anyway (after the
+            // replay): nothing to keep.
+            Err((e, None)) => return Err(e),
+            Err((e, Some(keeper))) => {
+                // The replay is queued: leak its host functions rather than let
+                // them go while it may run them.
+                std::mem::forget(keeper);
+                std::mem::forget(held);
+                return Err(e);
+            }
         }
         Ok(())
     }

@@ -638,7 +638,13 @@ impl CudaStream {
         };
         match self.launch_host_fn_in(&section, keeper) {
             Ok(()) => Ok(()),
-            Err((e, keeper)) => {
+            Err((e, None)) => {
+                // A driver that reported an error ran the holder anyway: the
+                // waits were counted down and the words handed on.
+                drop(section);
+                Err(e)
+            }
+            Err((e, Some(keeper))) => {
                 drop(section);
                 // The operations are queued: leak their words rather than free
                 // them under the operations; their waits stay counted.

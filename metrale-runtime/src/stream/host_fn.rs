@@ -119,10 +119,10 @@ const INDEX_BITS: u32 = 10;
 const TAG_GEN_MASK: u64 = (1 << (usize::BITS - INDEX_BITS)) - 1;
 
 // SAFETY: `bytes` is written only by the thread whose compare-exchange claimed
-// the slot (`FREE` to `FULL`), and read only by the one trampoline call whose
-// compare-exchange took it (`FULL` to `TAKING`, same generation; the driver
-// orders the submit before that call) or by the claiming thread after a
-// refusal; the slot is freed (`Release`) after the read and claimed again
+// the slot (`FREE` to `FULL`), and read only by the one party whose
+// compare-exchange took it (`FULL` to `TAKING`, same generation): a trampoline
+// call (the driver orders the submit before it) or the claiming thread after a
+// refusal; the slot is freed (`Release`) after that read and claimed again
 // (`Acquire`) before the next write.
 unsafe impl Sync for Slot {}
 
@@ -316,7 +316,8 @@ impl CudaStream {
     /// Queue a once-run host function inside `section`, whose caller found the
     /// stream not capturing (so the driver calls it exactly once). On failure `f`
     /// is handed back, not dropped, so the caller decides (a holder of memory
-    /// that queued work may still touch must be leaked, not freed).
+    /// that queued work may still touch must be leaked, not freed); `None` when
+    /// a driver that reported an error ran it anyway.
     pub(crate) fn launch_host_fn_in<F: FnOnce() + Send + 'static>(
         &self,
         _section: &super::Section<'_>,
@@ -372,20 +373,28 @@ impl CudaStream {
         Ok(match queued {
             Ok(()) => Ok(()),
             Err(e) => {
-                // Take the slot back as a trampoline would (full, this
+                // Take the slot back as a trampoline would (full to taking, this
                 // generation): should a driver have queued the call anyway, the
-                // closure is then read once, here or there, never twice.
+                // closure is then read once, here or there, never twice; the slot
+                // is freed only after the read.
                 if slot
                     .state
-                    .compare_exchange(state, state & !3, Ordering::Acquire, Ordering::Relaxed)
+                    .compare_exchange(
+                        state,
+                        (state & !3) | TAKING,
+                        Ordering::Acquire,
+                        Ordering::Relaxed,
+                    )
                     .is_err()
                 {
                     return Ok(Err((e, None)));
                 }
-                // SAFETY: the slot went back from full to free in this claim's
-                // generation by the exchange above, so no trampoline took it: the
-                // `F` written above is still there, ours.
+                // SAFETY: this exchange took the slot (full to taking, in this
+                // claim's generation), so no trampoline took it and no claim can
+                // reuse it before it is freed below: the `F` written above is
+                // still there, ours.
                 let f = unsafe { bytes.read() };
+                slot.state.store(state & !3, Ordering::Release);
                 Err((e, Some(f)))
             }
         })

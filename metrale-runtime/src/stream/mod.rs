@@ -14,7 +14,8 @@
 //!   modules above (launch, memory, graph) through `impl CudaStream` blocks.
 //! - `host_fn.rs`: host functions (`launch_host_fn`, `launch_host_fn_repeat`): a
 //!   closure's state is owned by what the driver calls (a once-run is freed by
-//!   its run; a repeatable one captured into a graph is held by the graph), a
+//!   its run, or never if a racing capture took it into a graph that is never
+//!   replayed; a repeatable one captured into a graph is held by the graph), a
 //!   panic never unwinds into the driver, and metrale calls from inside one are
 //!   refused. `future.rs`: [`StreamDone`] and [`EventDone`], futures woken by a
 //!   stream callback, whose shared state the callback owns a share of.

@@ -125,6 +125,64 @@ fn host_function_panics_are_caught() {
     assert_eq!(ran.load(Ordering::SeqCst), 1, "the stream goes on");
 }
 
+/// A refused slot submit (here inside a host function, where every call is
+/// refused) hands its closure back while other threads claim slots: each
+/// closure is dropped exactly once, the refused ones never run, and the pool
+/// keeps serving.
+fn refused_slot_submits_race_other_claims_cleanly() {
+    let reg = setup();
+    let (s, t) = (
+        CudaStream::new(reg.ctx()).unwrap(),
+        CudaStream::new(reg.ctx()).unwrap(),
+    );
+    let token = Arc::new(());
+    let ran = Arc::new(AtomicUsize::new(0));
+    let refusals = Arc::new(AtomicUsize::new(0));
+    let (inner, tok, r, n) = (
+        t.clone(),
+        Arc::clone(&token),
+        Arc::clone(&ran),
+        Arc::clone(&refusals),
+    );
+    s.launch_host_fn(move || {
+        for _ in 0..2000 {
+            let (tok, r) = (Arc::clone(&tok), Arc::clone(&r));
+            let refused = inner.launch_host_fn(move || {
+                drop(tok);
+                r.fetch_add(1_000_000, Ordering::SeqCst);
+            });
+            if refused.is_err() {
+                n.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        drop((tok, r, n));
+    })
+    .unwrap();
+    for _ in 0..2000 {
+        let (tok, r) = (Arc::clone(&token), Arc::clone(&ran));
+        t.launch_host_fn(move || {
+            drop(tok);
+            r.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+    }
+    s.synchronize().unwrap();
+    t.synchronize().unwrap();
+    assert_eq!(
+        refusals.load(Ordering::SeqCst),
+        2000,
+        "refused inside a host function"
+    );
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2000,
+        "only the accepted ones ran"
+    );
+    assert_eq!(Arc::strong_count(&token), 1, "every closure dropped once");
+    drop((s, t));
+    done(reg);
+}
+
 fn metrale_calls_inside_a_host_function_are_refused() {
     let reg = setup();
     let s = CudaStream::new(reg.ctx()).unwrap();
@@ -593,6 +651,10 @@ fn small_and_large_host_functions_run_and_drop_once() {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "futures::refused_slot_submits_race_other_claims_cleanly",
+            run: refused_slot_submits_race_other_claims_cleanly,
+        },
         Test {
             name: "futures::a_slot_host_function_taken_by_a_capture_runs_at_most_once",
             run: a_slot_host_function_taken_by_a_capture_runs_at_most_once,
