@@ -341,12 +341,10 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         let (saved, failed) = match save {
             Some((stream, host)) => match self.save_and_release(stream, host, &pieces) {
                 Ok(host) => (Some(host), None),
-                Err(Unsaved {
-                    error,
-                    released: false,
-                    ..
-                }) => return Err(sleep_error(error, SleepState::Awake(self))),
-                Err(Unsaved { error, host, .. }) => (host, Some(error)),
+                Err(Unsaved { error, host: None }) => {
+                    return Err(sleep_error(error, SleepState::Awake(self)))
+                }
+                Err(Unsaved { error, host }) => (host, Some(error)),
             },
             None => (None, None),
         };
@@ -390,11 +388,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         host: Option<PinnedBuffer<u8>>,
         pieces: &[(usize, usize)],
     ) -> std::result::Result<PinnedBuffer<u8>, Unsaved> {
-        let unsaved = |error| Unsaved {
-            error,
-            released: false,
-            host: None,
-        };
+        let unsaved = |error| Unsaved { error, host: None };
         let ctx = Arc::clone(&self.range.ctx);
         stream
             .context()
@@ -498,7 +492,6 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         drop(section);
         Err(Unsaved {
             error,
-            released,
             host: released.then_some(host),
         })
     }
@@ -507,9 +500,8 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
 /// A save that did not complete (see `GrowableBuffer::save_and_release`).
 struct Unsaved {
     error: MetraleError,
-    /// Whether some piece was unmapped (the buffer is then asleep).
-    released: bool,
-    /// The saved bytes, when some piece was released (they restore it).
+    /// The saved bytes, when some piece was released (the buffer is then
+    /// asleep, and they restore it); `None`: nothing was released.
     host: Option<PinnedBuffer<u8>>,
 }
 

@@ -420,16 +420,9 @@ impl CudaStream {
         // SAFETY: a live stream; `a` is a word of live memory the stream may use
         // (noted, or held by the host function `queue_mem_ops` queues after it),
         // aligned for u32.
-        let queue =
-            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWaitValue32_v2(s, a, value, f)) };
-        if word.mapped.is_none() {
-            // A device word: nothing to hold, no host function (see
-            // `queue_mem_ops`), so the submit is the driver's call.
-            return self.call_unbound("wait_value32", queue);
-        }
-        let mut held = Vec::new();
-        word.held(&mut held);
-        self.queue_mem_ops("wait_value32", held, 1, queue)
+        self.queue_word_op("wait_value32", word, 1, |d, s| unsafe {
+            cu!(d, cuStreamWaitValue32_v2(s, a, value, f))
+        })
     }
 
     /// As [`CudaStream::wait_value32`] on a 64-bit word
@@ -447,16 +440,9 @@ impl CudaStream {
         self.wait_checks(word, flags, "wait_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
         // SAFETY: as for wait_value32, aligned for u64.
-        let queue =
-            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWaitValue64_v2(s, a, value, f)) };
-        if word.mapped.is_none() {
-            // A device word: nothing to hold, no host function (see
-            // `queue_mem_ops`), so the submit is the driver's call.
-            return self.call_unbound("wait_value64", queue);
-        }
-        let mut held = Vec::new();
-        word.held(&mut held);
-        self.queue_mem_ops("wait_value64", held, 1, queue)
+        self.queue_word_op("wait_value64", word, 1, |d, s| unsafe {
+            cu!(d, cuStreamWaitValue64_v2(s, a, value, f))
+        })
     }
 
     /// Write `value` to `word` once the work queued before it on this stream has
@@ -474,16 +460,9 @@ impl CudaStream {
         word.prepare(self, "write_value32")?;
         let (a, f) = (word.addr, flags.to_driver());
         // SAFETY: as for wait_value32.
-        let queue =
-            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWriteValue32_v2(s, a, value, f)) };
-        if word.mapped.is_none() {
-            // A device word: nothing to hold, no host function (see
-            // `queue_mem_ops`), so the submit is the driver's call.
-            return self.call_unbound("write_value32", queue);
-        }
-        let mut held = Vec::new();
-        word.held(&mut held);
-        self.queue_mem_ops("write_value32", held, 0, queue)
+        self.queue_word_op("write_value32", word, 0, |d, s| unsafe {
+            cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
+        })
     }
 
     /// As [`CudaStream::write_value32`] on a 64-bit word
@@ -501,16 +480,9 @@ impl CudaStream {
         word.prepare(self, "write_value64")?;
         let (a, f) = (word.addr, flags.to_driver());
         // SAFETY: as for wait_value64.
-        let queue =
-            |d: &'static sys::Driver, s| unsafe { cu!(d, cuStreamWriteValue64_v2(s, a, value, f)) };
-        if word.mapped.is_none() {
-            // A device word: nothing to hold, no host function (see
-            // `queue_mem_ops`), so the submit is the driver's call.
-            return self.call_unbound("write_value64", queue);
-        }
-        let mut held = Vec::new();
-        word.held(&mut held);
-        self.queue_mem_ops("write_value64", held, 0, queue)
+        self.queue_word_op("write_value64", word, 0, |d, s| unsafe {
+            cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
+        })
     }
 
     /// Queue several waits and writes as one batch (`cuStreamBatchMemOp_v2`), in
@@ -580,6 +552,26 @@ impl CudaStream {
         self.queue_mem_ops("batch_mem_ops", held, waits, |d, s| unsafe {
             cu!(d, cuStreamBatchMemOp_v2(s, n, ptr, 0))
         })
+    }
+
+    /// Queue one operation on `word`: a device word straight to the driver (no
+    /// hold list to build and drop), a mapped one through `queue_mem_ops`.
+    #[inline(always)]
+    fn queue_word_op<T: SignalValue>(
+        &self,
+        what: &'static str,
+        word: &SignalWord<'_, T>,
+        waits: usize,
+        queue: impl FnMut(&'static sys::Driver, CUstream) -> Result<(), CallError>,
+    ) -> Result<()> {
+        if word.mapped.is_none() {
+            // A device word: nothing to hold, no host function (see
+            // `queue_mem_ops`), so the submit is the driver's call.
+            return self.call_unbound(what, queue);
+        }
+        let mut held = Vec::new();
+        word.held(&mut held);
+        self.queue_mem_ops(what, held, waits, queue)
     }
 
     /// Queue memory operations (`queue`, one driver call), then one host function

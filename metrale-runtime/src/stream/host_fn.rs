@@ -275,7 +275,9 @@ impl CudaStream {
     /// [`CudaStream::launch_host_fn_repeat`]); `cuLaunchHostFunc`'s status (then
     /// `f` is dropped here).
     pub fn launch_host_fn<F: FnOnce() + Send + 'static>(&self, f: F) -> Result<()> {
-        let f = if fits_slot::<F>() && !self.marked_for_capture() {
+        let f = if self.marked_for_capture() {
+            f
+        } else {
             // Not marked: no metrale capture is in progress on this stream, so
             // no section is taken. One that begins concurrently may take the
             // host function; the slot's generation tag then lets its replays
@@ -288,8 +290,6 @@ impl CudaStream {
                 }
                 Err(f) => f,
             }
-        } else {
-            f
         };
         let section = self.section();
         match self.capturing_now(&section) {
@@ -323,13 +323,9 @@ impl CudaStream {
         _section: &super::Section<'_>,
         f: F,
     ) -> std::result::Result<(), (crate::MetraleError, Option<F>)> {
-        let f = if fits_slot::<F>() {
-            match self.launch_in_slot(f) {
-                Ok(queued) => return queued,
-                Err(f) => f,
-            }
-        } else {
-            f
+        let f = match self.launch_in_slot(f) {
+            Ok(queued) => return queued,
+            Err(f) => f,
         };
         let data = Box::into_raw(Box::new(f)).cast::<c_void>();
         let queued = self.call_unbound("launching a host function", |d, s| {
