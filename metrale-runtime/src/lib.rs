@@ -1,5 +1,9 @@
 //! Safe, fast access to the CUDA driver for programs that ship their own kernels.
 //!
+//! New here? [The guide](guide) has a chapter per topic (streams, memory, graphs,
+//! several GPUs, NCCL, NVRTC, virtual memory, async, errors, performance), every
+//! example compiled.
+//!
 //! metrale-runtime stands on [`metrale_cuda_sys`] (re-exported as [`sys`]): the
 //! driver is loaded at run time, so a program builds and starts on machines without
 //! CUDA and reports a clear error there.
@@ -36,6 +40,8 @@
 //! | [`registry`] | [`MetraleRegistry`], the seed's facade |
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
+//! | `nccl` (feature `nccl`) | collective communication: `Communicator`, checked collectives |
+//! | [`guide`] | no code: the user's guide, a chapter per topic |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
 //! the calling thread when it is not; every error names the call, the status and
@@ -75,11 +81,13 @@ pub mod error;
 pub mod function;
 pub mod graph;
 pub mod green;
+pub mod guide;
 pub mod host;
 pub mod launch;
 pub mod memory;
 pub mod module;
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
