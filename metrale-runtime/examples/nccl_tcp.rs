@@ -14,7 +14,8 @@
 //! The device defaults to `rank % (number of devices)`, for several ranks on one
 //! machine. The TCP exchange only carries the id (256 hex digits and a newline);
 //! the collectives go over whatever NCCL picks (NVLink, PCIe, InfiniBand,
-//! sockets): see the README's NCCL section for the variables that steer it.
+//! sockets): see the guide's NCCL chapter (`metrale_runtime::guide::nccl`) for the
+//! variables that steer it.
 //!
 //! Exits with status 2 and the message when the driver or NCCL cannot be loaded,
 //! or the rendezvous fails.
