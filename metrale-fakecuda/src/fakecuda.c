@@ -3291,7 +3291,9 @@ static CUresult do_dev_resource(int dev, struct dev_resource *r, unsigned type) 
     NEED_INIT();
     NEED_DEV(dev);
     if (!r || type != 1) return INVALID_VALUE;
-    sm_resource(r, dev == 0 ? 132 : 66);
+    /* A multiprocessor count set by fakecuda_set_attribute (16) is the device's
+     * SM count here too (a test can ask for a huge one). */
+    sm_resource(r, attr_overridden[dev][16] ? (unsigned)attr_override[dev][16] : dev == 0 ? 132 : 66);
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetDevResource(int dev, struct dev_resource *r, unsigned type) {
