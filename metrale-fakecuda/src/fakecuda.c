@@ -2486,7 +2486,8 @@ static CUresult do_pool_export(void *out, void *pool, int type, unsigned long lo
     if (!out || flags || type != 1) return INVALID_VALUE;
     if (!p) return INVALID_HANDLE;
     if (!(p->handle_types & 1) || p->imported) return INVALID_VALUE;
-    int fd = memfd_create("fakecuda-pool", MFD_CLOEXEC);
+    /* Not close-on-exec, like the driver's: metrale sets the flag. */
+    int fd = memfd_create("fakecuda-pool", 0);
     if (fd < 0) return OUT_OF_MEMORY;
     struct ipc_bytes b = {POOL_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)pool, 0, {0}};
     if (pwrite(fd, &b, sizeof b, 0) != (ssize_t)sizeof b) { close(fd); return OUT_OF_MEMORY; }

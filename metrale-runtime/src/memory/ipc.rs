@@ -7,7 +7,8 @@
 //!   importer's are released independently (`cuMemRelease`); the memory lives
 //!   until the last handle is released and the last mapping, in any process, is
 //!   unmapped. Neither process can free it under the other.
-//! - A descriptor from [`PhysicalMemory::export_fd`] is an [`OwnedFd`]: closing it
+//! - A descriptor from [`PhysicalMemory::export_fd`] is an [`OwnedFd`], made
+//!   close-on-exec (as received ones are): closing it
 //!   (dropping it) after it was sent or imported is right, and does not free the
 //!   memory. The receiver owns what [`recv_fd`] gives it.
 //! - The contents are shared: order the two processes' accesses yourself (wait
@@ -32,6 +33,36 @@ use super::vmm::{granularity, HandleTypes, PhysicalMemory};
 use crate::context::AsContext;
 use crate::error::{cu, invalid_arg, ErrorKind, MetraleError, Result};
 
+/// Own the descriptor `fd` the driver exported for the caller, made close-on-exec
+/// (`FD_CLOEXEC`): the driver does not set the flag, and a descriptor inherited
+/// across a fork and exec would keep the memory alive and mappable in a program
+/// that never asked for it. On an error the descriptor is closed.
+pub(super) fn own_exported(fd: c_int, what: impl FnOnce() -> String) -> Result<OwnedFd> {
+    if fd < 0 {
+        return Err(invalid_arg(format!(
+            "{}: the driver exported the descriptor {fd}",
+            what()
+        )));
+    }
+    // SAFETY: the driver made a new descriptor for the caller; nothing else
+    // owns it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fcntl with F_GETFD / F_SETFD reads and writes only the flags of a
+    // descriptor that is open (owned above) for both calls.
+    let set = unsafe {
+        let flags = libc::fcntl(owned.as_raw_fd(), libc::F_GETFD);
+        flags >= 0 && libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, flags | libc::FD_CLOEXEC) == 0
+    };
+    if !set {
+        let e = io::Error::last_os_error();
+        return Err(os_error(
+            format!("{}: making descriptor {fd} close-on-exec (fcntl)", what()),
+            e,
+        ));
+    }
+    Ok(owned)
+}
+
 fn os_error(what: impl Into<String>, e: io::Error) -> MetraleError {
     ErrorKind::Os {
         what: what.into(),
@@ -43,7 +74,8 @@ fn os_error(what: impl Into<String>, e: io::Error) -> MetraleError {
 impl PhysicalMemory {
     /// Export as a POSIX file descriptor (`cuMemExportToShareableHandle`), for
     /// another process to import with [`PhysicalMemory::import_fd`]. The memory
-    /// must have been made with [`HandleTypes::POSIX_FD`].
+    /// must have been made with [`HandleTypes::POSIX_FD`]. The descriptor is
+    /// close-on-exec: a program started by `exec` does not inherit it.
     ///
     /// # Errors
     /// `InvalidArgument` for memory not made exportable as a descriptor; the
@@ -80,15 +112,13 @@ impl PhysicalMemory {
                 )
             },
         )?;
-        if fd < 0 {
-            return Err(invalid_arg(format!(
-                "device {}: the driver exported the descriptor {fd}",
-                self.context().ordinal()
-            )));
-        }
-        // SAFETY: the driver made a new descriptor for the caller; nothing else
-        // owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        own_exported(fd, || {
+            format!(
+                "device {}: exporting {} bytes of physical memory",
+                self.context().ordinal(),
+                self.size()
+            )
+        })
     }
 
     /// Import physical memory another process exported

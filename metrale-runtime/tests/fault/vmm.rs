@@ -3,7 +3,7 @@
 //! stand-in counts physical memory, ranges and mappings).
 
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
@@ -393,6 +393,29 @@ fn export_and_import_share_the_memory() {
     );
     drop(b);
     assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+fn close_on_exec(fd: &impl AsRawFd) -> bool {
+    // SAFETY: reads the flags of a descriptor the caller holds open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+    assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
+    flags & libc::FD_CLOEXEC != 0
+}
+
+/// Exported descriptors are close-on-exec (the stand-in, like the driver, hands
+/// out descriptors without the flag), so no exec'd program inherits the memory.
+fn exported_descriptors_are_close_on_exec() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut a = GrowableBuffer::<u32>::with_handle_types(s, 1, HandleTypes::POSIX_FD).unwrap();
+    a.grow_to(1).unwrap();
+    let fd = a.range().physical(0).unwrap().export_fd().unwrap();
+    assert!(close_on_exec(&fd), "PhysicalMemory::export_fd");
+    let pool = MemPool::with_handle_types(s, HandleTypes::POSIX_FD).unwrap();
+    let pool_fd = pool.export_fd().unwrap();
+    assert!(close_on_exec(&pool_fd), "MemPool::export_fd");
+    drop((fd, pool_fd, pool, a));
     done(reg);
 }
 
@@ -949,6 +972,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::export_and_import_share_the_memory",
             run: export_and_import_share_the_memory,
+        },
+        Test {
+            name: "vmm::exported_descriptors_are_close_on_exec",
+            run: exported_descriptors_are_close_on_exec,
         },
         Test {
             name: "vmm::sharing_misuse_is_refused_clearly",
