@@ -3195,6 +3195,7 @@ static CUresult do_tmap_encode(unsigned long long *map, unsigned dtype, unsigned
     if (!map || ((uintptr_t)map % 64) || !dims || !box || !estrides) return INVALID_VALUE;
     if (rank < 1 || rank > 5 || (rank > 1 && !strides)) return INVALID_VALUE;
     if (dtype > 15 || interleave > 2 || swizzle > 6 || l2 > 3 || oob > 1) return INVALID_VALUE;
+    if (interleave == 2 && swizzle != 1) return INVALID_VALUE; /* 32-byte interleave needs swizzle 32B */
     memset(map, 0, 128);
     map[0] = TMAP_MAGIC | ((unsigned long long)dtype << 32) | ((unsigned long long)rank << 40) |
              ((unsigned long long)interleave << 48) | ((unsigned long long)swizzle << 52) |
