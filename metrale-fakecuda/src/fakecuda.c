@@ -2231,7 +2231,9 @@ static CUresult do_import(unsigned long long *handle, void *os_handle, int type)
     if (!handle || type != 1) return INVALID_VALUE;
     int fd = (int)(intptr_t)os_handle;
     struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
+    /* Not a descriptor of memory (a pipe, /dev/null): the driver says UNKNOWN. */
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) return UNKNOWN;
+    if ((size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
     /* The memory lives on the exporter's device (read from the memfd's name);
      * another file is taken as the importer's. */
     int dev = current->dev;
@@ -2501,8 +2503,10 @@ static CUresult do_pool_import(void **pool, void *handle, int type, unsigned lon
     NEED_CTX();
     if (!pool || flags || type != 1) return INVALID_VALUE;
     struct ipc_bytes b;
-    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return INVALID_VALUE;
-    if (b.magic != POOL_MAGIC || b.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    /* Not an exported pool's descriptor: the driver says UNKNOWN. */
+    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return UNKNOWN;
+    if (b.magic != POOL_MAGIC) return UNKNOWN;
+    if (b.pid != (uint64_t)getpid()) return INVALID_VALUE;
     struct pool *src = pool_ok((void *)(uintptr_t)b.ptr);
     if (!src) return INVALID_VALUE;
     struct pool *p = calloc(1, sizeof *p);

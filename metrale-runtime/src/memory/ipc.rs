@@ -26,7 +26,8 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use metrale_cuda_sys::{
-    CUmemAllocationHandleType, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocationType,
+    CUmemAllocationHandleType, CUmemAllocationProp, CUmemGenericAllocationHandle,
+    CUmemLocationType, CUresult,
 };
 
 use super::vmm::{granularity, HandleTypes, PhysicalMemory};
@@ -61,6 +62,29 @@ pub(super) fn own_exported(fd: c_int, what: impl FnOnce() -> String) -> Result<O
         ));
     }
     Ok(owned)
+}
+
+/// A failed import of a descriptor, with the likely cause when the driver's
+/// status says only CUDA_ERROR_UNKNOWN (999): what it answers for a descriptor
+/// that no CUDA export made.
+pub(super) fn explain_import(e: MetraleError, made_by: &str) -> MetraleError {
+    match e.kind() {
+        ErrorKind::Driver {
+            call,
+            status,
+            subject,
+        } if *status == CUresult::CUDA_ERROR_UNKNOWN => ErrorKind::Driver {
+            call,
+            status: *status,
+            subject: format!(
+                "{subject}, which is likely not a descriptor that {made_by} made (a file, \
+                 pipe or socket, or a descriptor number sent as data instead of with \
+                 SCM_RIGHTS)"
+            ),
+        }
+        .into(),
+        _ => e,
+    }
 }
 
 fn os_error(what: impl Into<String>, e: io::Error) -> MetraleError {
@@ -164,7 +188,13 @@ impl PhysicalMemory {
                     )
                 )
             },
-        )?;
+        )
+        .map_err(|e| {
+            explain_import(
+                e,
+                "PhysicalMemory::export_fd (cuMemExportToShareableHandle)",
+            )
+        })?;
         // Owned from here: an error below releases the handle (`cuMemRelease`).
         let phys = PhysicalMemory::from_handle(handle, size, HandleTypes::POSIX_FD, ctx);
         // The peer chose the device the memory lives on: check it is ours.

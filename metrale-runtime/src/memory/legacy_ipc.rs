@@ -161,7 +161,10 @@ impl MemPool {
                     )
                 )
             },
-        )?;
+        )
+        .map_err(|e| {
+            super::ipc::explain_import(e, "MemPool::export_fd (cuMemPoolExportToShareableHandle)")
+        })?;
         Ok(MemPool::from_imported(pool, ctx))
     }
 }

@@ -440,6 +440,18 @@ fn sharing_misuse_is_refused_clearly() {
             .contains("importing 2097152 bytes of physical memory from descriptor"),
         "{e}"
     );
+    // The driver says only CUDA_ERROR_UNKNOWN: the text says the likely cause.
+    assert_eq!(e.status(), Some(CUresult(999)));
+    assert!(
+        e.to_string().contains(&format!(
+            "from descriptor {}, which is likely not a descriptor that \
+             PhysicalMemory::export_fd (cuMemExportToShareableHandle) made (a file, pipe or \
+             socket, or a descriptor number sent as data instead of with SCM_RIGHTS): \
+             cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN (999)",
+            null.as_raw_fd()
+        )),
+        "{e}"
+    );
     let shared = PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap();
     let fd = shared.export_fd().unwrap();
     let e = PhysicalMemory::import_fd(s, fd.as_fd(), 3 * MIB).unwrap_err();
@@ -679,6 +691,15 @@ fn pools_shared_by_descriptor_and_pointer() {
     assert!(
         e.to_string()
             .contains("importing a memory pool from descriptor"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(
+            "which is likely not a descriptor that MemPool::export_fd \
+             (cuMemPoolExportToShareableHandle) made (a file, pipe or socket, or a descriptor \
+             number sent as data instead of with SCM_RIGHTS): \
+             cuMemPoolImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN (999)"
+        ),
         "{e}"
     );
     drop(buf);
