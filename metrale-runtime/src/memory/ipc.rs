@@ -37,7 +37,9 @@ use crate::error::{cu, invalid_arg, ErrorKind, MetraleError, Result};
 /// Own the descriptor `fd` the driver exported for the caller, made close-on-exec
 /// (`FD_CLOEXEC`): the driver does not set the flag, and a descriptor inherited
 /// across a fork and exec would keep the memory alive and mappable in a program
-/// that never asked for it. On an error the descriptor is closed.
+/// that never asked for it. On an error the descriptor is closed. The driver
+/// takes no flag for this, so a fork and exec on another thread between its
+/// export and this call (a few instructions) can still pass it on.
 pub(super) fn own_exported(fd: c_int, what: impl FnOnce() -> String) -> Result<OwnedFd> {
     if fd < 0 {
         return Err(invalid_arg(format!(
