@@ -189,7 +189,8 @@ impl CompileCache {
     }
 
     /// The file an entry for `program` and `target` lives in (whether or not it
-    /// exists yet); `None` without a folder.
+    /// exists yet); `None` without a folder, or for a program that is not cached
+    /// (see [`CompileCache::MAX_INCLUDE_FILES`]).
     ///
     /// # Errors
     /// The library's load error (the key holds its version).

@@ -318,7 +318,50 @@ fn walk(
 
 #[cfg(test)]
 mod tests {
-    use super::include_folders;
+    use super::{include_folders, include_listing, MAX_DEPTH};
+
+    fn temp(tag: &str) -> std::path::PathBuf {
+        let d =
+            std::env::temp_dir().join(format!("metrale-fingerprint-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap_or_default();
+        d
+    }
+
+    fn listing(dir: &std::path::Path) -> Option<Vec<u8>> {
+        include_listing(&[format!("--include-path={}", dir.display())])
+    }
+
+    /// A link back up is walked once, not for ever; a missing folder is listed
+    /// as missing, not an error.
+    #[cfg(unix)]
+    #[test]
+    fn a_link_loop_ends_and_a_missing_folder_is_listed() {
+        let d = temp("loop");
+        std::fs::write(d.join("a.h"), "").unwrap_or_default();
+        std::fs::create_dir_all(d.join("sub")).unwrap_or_default();
+        let _ = std::os::unix::fs::symlink(&d, d.join("sub").join("up"));
+        let once = listing(&d);
+        assert!(once.is_some());
+        assert_eq!(listing(&d), once, "the same listing twice");
+        assert!(listing(&d.join("nothing-here")).is_some());
+        let _ = std::fs::remove_dir_all(&d);
+    }
+
+    /// Deeper than the walk goes: not listed, so not cached (never a partial
+    /// listing that would miss a change further down).
+    #[test]
+    fn folders_nested_too_deep_are_not_listed() {
+        let d = temp("deep");
+        let mut deep = d.clone();
+        for i in 0..MAX_DEPTH {
+            deep = deep.join(format!("{i}"));
+        }
+        std::fs::create_dir_all(&deep).unwrap_or_default();
+        assert_eq!(listing(&d), None);
+        assert!(listing(&d.join("0").join("1")).is_some());
+        let _ = std::fs::remove_dir_all(&d);
+    }
 
     #[test]
     fn include_folders_in_every_spelling() {
