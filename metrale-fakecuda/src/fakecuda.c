@@ -2231,7 +2231,9 @@ static CUresult do_import(unsigned long long *handle, void *os_handle, int type)
     if (!handle || type != 1) return INVALID_VALUE;
     int fd = (int)(intptr_t)os_handle;
     struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
+    /* Not a descriptor of memory (a pipe, /dev/null): the driver says UNKNOWN. */
+    if (fstat(fd, &st) != 0 || st.st_size <= 0) return UNKNOWN;
+    if ((size_t)st.st_size % VMM_GRANULARITY) return INVALID_VALUE;
     /* The memory lives on the exporter's device (read from the memfd's name);
      * another file is taken as the importer's. */
     int dev = current->dev;
@@ -2486,7 +2488,8 @@ static CUresult do_pool_export(void *out, void *pool, int type, unsigned long lo
     if (!out || flags || type != 1) return INVALID_VALUE;
     if (!p) return INVALID_HANDLE;
     if (!(p->handle_types & 1) || p->imported) return INVALID_VALUE;
-    int fd = memfd_create("fakecuda-pool", MFD_CLOEXEC);
+    /* Not close-on-exec, like the driver's: metrale sets the flag. */
+    int fd = memfd_create("fakecuda-pool", 0);
     if (fd < 0) return OUT_OF_MEMORY;
     struct ipc_bytes b = {POOL_MAGIC, (uint64_t)getpid(), (uint64_t)(uintptr_t)pool, 0, {0}};
     if (pwrite(fd, &b, sizeof b, 0) != (ssize_t)sizeof b) { close(fd); return OUT_OF_MEMORY; }
@@ -2500,8 +2503,10 @@ static CUresult do_pool_import(void **pool, void *handle, int type, unsigned lon
     NEED_CTX();
     if (!pool || flags || type != 1) return INVALID_VALUE;
     struct ipc_bytes b;
-    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return INVALID_VALUE;
-    if (b.magic != POOL_MAGIC || b.pid != (uint64_t)getpid()) return INVALID_VALUE;
+    /* Not an exported pool's descriptor: the driver says UNKNOWN. */
+    if (pread((int)(intptr_t)handle, &b, sizeof b, 0) != (ssize_t)sizeof b) return UNKNOWN;
+    if (b.magic != POOL_MAGIC) return UNKNOWN;
+    if (b.pid != (uint64_t)getpid()) return INVALID_VALUE;
     struct pool *src = pool_ok((void *)(uintptr_t)b.ptr);
     if (!src) return INVALID_VALUE;
     struct pool *p = calloc(1, sizeof *p);
@@ -3194,6 +3199,7 @@ static CUresult do_tmap_encode(unsigned long long *map, unsigned dtype, unsigned
     if (!map || ((uintptr_t)map % 64) || !dims || !box || !estrides) return INVALID_VALUE;
     if (rank < 1 || rank > 5 || (rank > 1 && !strides)) return INVALID_VALUE;
     if (dtype > 15 || interleave > 2 || swizzle > 6 || l2 > 3 || oob > 1) return INVALID_VALUE;
+    if (interleave == 2 && swizzle != 1) return INVALID_VALUE; /* 32-byte interleave needs swizzle 32B */
     memset(map, 0, 128);
     map[0] = TMAP_MAGIC | ((unsigned long long)dtype << 32) | ((unsigned long long)rank << 40) |
              ((unsigned long long)interleave << 48) | ((unsigned long long)swizzle << 52) |
@@ -3291,7 +3297,9 @@ static CUresult do_dev_resource(int dev, struct dev_resource *r, unsigned type) 
     NEED_INIT();
     NEED_DEV(dev);
     if (!r || type != 1) return INVALID_VALUE;
-    sm_resource(r, dev == 0 ? 132 : 66);
+    /* A multiprocessor count set by fakecuda_set_attribute (16) is the device's
+     * SM count here too (a test can ask for a huge one). */
+    sm_resource(r, attr_overridden[dev][16] ? (unsigned)attr_override[dev][16] : dev == 0 ? 132 : 66);
     return SUCCESS;
 }
 EXPORT CUresult cuDeviceGetDevResource(int dev, struct dev_resource *r, unsigned type) {

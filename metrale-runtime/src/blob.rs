@@ -9,7 +9,9 @@
 //!   a section name table that exists, every section, segment and section name
 //!   inside the blob; symbol and relocation tables of whole ELF64 entries, linked
 //!   to a string table and a symbol table, whose symbol names, section indices,
-//!   symbol indices and relocation offsets lie inside what they name;
+//!   symbol indices and relocation offsets lie inside what they name (a
+//!   relocation table must name the section it relocates: `sh_info` 0, the null
+//!   section, is refused);
 //! - a fatbin's header must describe no more bytes than the blob has, and every
 //!   entry must lie inside it (an uncompressed cubin entry is checked as above);
 //! - a clang offload bundle is unpacked to its CUDA entry.
@@ -445,6 +447,15 @@ fn check_tables(
                 entries(i, s, size, what)?;
                 let symtab = linked(i, s, &[SHT_SYMTAB, SHT_DYNSYM], "symbol table")?;
                 let symbols = symtab.size / SYM;
+                // Section 0 is the null section: sh_info 0 names nothing to
+                // relocate, and its r_offsets would be bounded by nothing, while
+                // the loader applies them to section sh_info. Every cubin the
+                // toolchain writes names the relocated section (SHF_INFO_LINK).
+                if s.info == 0 {
+                    return Err(bad(format_args!(
+                        "section {i}'s sh_info 0 names the null section, not the section relocated"
+                    )));
+                }
                 if s.info >= shnum {
                     return Err(bad(format_args!(
                         "section {i}'s sh_info {} (the section relocated) names no section (there are {shnum})",
@@ -452,7 +463,7 @@ fn check_tables(
                     )));
                 }
                 let target = Shdr::read(blob, shoff, s.info);
-                let check_offset = s.info != 0 && target.kind != SHT_NOBITS;
+                let check_offset = target.kind != SHT_NOBITS;
                 for (n, rel) in s.bytes(blob).chunks_exact(size as usize).enumerate() {
                     let offset = u64_at(rel, 0).unwrap_or(0);
                     let symbol = u64_at(rel, 8).unwrap_or(0) >> 32;

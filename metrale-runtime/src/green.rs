@@ -232,10 +232,20 @@ impl GreenContext {
                 other.ctx.ordinal()
             )));
         }
+        let Ok(count) = u32::try_from(resources.len()) else {
+            return Err(invalid_arg(format!(
+                "green context: {} SM resources given; the driver takes at most {}",
+                resources.len(),
+                u32::MAX
+            )));
+        };
+        // For the error text only: summed in u64, which cannot overflow (at most
+        // u32::MAX resources of at most u32::MAX SMs each); the driver judges
+        // whether the sum makes sense.
+        let sms: u64 = resources.iter().map(|r| u64::from(r.sm_count())).sum();
         let mut raws: Vec<CUdevResource> = resources.iter().map(|r| r.raw).collect();
         let mut desc: CUdevResourceDesc = std::ptr::null_mut();
         let mut raw: CUgreenCtx = std::ptr::null_mut();
-        let sms: u32 = resources.iter().map(|r| r.sm_count()).sum();
         let flags = sys::CUgreenCtxCreate_flags::CU_GREEN_CTX_DEFAULT_STREAM.0;
         ctx.call(
             || {
@@ -245,12 +255,12 @@ impl GreenContext {
                 )
             },
             |d| {
-                // SAFETY: `raws` holds `len` resources the driver made; writes one
-                // descriptor.
+                // SAFETY: `raws` holds `count` resources the driver made; writes
+                // one descriptor.
                 unsafe {
                     cu!(
                         d,
-                        cuDevResourceGenerateDesc(&mut desc, raws.as_mut_ptr(), raws.len() as u32)
+                        cuDevResourceGenerateDesc(&mut desc, raws.as_mut_ptr(), count)
                     )
                 }?;
                 // SAFETY: a descriptor the driver just made, a valid device, the

@@ -46,10 +46,15 @@ fn main() -> ExitCode {
         .into_iter()
         .flatten()
         .collect();
+    let mut children = loader::children();
+    children.push(harness::Child {
+        name: "cache_compile_and_print",
+        run: cache::cache_compile_and_print,
+    });
     let require = std::env::var("METRALE_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     harness::main(
         &tests,
-        &loader::children(),
+        &children,
         gate,
         require.then_some("METRALE_REQUIRE_NVRTC=1"),
     )

@@ -4,16 +4,21 @@
 //! [`TensorMapBuilder`] over metrale device memory.
 //!
 //! Invariants:
-//! - Every rule the driver documents for a tiled map is checked before the driver
-//!   is called, and a refusal names the rule and the value: rank 1..=5 (3 or more
-//!   when interleaved), global dimensions in 1..=2^32, byte strides multiples of
-//!   16 (32 with 32-byte interleave) and below 2^40, the global address aligned to
-//!   16 bytes (32 with 32-byte interleave), box sizes in 1..=256, the inner box row
-//!   a multiple of 16 bytes without interleave and within the swizzle span, element
-//!   strides in 1..=8, NaN fill only for floating-point types; for im2col maps
-//!   rank 3..=5, pixel-box corners within the range the rank allows, channels
-//!   per pixel 1..=256 (a multiple of 16 bytes without interleave, within the
-//!   swizzle span) and pixels per column 1..=1024.
+//! - Every rule the CUDA 13.0 driver documents for the data types, interleaves
+//!   and swizzles this module offers is checked before the driver is called, and
+//!   a refusal names the rule and the value. These are all of them: rank 1..=5
+//!   (3 or more when interleaved), global dimensions in 1..=2^32, byte strides
+//!   multiples of 16 (32 with 32-byte interleave) and below 2^40, the global
+//!   address aligned to 16 bytes (32 with 32-byte interleave), box sizes in
+//!   1..=256, the inner box row a multiple of 16 bytes without interleave and
+//!   within the swizzle span, element strides in 1..=8, 32-byte interleave only
+//!   with the 32-byte swizzle, NaN fill only for floating-point types; for im2col
+//!   maps also rank 3..=5, pixel-box corners within the range the rank allows,
+//!   channels per pixel 1..=256 (a multiple of 16 bytes without interleave,
+//!   within the swizzle span) and pixels per column 1..=1024. (The packed
+//!   sub-byte types and the 128-byte atom swizzles, with rules of their own, are
+//!   not offered.) A [`TensorMapLayout`] is checked by the same code as a map
+//!   built directly.
 //! - A map never describes memory outside the buffer it was made from: the last
 //!   byte the sizes and strides reach lies inside the memory's extent. The map
 //!   borrows that memory (`'a`), so safe code cannot free it while the map lives;
@@ -936,6 +941,12 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
             if e == 0 || e > 8 {
                 return fail(format_args!("element stride {i} must be in 1..=8: {e}"));
             }
+        }
+        if self.interleave == Interleave::B32 && self.swizzle != Swizzle::B32 {
+            return fail(format_args!(
+                "32-byte interleave needs the 32-byte swizzle (Swizzle::B32): swizzle {:?}",
+                self.swizzle
+            ));
         }
         if self.oob_fill == OobFill::NanRequestZeroFma && !self.data_type.is_float() {
             return fail(format_args!(

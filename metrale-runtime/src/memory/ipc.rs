@@ -7,7 +7,8 @@
 //!   importer's are released independently (`cuMemRelease`); the memory lives
 //!   until the last handle is released and the last mapping, in any process, is
 //!   unmapped. Neither process can free it under the other.
-//! - A descriptor from [`PhysicalMemory::export_fd`] is an [`OwnedFd`]: closing it
+//! - A descriptor from [`PhysicalMemory::export_fd`] is an [`OwnedFd`], made
+//!   close-on-exec (as received ones are): closing it
 //!   (dropping it) after it was sent or imported is right, and does not free the
 //!   memory. The receiver owns what [`recv_fd`] gives it.
 //! - The contents are shared: order the two processes' accesses yourself (wait
@@ -25,12 +26,68 @@ use std::os::unix::net::UnixStream;
 use std::sync::Arc;
 
 use metrale_cuda_sys::{
-    CUmemAllocationHandleType, CUmemAllocationProp, CUmemGenericAllocationHandle, CUmemLocationType,
+    CUmemAllocationHandleType, CUmemAllocationProp, CUmemGenericAllocationHandle,
+    CUmemLocationType, CUresult,
 };
 
 use super::vmm::{granularity, HandleTypes, PhysicalMemory};
 use crate::context::AsContext;
 use crate::error::{cu, invalid_arg, ErrorKind, MetraleError, Result};
+
+/// Own the descriptor `fd` the driver exported for the caller, made close-on-exec
+/// (`FD_CLOEXEC`): the driver does not set the flag, and a descriptor inherited
+/// across a fork and exec would keep the memory alive and mappable in a program
+/// that never asked for it. On an error the descriptor is closed. The driver
+/// takes no flag for this, so a fork and exec on another thread between its
+/// export and this call (a few instructions) can still pass it on.
+pub(super) fn own_exported(fd: c_int, what: impl FnOnce() -> String) -> Result<OwnedFd> {
+    if fd < 0 {
+        return Err(invalid_arg(format!(
+            "{}: the driver exported the descriptor {fd}",
+            what()
+        )));
+    }
+    // SAFETY: the driver made a new descriptor for the caller; nothing else
+    // owns it.
+    let owned = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: fcntl with F_GETFD / F_SETFD reads and writes only the flags of a
+    // descriptor that is open (owned above) for both calls.
+    let set = unsafe {
+        let flags = libc::fcntl(owned.as_raw_fd(), libc::F_GETFD);
+        flags >= 0 && libc::fcntl(owned.as_raw_fd(), libc::F_SETFD, flags | libc::FD_CLOEXEC) == 0
+    };
+    if !set {
+        let e = io::Error::last_os_error();
+        return Err(os_error(
+            format!("{}: making descriptor {fd} close-on-exec (fcntl)", what()),
+            e,
+        ));
+    }
+    Ok(owned)
+}
+
+/// A failed import of a descriptor, with the likely cause when the driver's
+/// status says only CUDA_ERROR_UNKNOWN (999): what it answers for a descriptor
+/// that no CUDA export made.
+pub(super) fn explain_import(e: MetraleError, made_by: &str) -> MetraleError {
+    match e.kind() {
+        ErrorKind::Driver {
+            call,
+            status,
+            subject,
+        } if *status == CUresult::CUDA_ERROR_UNKNOWN => ErrorKind::Driver {
+            call,
+            status: *status,
+            subject: format!(
+                "{subject}, which is likely not a descriptor that {made_by} made (a file, \
+                 pipe or socket, or a descriptor number sent as data instead of with \
+                 SCM_RIGHTS)"
+            ),
+        }
+        .into(),
+        _ => e,
+    }
+}
 
 fn os_error(what: impl Into<String>, e: io::Error) -> MetraleError {
     ErrorKind::Os {
@@ -43,7 +100,8 @@ fn os_error(what: impl Into<String>, e: io::Error) -> MetraleError {
 impl PhysicalMemory {
     /// Export as a POSIX file descriptor (`cuMemExportToShareableHandle`), for
     /// another process to import with [`PhysicalMemory::import_fd`]. The memory
-    /// must have been made with [`HandleTypes::POSIX_FD`].
+    /// must have been made with [`HandleTypes::POSIX_FD`]. The descriptor is
+    /// close-on-exec: a program started by `exec` does not inherit it.
     ///
     /// # Errors
     /// `InvalidArgument` for memory not made exportable as a descriptor; the
@@ -80,15 +138,13 @@ impl PhysicalMemory {
                 )
             },
         )?;
-        if fd < 0 {
-            return Err(invalid_arg(format!(
-                "device {}: the driver exported the descriptor {fd}",
-                self.context().ordinal()
-            )));
-        }
-        // SAFETY: the driver made a new descriptor for the caller; nothing else
-        // owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        own_exported(fd, || {
+            format!(
+                "device {}: exporting {} bytes of physical memory",
+                self.context().ordinal(),
+                self.size()
+            )
+        })
     }
 
     /// Import physical memory another process exported
@@ -134,7 +190,13 @@ impl PhysicalMemory {
                     )
                 )
             },
-        )?;
+        )
+        .map_err(|e| {
+            explain_import(
+                e,
+                "PhysicalMemory::export_fd (cuMemExportToShareableHandle)",
+            )
+        })?;
         // Owned from here: an error below releases the handle (`cuMemRelease`).
         let phys = PhysicalMemory::from_handle(handle, size, HandleTypes::POSIX_FD, ctx);
         // The peer chose the device the memory lives on: check it is ours.

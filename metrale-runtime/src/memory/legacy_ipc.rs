@@ -25,7 +25,7 @@ use std::ops::RangeBounds;
 use std::sync::Arc;
 
 use std::ffi::{c_int, c_void};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, OwnedFd};
 
 use metrale_cuda_sys::{
     CUdeviceptr, CUevent, CUipcEventHandle, CUipcMemHandle, CUipcMem_flags,
@@ -95,7 +95,8 @@ fn event_handle(bytes: [u8; 64]) -> CUipcEventHandle {
 impl MemPool {
     /// Export the pool as a POSIX descriptor (`cuMemPoolExportToShareableHandle`),
     /// for another process's [`MemPool::import_fd`]; the pool must be made with
-    /// `MemPool::with_handle_types(ctx, HandleTypes::POSIX_FD)`.
+    /// `MemPool::with_handle_types(ctx, HandleTypes::POSIX_FD)`. The descriptor is
+    /// close-on-exec: a program started by `exec` does not inherit it.
     ///
     /// # Errors
     /// The failing call (a pool made without the handle type).
@@ -121,13 +122,12 @@ impl MemPool {
                 )
             },
         )?;
-        if fd < 0 {
-            return Err(invalid_arg(format!(
-                "the driver exported the descriptor {fd}"
-            )));
-        }
-        // SAFETY: a new descriptor made for the caller; nothing else owns it.
-        Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+        super::ipc::own_exported(fd, || {
+            format!(
+                "device {}: exporting memory pool {pool:p}",
+                self.context().ordinal()
+            )
+        })
     }
 
     /// Import another process's exported pool on `ctx`'s device
@@ -161,7 +161,10 @@ impl MemPool {
                     )
                 )
             },
-        )?;
+        )
+        .map_err(|e| {
+            super::ipc::explain_import(e, "MemPool::export_fd (cuMemPoolExportToShareableHandle)")
+        })?;
         Ok(MemPool::from_imported(pool, ctx))
     }
 }

@@ -307,6 +307,13 @@ impl<T: SignalValue> MappedWords<T> {
     /// Before allocating, it drops the mapped words that host functions of
     /// earlier operations held last (see the module's invariants).
     pub fn new(ctx: &impl AsContext, len: usize) -> Result<MappedWords<T>> {
+        if len == 0 {
+            return Err(invalid_arg(format!(
+                "device {}: mapped words: at least one {}-byte word is needed, 0 were asked for",
+                ctx.context().ordinal(),
+                std::mem::size_of::<T>()
+            )));
+        }
         drain_dropped_later();
         let buffer = PinnedBuffer::alloc_mapped(ctx.context(), len)?;
         let Some(device_ptr) = buffer.device_ptr() else {

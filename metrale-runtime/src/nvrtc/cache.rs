@@ -1,10 +1,16 @@
 //! [`CompileCache`]: compile outputs keyed by everything that decides them.
 //!
 //! The key is the program's name, source, headers (names and text), options, name
-//! expressions and PTX request, the target, and the loaded NVRTC's version, each
-//! length-prefixed. An entry is found by a 128-bit hash of the key and kept with
-//! the key itself, which is compared in full before an entry is used, so a hash
-//! collision is a miss, never a wrong program.
+//! expressions and PTX request, the target, the loaded NVRTC build (its version
+//! and the build IDs of libnvrtc and its builtins) and a listing of every file
+//! under the program's include folders (names, sizes, modification and change
+//! times), each length-prefixed; what those two cover and what they do not is
+//! in `fingerprint.rs`. An entry is found by a 128-bit hash of
+//! the key and kept with the key itself, which is compared in full before an
+//! entry is used, so a hash collision is a miss, never a wrong program. A
+//! program whose include folders hold more than
+//! [`CompileCache::MAX_INCLUDE_FILES`] files is compiled every time (counted as a
+//! miss), never cached.
 //!
 //! In memory the cache holds at most a byte budget (outputs, logs and keys
 //! counted; least recently used entries go first). On disk (opt-in,
@@ -26,6 +32,7 @@ use crate::context::CudaContext;
 use crate::error::Result;
 
 use super::error::{into_error, NvrtcError};
+use super::fingerprint;
 use super::output::Compiled;
 use super::program::{self, Program};
 use super::Target;
@@ -63,6 +70,23 @@ struct Memory {
 
 /// A cache of compile outputs, in memory and optionally in a folder. `Sync`: one
 /// cache can serve several threads (compiles run outside its lock).
+///
+/// An entry is used only for the same program (name, source, headers, options,
+/// name expressions, PTX request), target and NVRTC build: the loaded libnvrtc
+/// and builtins are told apart by their GNU build IDs (by resolved path, size
+/// and file times where a library has none), so 13.0.48 and 13.0.88 never share
+/// an entry. Every file under the program's include folders (`-I`,
+/// [`Program::include_path`]) is part of the key by name, size, modification
+/// and change time, so a header changed there is a miss.
+///
+/// What the key does not see: a header's bytes (an edit that keeps its size and
+/// both times; ordinary programs cannot set the change time), headers
+/// included by an absolute path or from the working folder, builtins that NVRTC
+/// opens by name itself (a library loaded by name, not by path), and a library
+/// replaced on disk after this process loaded it. Each lookup lists the include
+/// folders, which costs a file-status call per file there; a program whose
+/// folders hold more than [`CompileCache::MAX_INCLUDE_FILES`] files, or nest
+/// deeper than 32 folders, is compiled every time instead.
 pub struct CompileCache {
     memory: Mutex<Memory>,
     limit: usize,
@@ -90,6 +114,10 @@ impl std::fmt::Debug for CompileCache {
 }
 
 impl CompileCache {
+    /// Most files listed under a program's include folders; a program with more
+    /// is compiled every time, never cached.
+    pub const MAX_INCLUDE_FILES: usize = fingerprint::MAX_FILES;
+
     /// An in-memory cache of at most 64 MiB.
     pub fn new() -> CompileCache {
         CompileCache::with_memory_limit(DEFAULT_MEMORY_BYTES)
@@ -161,13 +189,14 @@ impl CompileCache {
     }
 
     /// The file an entry for `program` and `target` lives in (whether or not it
-    /// exists yet); `None` without a folder.
+    /// exists yet); `None` without a folder, or for a program that is not cached
+    /// (see [`CompileCache::MAX_INCLUDE_FILES`]).
     ///
     /// # Errors
     /// The library's load error (the key holds its version).
     pub fn entry_path(&self, program: &Program, target: Target) -> Result<Option<PathBuf>> {
         let key = key_bytes(program, target).map_err(into_error)?;
-        Ok(self.file_of(hash128(&key)))
+        Ok(key.and_then(|key| self.file_of(hash128(&key))))
     }
 
     fn file_of(&self, hash: u128) -> Option<PathBuf> {
@@ -181,7 +210,11 @@ impl CompileCache {
         program: &Program,
         target: Target,
     ) -> std::result::Result<Arc<Compiled>, NvrtcError> {
-        let key = key_bytes(program, target)?;
+        let Some(key) = key_bytes(program, target)? else {
+            // Not cached: compiled every time.
+            self.misses.fetch_add(1, Ordering::Relaxed);
+            return Ok(Arc::new(program::compile(program, target)?));
+        };
         let hash = hash128(&key);
         if let Some(hit) = self.memory_hit(hash, &key) {
             self.memory_hits.fetch_add(1, Ordering::Relaxed);
@@ -267,18 +300,20 @@ impl CompileCache {
     }
 }
 
-/// Everything that decides a compile's outputs, length-prefixed.
-pub(crate) fn key_bytes(p: &Program, target: Target) -> std::result::Result<Vec<u8>, NvrtcError> {
-    let version = program::library()?.version();
+/// Everything that decides a compile's outputs, length-prefixed; `None` for a
+/// program that is not cached (include folders too large to list).
+pub(crate) fn key_bytes(
+    p: &Program,
+    target: Target,
+) -> std::result::Result<Option<Vec<u8>>, NvrtcError> {
+    let library = fingerprint::library_identity()?;
+    let options = p.rendered_options(target);
+    let Some(includes) = fingerprint::include_listing(&options) else {
+        return Ok(None);
+    };
     let mut w = Writer::default();
-    w.bytes(b"metrale nvrtc key 1");
-    match version {
-        Some((major, minor)) => {
-            w.u64(u64::from(major));
-            w.u64(u64::from(minor));
-        }
-        None => w.bytes(b"unknown version"),
-    }
+    w.bytes(b"metrale nvrtc key 2");
+    w.bytes(library);
     w.bytes(target.to_string().as_bytes());
     w.bytes(p.name.as_bytes());
     w.bytes(p.source.as_bytes());
@@ -287,17 +322,17 @@ pub(crate) fn key_bytes(p: &Program, target: Target) -> std::result::Result<Vec<
         w.bytes(name.as_bytes());
         w.bytes(text.as_bytes());
     }
-    let options = p.rendered_options(target);
     w.u64(options.len() as u64);
     for o in &options {
         w.bytes(o.as_bytes());
     }
+    w.bytes(&includes);
     w.u64(p.name_expressions.len() as u64);
     for e in &p.name_expressions {
         w.bytes(e.as_bytes());
     }
     w.u64(u64::from(p.emit_ptx));
-    Ok(w.0)
+    Ok(Some(w.0))
 }
 
 /// FNV-1a, 64 bits, from `basis`.

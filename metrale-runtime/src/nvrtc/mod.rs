@@ -10,7 +10,8 @@
 //! - [`Linker`] (`link.rs`): LTO-IR, cubin, PTX and fatbin objects linked into one
 //!   cubin for one architecture.
 //! - [`CompileCache`] (`cache.rs`): outputs keyed by everything that decides them,
-//!   in memory (bounded) and, opt-in, in a folder.
+//!   in memory (bounded) and, opt-in, in a folder; `fingerprint.rs` gives the
+//!   key the loaded NVRTC build (build IDs) and the include folders' listing.
 //! - [`NvrtcError`] (`error.rs`): the room's error data, and the one function
 //!   that turns it into a [`MetraleError`](crate::MetraleError).
 //!
@@ -31,6 +32,7 @@
 
 mod cache;
 mod error;
+mod fingerprint;
 mod link;
 mod output;
 mod program;

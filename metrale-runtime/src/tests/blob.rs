@@ -481,7 +481,7 @@ fn relocation_offset_past_its_section_is_refused() {
     );
     // The last 8-byte word is inside.
     accepted_after(|b| put64(b, r_offset, target.size as u64 - 8));
-    // A relocation section must apply to a section that exists (0: to none).
+    // A relocation section must apply to a section that exists.
     let shnum = sections(CUBIN).len();
     refused_after(
         |b| put32(b, rel.header + 0x2c, shnum as u32),
@@ -489,10 +489,30 @@ fn relocation_offset_past_its_section_is_refused() {
             "section {i}'s sh_info {shnum} (the section relocated) names no section (there are {shnum})"
         ),
     );
-    accepted_after(|b| {
-        put32(b, rel.header + 0x2c, 0);
-        put64(b, r_offset, u64::MAX);
-    });
+}
+
+/// `sh_info` 0 names the null section: no section to relocate and nothing to
+/// bound the offsets by (the audit's fuzz found two such tables accepted, with
+/// any r_offset). Refused, with an in-range offset as with a wild one.
+#[test]
+fn relocation_table_of_the_null_section_is_refused() {
+    let (i, rel) = fixture_section(4);
+    let r_offset = rel.offset;
+    let want = format!("section {i}'s sh_info 0 names the null section, not the section relocated");
+    refused_after(|b| put32(b, rel.header + 0x2c, 0), &want);
+    refused_after(
+        |b| {
+            put32(b, rel.header + 0x2c, 0);
+            put64(b, r_offset, u64::MAX);
+        },
+        &want,
+    );
+    // Every relocation table of the real fixtures names its section.
+    for b in [CUBIN].into_iter().chain(fatbin_cubins()) {
+        for s in sections(b).iter().filter(|s| matches!(s.kind, 4 | 9)) {
+            assert_ne!(s.info, 0, "a fixture's relocation table of section 0");
+        }
+    }
 }
 
 #[test]
@@ -625,7 +645,7 @@ fn read_as_the_driver_would(b: &[u8]) {
                         }
                     }
                     4 | 9 => {
-                        assert!(link < shnum && info < shnum);
+                        assert!(link < shnum && info != 0 && info < shnum);
                         let (_, _, sym_off, sym_len) = section(link);
                         let symbols = &b[sym_off..sym_off + sym_len];
                         let (_, t_kind, t_off, t_size) = section(info);
@@ -636,7 +656,7 @@ fn read_as_the_driver_would(b: &[u8]) {
                             let r_info = u64::from_le_bytes(rel[8..16].try_into().unwrap());
                             let sym = (r_info >> 32) as usize;
                             let _ = &symbols[sym * 24..sym * 24 + 24];
-                            if info != 0 && t_kind != 8 {
+                            if t_kind != 8 {
                                 let _ = &b[t_off..t_off + t_size][r_offset..r_offset + 8];
                             }
                         }

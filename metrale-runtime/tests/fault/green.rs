@@ -152,6 +152,26 @@ fn driver_failures_name_the_call_and_the_device() {
     );
 }
 
+/// The SM count in the error text is summed before any check: 3 x (2^31 - 1) SMs
+/// is past `u32::MAX`, which must not overflow (a panic in debug builds).
+fn a_huge_sm_count_does_not_overflow_the_error_text() {
+    let reg = setup();
+    fake().set_attribute(0, 16, i32::MAX);
+    let all = SmResource::of_device(reg.host().context()).unwrap();
+    assert_eq!(all.sm_count(), i32::MAX as u32);
+    fake().fail("cuGreenCtxCreate", 1, 1, Some(1));
+    let e = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        GreenContext::new(&[&all, &all, &all]).map(|_| ())
+    }))
+    .expect("GreenContext::new panicked")
+    .unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("device 0: creating a green context of 6442450941 SMs"),
+        "{e}"
+    );
+}
+
 fn green_contexts_on_an_old_driver_are_a_missing_symbol() {
     let old = metrale_fakecuda::old_library_path().to_str().unwrap();
     let out = run_child("old_driver_green", &[("METRALE_LIBCUDA_PATH", old)]);
@@ -229,6 +249,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "green::a_green_context_reads_its_sms_back_and_its_streams_are_ordinary",
             run: a_green_context_reads_its_sms_back_and_its_streams_are_ordinary,
+        },
+        Test {
+            name: "green::a_huge_sm_count_does_not_overflow_the_error_text",
+            run: a_huge_sm_count_does_not_overflow_the_error_text,
         },
         Test {
             name: "green::driver_failures_name_the_call_and_the_device",

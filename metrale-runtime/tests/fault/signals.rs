@@ -85,6 +85,21 @@ fn the_host_releases_a_wait_through_mapped_memory() {
     assert!(e.to_string().contains("past the end"), "{e}");
 }
 
+/// No words: the refusal names the words asked for, not the pinned buffer
+/// underneath, and comes before any driver call.
+fn mapped_words_of_none_are_refused_by_name() {
+    let reg = setup();
+    let before = fake().calls("cuMemHostAlloc");
+    let e = MappedWords::<u32>::new(reg.ctx(), 0).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: device 0: mapped words: at least one 4-byte word is needed, 0 were asked for"
+    );
+    let e = MappedWords::<u64>::new(reg.ctx(), 0).unwrap_err();
+    assert!(e.to_string().contains("at least one 8-byte word"), "{e}");
+    assert_eq!(fake().calls("cuMemHostAlloc"), before);
+}
+
 fn unsupported_operations_are_refused_with_the_attribute() {
     let reg = setup();
     let s = CudaStream::new(reg.ctx()).unwrap();
@@ -431,6 +446,10 @@ fn stream_operations_take_the_context_from_the_stream() {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "signals::mapped_words_of_none_are_refused_by_name",
+            run: mapped_words_of_none_are_refused_by_name,
+        },
         Test {
             name: "signals::stream_operations_take_the_context_from_the_stream",
             run: stream_operations_take_the_context_from_the_stream,

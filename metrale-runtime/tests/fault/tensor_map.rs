@@ -149,7 +149,41 @@ fn every_rule_is_refused_before_the_driver() {
             .interleave(Interleave::B32),
         "the byte stride of dimension 1 must be a multiple of 32 (32-byte interleave): 16",
     );
+    // 32-byte interleave needs the 32-byte swizzle, through the builder and
+    // through a layout.
+    let interleaved = || {
+        TensorMap::tiled(&bytes)
+            .dims(&[32, 4, 4])
+            .strides(&[32, 128])
+            .box_dims(&[32, 4, 4])
+            .interleave(Interleave::B32)
+    };
+    for swizzle in [Swizzle::None, Swizzle::B64, Swizzle::B128] {
+        refused(
+            interleaved().swizzle(swizzle),
+            &format!(
+                "32-byte interleave needs the 32-byte swizzle (Swizzle::B32): swizzle {swizzle:?}"
+            ),
+        );
+        let e = interleaved().swizzle(swizzle).layout().unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("32-byte interleave needs the 32-byte swizzle"),
+            "{e}"
+        );
+    }
     assert_eq!(fake().calls("cuTensorMapEncodeTiled"), 0);
+    let ok = interleaved().swizzle(Swizzle::B32).encode().unwrap();
+    assert_eq!(encoded(&ok).modes[..2], [2, 1]);
+    // Other interleaves take any swizzle.
+    TensorMap::tiled(&bytes)
+        .dims(&[32, 4, 4])
+        .strides(&[32, 128])
+        .box_dims(&[32, 4, 4])
+        .interleave(Interleave::B16)
+        .swizzle(Swizzle::B128)
+        .encode()
+        .unwrap();
 }
 
 fn encoded_fields_reach_the_driver_unchanged() {
@@ -197,6 +231,7 @@ fn encoded_fields_reach_the_driver_unchanged() {
     let five = TensorMap::tiled(&b)
         .dims(&[32, 2, 2, 2, 2])
         .interleave(Interleave::B32)
+        .swizzle(Swizzle::B32)
         .box_dims(&[32, 2, 2, 2, 2])
         .element_strides(&[1, 1, 2, 1, 1])
         .encode()
@@ -205,7 +240,7 @@ fn encoded_fields_reach_the_driver_unchanged() {
     assert_eq!(e.strides, [32, 64, 128, 256]);
     assert_eq!(e.box_dims, [32, 2, 2, 2, 2]);
     assert_eq!(e.element_strides, [1, 1, 2, 1, 1]);
-    assert_eq!(e.modes[0], 2);
+    assert_eq!(e.modes[..2], [2, 1]);
     // A slice: the extent is the slice's, not the buffer's.
     let half = buf.slice(..4096).unwrap();
     TensorMap::tiled(&half).dims(&[64, 64]).encode().unwrap();

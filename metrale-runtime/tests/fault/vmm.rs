@@ -3,7 +3,7 @@
 //! stand-in counts physical memory, ranges and mappings).
 
 use std::io::{Read, Write};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::sync::Arc;
 
@@ -396,6 +396,29 @@ fn export_and_import_share_the_memory() {
     done(reg);
 }
 
+fn close_on_exec(fd: &impl AsRawFd) -> bool {
+    // SAFETY: reads the flags of a descriptor the caller holds open.
+    let flags = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFD) };
+    assert!(flags >= 0, "fcntl: {}", std::io::Error::last_os_error());
+    flags & libc::FD_CLOEXEC != 0
+}
+
+/// Exported descriptors are close-on-exec (the stand-in, like the driver, hands
+/// out descriptors without the flag), so no exec'd program inherits the memory.
+fn exported_descriptors_are_close_on_exec() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut a = GrowableBuffer::<u32>::with_handle_types(s, 1, HandleTypes::POSIX_FD).unwrap();
+    a.grow_to(1).unwrap();
+    let fd = a.range().physical(0).unwrap().export_fd().unwrap();
+    assert!(close_on_exec(&fd), "PhysicalMemory::export_fd");
+    let pool = MemPool::with_handle_types(s, HandleTypes::POSIX_FD).unwrap();
+    let pool_fd = pool.export_fd().unwrap();
+    assert!(close_on_exec(&pool_fd), "MemPool::export_fd");
+    drop((fd, pool_fd, pool, a));
+    done(reg);
+}
+
 fn sharing_misuse_is_refused_clearly() {
     let reg = setup();
     let s = reg.stream();
@@ -415,6 +438,18 @@ fn sharing_misuse_is_refused_clearly() {
     assert!(
         e.to_string()
             .contains("importing 2097152 bytes of physical memory from descriptor"),
+        "{e}"
+    );
+    // The driver says only CUDA_ERROR_UNKNOWN: the text says the likely cause.
+    assert_eq!(e.status(), Some(CUresult(999)));
+    assert!(
+        e.to_string().contains(&format!(
+            "from descriptor {}, which is likely not a descriptor that \
+             PhysicalMemory::export_fd (cuMemExportToShareableHandle) made (a file, pipe or \
+             socket, or a descriptor number sent as data instead of with SCM_RIGHTS): \
+             cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN (999)",
+            null.as_raw_fd()
+        )),
         "{e}"
     );
     let shared = PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap();
@@ -656,6 +691,15 @@ fn pools_shared_by_descriptor_and_pointer() {
     assert!(
         e.to_string()
             .contains("importing a memory pool from descriptor"),
+        "{e}"
+    );
+    assert!(
+        e.to_string().contains(
+            "which is likely not a descriptor that MemPool::export_fd \
+             (cuMemPoolExportToShareableHandle) made (a file, pipe or socket, or a descriptor \
+             number sent as data instead of with SCM_RIGHTS): \
+             cuMemPoolImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN (999)"
+        ),
         "{e}"
     );
     drop(buf);
@@ -949,6 +993,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "vmm::export_and_import_share_the_memory",
             run: export_and_import_share_the_memory,
+        },
+        Test {
+            name: "vmm::exported_descriptors_are_close_on_exec",
+            run: exported_descriptors_are_close_on_exec,
         },
         Test {
             name: "vmm::sharing_misuse_is_refused_clearly",
