@@ -1,5 +1,6 @@
 //! `metrale bench`: the launch floor on this machine (raw `cuLaunchKernel` through
-//! the sys table) beside the registry's `launch_on_stream`, both launching the
+//! the sys table) beside the registry's `launch_on_stream` and the typed, checked
+//! `CudaStream::launch` (the README's recommended launch), all launching the
 //! repository's `empty(float*, unsigned, float)` kernel (from the PTX fixture,
 //! built in) on the same stream. Paths take turns batch by batch within a round;
 //! each row is the median over rounds with the spread (min..max); "vs floor" is
@@ -19,6 +20,13 @@ use crate::json::Json;
 use crate::{cuda_version, Outcome, FAILED, NO_DRIVER};
 
 static PTX: &[u8] = include_bytes!("../../metrale-runtime/tests/fixtures/kernels.ptx");
+
+/// The rows: the floor first.
+const PATHS: [&str; 3] = [
+    "raw cuLaunchKernel (floor)",
+    "registry launch_on_stream",
+    "typed CudaStream::launch",
+];
 
 /// Launches per timed batch (synchronised outside the timing).
 const BATCH: usize = 250;
@@ -61,8 +69,8 @@ fn spread(xs: &[f64]) -> (f64, f64) {
 struct Measured {
     driver_version: i32,
     device: String,
-    /// µs per launch, per round: [floor, launch_on_stream].
-    samples: [Vec<f64>; 2],
+    /// µs per launch, per round, per path (in [`PATHS`] order).
+    samples: [Vec<f64>; 3],
 }
 
 fn measure(options: Options) -> Result<Measured, MetraleError> {
@@ -72,6 +80,7 @@ fn measure(options: Options) -> Result<Measured, MetraleError> {
     let raw_stream = stream.raw();
     static EMPTY: OnceLock<RawCudaFunc> = OnceLock::new();
     let f = reg.raw_function_cached(&EMPTY, "kernels", "empty")?;
+    let func = reg.function("kernels", "empty")?;
     let buf = DeviceBuffer::<f32>::alloc(stream, 1)?;
     let (ptr, n, x) = (buf.device_ptr(), 7u32, 1.5f32);
     let params: [*mut c_void; 3] = [
@@ -116,13 +125,18 @@ fn measure(options: Options) -> Result<Measured, MetraleError> {
         // only writes `buf` (one float), which lives until the end of `measure`.
         unsafe { reg.launch_on_stream(f, cfg, stream, &mut p) }
     };
-    let paths: [&dyn Fn() -> Result<(), MetraleError>; 2] = [&floor, &ours];
+    let typed = || -> Result<(), MetraleError> {
+        // SAFETY: `empty(float*, unsigned, float)`: the arguments are checked
+        // against the kernel's parameter layout; it only writes `buf`.
+        unsafe { stream.launch(&func, cfg, (&buf, n, x)) }
+    };
+    let paths: [&dyn Fn() -> Result<(), MetraleError>; 3] = [&floor, &ours, &typed];
     let batches = options.launches.div_ceil(BATCH).max(1);
-    let round = || -> Result<[f64; 2], MetraleError> {
-        let mut total = [0.0f64; 2];
+    let round = || -> Result<[f64; 3], MetraleError> {
+        let mut total = [0.0f64; 3];
         for b in 0..batches {
-            for k in 0..2 {
-                let i = (b + k) % 2;
+            for k in 0..paths.len() {
+                let i = (b + k) % paths.len();
                 let t = Instant::now();
                 for _ in 0..BATCH {
                     paths[i]()?;
@@ -132,15 +146,15 @@ fn measure(options: Options) -> Result<Measured, MetraleError> {
             }
         }
         let per = 1e6 / (batches * BATCH) as f64;
-        Ok([total[0] * per, total[1] * per])
+        Ok(total.map(|t| t * per))
     };
     // Warm-up: caches, the driver's first launches.
     round()?;
-    let mut samples = [Vec::new(), Vec::new()];
+    let mut samples = [Vec::new(), Vec::new(), Vec::new()];
     for _ in 0..options.rounds {
-        let r = round()?;
-        samples[0].push(r[0]);
-        samples[1].push(r[1]);
+        for (row, us) in samples.iter_mut().zip(round()?) {
+            row.push(us);
+        }
     }
     Ok(Measured {
         driver_version: reg.ctx().driver_version(),
@@ -166,12 +180,13 @@ pub fn run(options: Options) -> Outcome {
             }
         }
     };
-    let ratios: Vec<f64> = m.samples[1]
-        .iter()
-        .zip(&m.samples[0])
-        .map(|(ours, floor)| ours / floor)
-        .collect();
-    let names = ["raw cuLaunchKernel (floor)", "registry launch_on_stream"];
+    let ratios = |i: usize| -> Vec<f64> {
+        m.samples[i]
+            .iter()
+            .zip(&m.samples[0])
+            .map(|(ours, floor)| ours / floor)
+            .collect()
+    };
     let mut text = String::new();
     let _ = writeln!(
         text,
@@ -187,10 +202,10 @@ pub fn run(options: Options) -> Outcome {
         "path", "median µs", "spread µs", "vs floor"
     );
     let mut rows = Vec::new();
-    for (i, name) in names.iter().enumerate() {
+    for (i, name) in PATHS.iter().enumerate() {
         let med = median(&m.samples[i]);
         let (lo, hi) = spread(&m.samples[i]);
-        let ratio = if i == 0 { 1.0 } else { median(&ratios) };
+        let ratio = if i == 0 { 1.0 } else { median(&ratios(i)) };
         let _ = writeln!(
             text,
             "{name:<28} {med:>12.3} {:>20} {:>8.3}×",

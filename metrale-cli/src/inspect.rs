@@ -628,6 +628,34 @@ pub fn run(file: &str, offline: bool) -> Outcome {
     match on_devices(&module, &data, &static_names) {
         Ok((version, devices)) => {
             let _ = writeln!(text, "driver: CUDA {} ({version})", cuda_version(version));
+            let have = (
+                u32::try_from(version / 1000).unwrap_or(0),
+                u32::try_from(version % 1000 / 10).unwrap_or(0),
+            );
+            let mut driver_checks = Vec::new();
+            for r in &rules {
+                if let Some(need) = r.driver {
+                    let ok = have >= need;
+                    let _ = writeln!(
+                        text,
+                        "  {}: needs CUDA {}.{}: {}",
+                        r.what,
+                        need.0,
+                        need.1,
+                        if ok {
+                            "this driver has it"
+                        } else {
+                            "this driver is older and will refuse it"
+                        }
+                    );
+                    driver_checks.push(
+                        Json::obj()
+                            .with("code", r.what.as_str())
+                            .with("needs", format!("{}.{}", need.0, need.1))
+                            .with("ok", ok),
+                    );
+                }
+            }
             let mut devices_json = Vec::new();
             let mut shown = false;
             for dev in &devices {
@@ -702,5 +730,61 @@ pub fn run(file: &str, offline: bool) -> Outcome {
                 code: NO_DRIVER,
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ptx(isa: (u32, u32), target: &str) -> Code {
+        Code::Ptx {
+            isa: Some(isa),
+            target: Some(target.to_owned()),
+            parsed: None,
+            unread: None,
+        }
+    }
+
+    #[test]
+    fn where_code_loads() {
+        let cubin = Code::Cubin(elf::Cubin {
+            sm: 86,
+            arch: Some("sm_86".to_owned()),
+            toolkit: Some((12, 4)),
+            kernels: Vec::new(),
+        });
+        let r = rules(&[cubin]);
+        assert_eq!(
+            rule_text(&r[0]),
+            "cubin sm_86: on sm_86..sm_89, with a driver of CUDA 12.0 or newer"
+        );
+        assert_eq!(
+            not_loading(&r),
+            [
+                "GPUs older than sm_86",
+                "GPUs newer than sm_89 (no PTX for the driver to compile)"
+            ]
+        );
+        let r = rules(&[
+            ptx((8, 7), "sm_90a"),
+            ptx((8, 8), "sm_100f"),
+            ptx((7, 8), "sm_80"),
+        ]);
+        assert_eq!(
+            rule_text(&r[0]),
+            "PTX 8.7 for sm_90a: on sm_90 only, with a driver of CUDA 12.8 or newer"
+        );
+        assert_eq!(
+            rule_text(&r[1]),
+            "PTX 8.8 for sm_100f: on sm_100..sm_109, with a driver of CUDA 12.9 or newer"
+        );
+        assert_eq!(
+            rule_text(&r[2]),
+            "PTX 7.8 for sm_80: on sm_80 and every newer GPU (JIT), with a driver of CUDA 11.8 or newer"
+        );
+        assert_eq!(not_loading(&r), ["GPUs older than sm_80"]);
+        assert_eq!(cuda_for_isa((6, 3)), Some((10, 0)));
+        assert_eq!(cuda_for_isa((9, 9)), None);
     }
 }

@@ -61,7 +61,8 @@ Commands:
                   where it will and will not load
       --offline   read the file only; do not load the driver
   bench           the launch floor (raw cuLaunchKernel of an empty kernel) beside
-                  the registry's launch_on_stream, median and spread
+                  the registry's launch_on_stream and
+                  typed CudaStream::launch, median and spread
       --rounds N      rounds (default 15)
       --launches N    launches per path per round (default 5000)
 
