@@ -116,6 +116,10 @@ pub fn run() -> Outcome {
     // atomics, `-` none, `X` the device itself.
     let mut matrix = Vec::new();
     let mut failure = None;
+    if gpus.len() == 1 {
+        let _ = writeln!(text);
+        let _ = writeln!(text, "peer access: one GPU, no peers");
+    }
     if gpus.len() > 1 {
         let _ = writeln!(text);
         let _ = writeln!(
