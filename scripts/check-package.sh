@@ -8,7 +8,7 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 
-cargo package --workspace --exclude metrale-fakecuda --exclude metrale-readme --quiet
+cargo package --workspace --exclude metrale-fakecuda --exclude metrale-readme --exclude metrale-cli --quiet
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 for crate in metrale-cuda-sys metrale-runtime; do
@@ -45,5 +45,5 @@ TOML
 (cd "$down" && CARGO_TARGET_DIR="$root/target/packaged" cargo build --quiet)
 echo "downstream: a crate on the packaged crates builds (prelude, owned blobs, anyhow in a capture)"
 cd "$root"
-cargo publish --workspace --exclude metrale-fakecuda --exclude metrale-readme --dry-run --quiet
+cargo publish --workspace --exclude metrale-fakecuda --exclude metrale-readme --exclude metrale-cli --dry-run --quiet
 echo "packaging: both crates package, the packaged runtime's tests pass, publish dry run ok"

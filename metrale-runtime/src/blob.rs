@@ -71,6 +71,26 @@ impl BlobKind {
     }
 }
 
+/// Check `blob` exactly as loading it would, without a driver: the kind of image
+/// the driver would be given (for an offload bundle, the kind of its CUDA entry).
+///
+/// For tools that read a blob's own tables (`metrale inspect`): once this has
+/// passed, every section, segment and fatbin entry the headers describe lies
+/// inside `blob`.
+///
+/// # Errors
+/// [`ErrorKind::InvalidBlob`] naming `module` and what is wrong, as a load gives.
+pub fn check(module: &str, blob: &[u8]) -> Result<BlobKind> {
+    prepare(module, blob).map(|image| image.kind)
+}
+
+/// The `sm_XX` a well-formed cubin was built for, as the number XX (90 for
+/// sm_90); `None` for anything else. Read from the ELF header the way the load
+/// error's architecture hint reads it.
+pub fn cubin_sm(blob: &[u8]) -> Option<u32> {
+    elf_info(blob).map(ElfInfo::sm)
+}
+
 /// A blob checked and ready for `cuModuleLoadDataEx`.
 #[derive(Debug)]
 pub(crate) struct Image<'a> {
