@@ -284,7 +284,7 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
     let _ = write!(
         out,
         "/// One entry per header function; `None` where the loaded library lacks it.\n\
-         pub(crate) struct {table} {{"
+         pub struct {table} {{"
     );
     for d in decls {
         let _ = write!(out, "{0}: Option<PFN_{0}>,", d.name);
@@ -293,12 +293,14 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
 
     let _ = write!(
         out,
-        "impl {table} {{\n\
+        "impl crate::library::sealed::Sealed for {table} {{}}\n\
+         impl crate::Table for {table} {{\n\
+         const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;\n\
          /// Resolve every entry in `lib`; a missing symbol leaves `None`.\n\
          ///\n/// # Safety\n\
          /// `lib` must be {} whose exported functions have the \
          signatures of the header these bindings were generated from.\n\
-         pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
+         unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
          // SAFETY: the caller promises the symbols have the declared types; a \
          symbol that is absent is kept as `None` and never called.\n\
          unsafe {{ Self {{",
@@ -314,7 +316,7 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
     out.push_str("} } }\n");
     out.push_str(
         "/// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.\n\
-         pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] { [",
+         fn presence(&self) -> Vec<bool> { vec![",
     );
     for d in decls {
         let _ = write!(out, "self.{}.is_some(),", d.name);
