@@ -127,6 +127,7 @@ impl LibraryVersion for (u32, u32, u32) {
 
 /// A library loaded beside another because that one opens it by name later; kept
 /// loaded as long as the table.
+#[derive(Debug)]
 pub struct Companion {
     path: String,
     _library: libloading::Library,
