@@ -33,49 +33,28 @@ fn generate_all() -> Result<(), String> {
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
-    generate(&gen::CUDA, "wrapper.h", None, "bindings.rs")?;
-    #[cfg(feature = "nvrtc")]
+    for spec in gen::SPECS
+        .iter()
+        .filter_map(|&(on, spec)| on.then_some(spec))
     {
-        generate(
-            &gen::NVRTC,
-            "nvrtc_wrapper.h",
-            Some("METRALE_NVRTC_INCLUDE_DIR"),
-            "nvrtc_bindings.rs",
-        )?;
-        generate(
-            &gen::NVJITLINK,
-            "nvjitlink_wrapper.h",
-            Some("METRALE_NVJITLINK_INCLUDE_DIR"),
-            "nvjitlink_bindings.rs",
-        )?;
-    }
-    #[cfg(feature = "nccl")]
-    {
-        println!("cargo:rerun-if-changed=nccl_stub");
-        generate(
-            &gen::NCCL,
-            "nccl_wrapper.h",
-            Some("METRALE_NCCL_INCLUDE_DIR"),
-            "nccl_bindings.rs",
-        )?;
+        generate(spec)?;
     }
     Ok(())
 }
 
 /// Generate one header's bindings into `$OUT_DIR/<file>` (and the extra folder).
-/// The include folder is the first of: `own_var`, `METRALE_CUDA_INCLUDE_DIR`,
-/// `$CUDA_PATH/include`, `$CUDA_HOME/include`, `/usr/local/cuda/include` that has
-/// the header.
+/// The include folder is the first of: the header's own variable,
+/// `METRALE_CUDA_INCLUDE_DIR`, `$CUDA_PATH/include`, `$CUDA_HOME/include`,
+/// `/usr/local/cuda/include` that has the header.
 #[cfg(feature = "bindgen")]
-fn generate(
-    spec: &gen::Spec,
-    wrapper: &str,
-    own_var: Option<&str>,
-    file: &str,
-) -> Result<(), String> {
+fn generate(spec: &gen::Spec) -> Result<(), String> {
     use std::path::PathBuf;
 
+    let (wrapper, own_var, file) = (spec.wrapper, spec.include_var, spec.file);
     println!("cargo:rerun-if-changed={wrapper}");
+    if let Some(stub) = spec.stub_include {
+        println!("cargo:rerun-if-changed={stub}");
+    }
     let mut candidates: Vec<PathBuf> = Vec::new();
     for var in own_var.into_iter().chain(["METRALE_CUDA_INCLUDE_DIR"]) {
         println!("cargo:rerun-if-env-changed={var}");

@@ -45,6 +45,12 @@ pub struct Spec {
     /// A folder of the crate searched after the header's own (`nccl_stub`: the
     /// stand-ins for the CUDA runtime headers `nccl.h` includes), if any.
     pub stub_include: Option<&'static str>,
+    /// The crate's wrapper header that includes [`header`](Spec::header).
+    pub wrapper: &'static str,
+    /// The header's own include-folder variable, tried before the CUDA ones.
+    pub include_var: Option<&'static str>,
+    /// The bindings file written (`src/<file>` when committed).
+    pub file: &'static str,
 }
 
 /// `cuda.h`: the driver API.
@@ -59,10 +65,12 @@ pub const CUDA: Spec = Spec {
     error: "crate::MissingSymbol",
     loaded: "driver",
     stub_include: None,
+    wrapper: "wrapper.h",
+    include_var: None,
+    file: "bindings.rs",
 };
 
 /// `nvrtc.h`: the run-time compiler.
-#[allow(dead_code)]
 pub const NVRTC: Spec = Spec {
     header: "nvrtc.h",
     describes: "the pinned NVRTC header",
@@ -74,10 +82,12 @@ pub const NVRTC: Spec = Spec {
     error: "crate::LibraryMissingSymbol",
     loaded: "library",
     stub_include: None,
+    wrapper: "nvrtc_wrapper.h",
+    include_var: Some("METRALE_NVRTC_INCLUDE_DIR"),
+    file: "nvrtc_bindings.rs",
 };
 
 /// `nvJitLink.h`: the JIT linker.
-#[allow(dead_code)]
 pub const NVJITLINK: Spec = Spec {
     header: "nvJitLink.h",
     describes: "the pinned nvJitLink header",
@@ -89,10 +99,12 @@ pub const NVJITLINK: Spec = Spec {
     error: "crate::LibraryMissingSymbol",
     loaded: "library",
     stub_include: None,
+    wrapper: "nvjitlink_wrapper.h",
+    include_var: Some("METRALE_NVJITLINK_INCLUDE_DIR"),
+    file: "nvjitlink_bindings.rs",
 };
 
 /// `nccl.h`: collective communication (feature `nccl`).
-#[allow(dead_code)]
 pub const NCCL: Spec = Spec {
     header: "nccl.h",
     describes: "the pinned NCCL header",
@@ -104,7 +116,18 @@ pub const NCCL: Spec = Spec {
     error: "crate::LibraryMissingSymbol",
     loaded: "library",
     stub_include: Some("nccl_stub"),
+    wrapper: "nccl_wrapper.h",
+    include_var: Some("METRALE_NCCL_INCLUDE_DIR"),
+    file: "nccl_bindings.rs",
 };
+
+/// Every header the crate binds, with whether this build binds it (its feature).
+pub const SPECS: [(bool, &Spec); 4] = [
+    (true, &CUDA),
+    (cfg!(feature = "nvrtc"), &NVRTC),
+    (cfg!(feature = "nvrtc"), &NVJITLINK),
+    (cfg!(feature = "nccl"), &NCCL),
+];
 
 /// Run bindgen on `wrapper` (which includes `spec.header`) with `include_dir` on
 /// the include path and return the complete text of the bindings module.
@@ -284,7 +307,7 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
     let _ = write!(
         out,
         "/// One entry per header function; `None` where the loaded library lacks it.\n\
-         pub(crate) struct {table} {{"
+         pub struct {table} {{"
     );
     for d in decls {
         let _ = write!(out, "{0}: Option<PFN_{0}>,", d.name);
@@ -293,12 +316,14 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
 
     let _ = write!(
         out,
-        "impl {table} {{\n\
+        "impl crate::library::sealed::Sealed for {table} {{}}\n\
+         impl crate::Table for {table} {{\n\
+         const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;\n\
          /// Resolve every entry in `lib`; a missing symbol leaves `None`.\n\
          ///\n/// # Safety\n\
          /// `lib` must be {} whose exported functions have the \
          signatures of the header these bindings were generated from.\n\
-         pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
+         unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
          // SAFETY: the caller promises the symbols have the declared types; a \
          symbol that is absent is kept as `None` and never called.\n\
          unsafe {{ Self {{",
@@ -314,7 +339,7 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
     out.push_str("} } }\n");
     out.push_str(
         "/// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.\n\
-         pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] { [",
+         fn presence(&self) -> Vec<bool> { vec![",
     );
     for d in decls {
         let _ = write!(out, "self.{}.is_some(),", d.name);

@@ -8968,7 +8968,7 @@ pub const FUNCTION_NAMES: [&str; 449] = [
     "cuCheckpointProcessUnlock",
 ];
 /// One entry per header function; `None` where the loaded library lacks it.
-pub(crate) struct DriverFns {
+pub struct DriverFns {
     cuGetErrorString: Option<PFN_cuGetErrorString>,
     cuGetErrorName: Option<PFN_cuGetErrorName>,
     cuInit: Option<PFN_cuInit>,
@@ -9429,12 +9429,14 @@ pub(crate) struct DriverFns {
     cuCheckpointProcessRestore: Option<PFN_cuCheckpointProcessRestore>,
     cuCheckpointProcessUnlock: Option<PFN_cuCheckpointProcessUnlock>,
 }
-impl DriverFns {
+impl crate::library::sealed::Sealed for DriverFns {}
+impl crate::Table for DriverFns {
+    const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;
     /// Resolve every entry in `lib`; a missing symbol leaves `None`.
     ///
     /// # Safety
     /// `lib` must be a CUDA driver library whose exported functions have the signatures of the header these bindings were generated from.
-    pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {
+    unsafe fn resolve(lib: &::libloading::Library) -> Self {
         // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
         unsafe {
             Self {
@@ -11303,8 +11305,8 @@ impl DriverFns {
         }
     }
     /// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.
-    pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] {
-        [
+    fn presence(&self) -> Vec<bool> {
+        vec![
             self.cuGetErrorString.is_some(),
             self.cuGetErrorName.is_some(),
             self.cuInit.is_some(),

@@ -22,6 +22,11 @@
 //! the `nccl` feature, the module `nccl` binds NCCL the same way (`nccl::nccl()`,
 //! `METRALE_LIBNCCL_PATH`).
 //!
+//! One loader serves them all: each library is a [`Library<T>`] over its generated
+//! [`Table`] `T`, and an [`Api`] impl beside the table says how it is named
+//! ([`Names`]: the library, its variable, the files tried), how its version is
+//! read and which load error it returns.
+//!
 //! ```no_run
 //! use metrale_cuda_sys as sys;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -35,7 +40,6 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-use std::ffi::OsStr;
 use std::fmt;
 use std::sync::OnceLock;
 
@@ -63,16 +67,47 @@ macro_rules! generated_bindings {
     };
 }
 
+/// What every status type of the generated bindings gets: `is_success` (status 0
+/// is success in every header bound here) and `Display` as `NAME (value)`, with
+/// `$unknown` as the name of a status the header does not define.
+macro_rules! status_type {
+    ($ty:ident, $success:literal, $unknown:literal) => {
+        impl $ty {
+            #[doc = concat!("Whether this is `", $success, "`.")]
+            #[inline]
+            pub const fn is_success(self) -> bool {
+                self.0 == 0
+            }
+        }
+
+        impl crate::library::Status for $ty {
+            fn is_success(self) -> bool {
+                $ty::is_success(self)
+            }
+        }
+
+        #[doc = concat!(
+            "`NAME (value)`, or `", $unknown, " (value)` for a status the header does not define."
+        )]
+        impl ::std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                write!(f, "{} ({})", self.name().unwrap_or($unknown), self.0)
+            }
+        }
+    };
+}
+
 generated_bindings!("bindings.rs");
+status_type!(CUresult, "CUDA_SUCCESS", "CUDA_UNKNOWN");
 
 pub use bindings::*;
 
-#[cfg(any(feature = "nvrtc", feature = "nccl"))]
 mod library;
-#[cfg(any(feature = "nvrtc", feature = "nccl"))]
-#[cfg_attr(docsrs, doc(cfg(any(feature = "nvrtc", feature = "nccl"))))]
-pub use library::{LibraryLoadError, LibraryMissingSymbol};
+pub use library::{
+    Api, Companion, Library, LibraryLoadError, LibraryMissingSymbol, LibraryVersion, Names, Table,
+};
 #[cfg(feature = "nccl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
@@ -91,107 +126,28 @@ pub const DEFAULT_LIBRARY_NAMES: &[&str] = &["nvcuda.dll"];
 #[cfg(not(windows))]
 pub const DEFAULT_LIBRARY_NAMES: &[&str] = &["libcuda.so.1", "libcuda.so"];
 
+impl Api for DriverFns {
+    const NAMES: Names = Names::new("CUDA driver", LIBCUDA_PATH_VAR, DEFAULT_LIBRARY_NAMES);
+    type Version = (u32, u32);
+    type LoadError = LoadError;
+
+    fn query_version(lib: &Driver) -> Option<(u32, u32)> {
+        // SAFETY: cuDriverGetVersion writes one int; it needs no cuInit.
+        let code = unsafe { library::read_one(lib.cuDriverGetVersion().ok()?) }?;
+        let code = u32::try_from(code).ok()?;
+        Some((code / 1000, code % 1000 / 10))
+    }
+}
+
 /// A loaded CUDA driver library and its function table.
 ///
 /// Each header function has an accessor of the same name returning the function
 /// pointer, or [`MissingSymbol`] when the library does not export it:
-/// `unsafe { (driver.cuInit()?)(0) }`.
-pub struct Driver {
-    pub(crate) fns: DriverFns,
-    path: String,
-    // Declared last so it is dropped after the table that points into it.
-    _library: libloading::Library,
-}
-
-impl Driver {
-    /// Load the driver library at `path` (a file path or a name the system loader
-    /// searches for) and resolve every function of the header in it.
-    ///
-    /// # Errors
-    /// [`LoadError`] with the loader's message when the file cannot be opened as a
-    /// shared library. Missing functions are not an error here.
-    pub fn load_from(path: impl AsRef<OsStr>) -> Result<Driver, LoadError> {
-        let path = path.as_ref();
-        let shown = path.to_string_lossy().into_owned();
-        // SAFETY: opening a library runs its initialisers. The CUDA driver's (and any
-        // stand-in's) initialisers are expected to be safe to run in any process;
-        // that is the premise of loading a driver at all.
-        let library = unsafe { libloading::Library::new(path) }.map_err(|e| LoadError {
-            attempts: vec![LoadAttempt {
-                candidate: shown.clone(),
-                message: loader_message(&e),
-            }],
-        })?;
-        // SAFETY: the library was asked for as the CUDA driver, whose exports have
-        // the signatures of cuda.h; absent symbols stay `None`.
-        let fns = unsafe { DriverFns::resolve(&library) };
-        Ok(Driver {
-            fns,
-            path: shown,
-            _library: library,
-        })
-    }
-
-    /// Try `METRALE_LIBCUDA_PATH` when it is set (and then only it: an override that
-    /// quietly fell back would load a driver other than the one asked for), else each
-    /// of [`DEFAULT_LIBRARY_NAMES`] in order.
-    ///
-    /// # Errors
-    /// [`LoadError`] listing every candidate tried with the loader's message for each.
-    pub fn load_default() -> Result<Driver, LoadError> {
-        let candidates: Vec<std::ffi::OsString> = match std::env::var_os(LIBCUDA_PATH_VAR) {
-            Some(path) if !path.is_empty() => vec![path],
-            _ => DEFAULT_LIBRARY_NAMES.iter().map(Into::into).collect(),
-        };
-        let mut attempts = Vec::with_capacity(candidates.len());
-        for candidate in candidates {
-            match Driver::load_from(&candidate) {
-                Ok(driver) => return Ok(driver),
-                Err(mut e) => attempts.append(&mut e.attempts),
-            }
-        }
-        Err(LoadError { attempts })
-    }
-
-    /// The path or name the library was loaded from.
-    pub fn path(&self) -> &str {
-        &self.path
-    }
-
-    /// Whether the loaded library exports `name` (any function of the header).
-    /// `None` when `name` is not a function of the header at all.
-    pub fn has_function(&self, name: &str) -> Option<bool> {
-        let index = FUNCTION_NAMES.iter().position(|&n| n == name)?;
-        Some(self.fns.presence()[index])
-    }
-
-    /// The header functions the loaded library does not export, in header order.
-    pub fn missing_functions(&self) -> Vec<&'static str> {
-        FUNCTION_NAMES
-            .iter()
-            .zip(self.fns.presence())
-            .filter_map(|(&name, present)| (!present).then_some(name))
-            .collect()
-    }
-}
-
-impl fmt::Debug for Driver {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Driver")
-            .field("path", &self.path)
-            .finish_non_exhaustive()
-    }
-}
-
-/// The loader's own words: libloading's error says which call failed and keeps the
-/// system loader's description (`dlerror`) as its source.
-fn loader_message(e: &libloading::Error) -> String {
-    use std::error::Error as _;
-    match e.source() {
-        Some(source) => format!("{e}: {source}"),
-        None => e.to_string(),
-    }
-}
+/// `unsafe { (driver.cuInit()?)(0) }`. [`Driver::load_from`] and
+/// [`Driver::load_default`] fail with a [`LoadError`]; [`Driver::version`] is
+/// `cuDriverGetVersion`'s answer as `(major, minor)`, read once at load (which
+/// never calls `cuInit`).
+pub type Driver = Library<DriverFns>;
 
 static DRIVER: OnceLock<Result<Driver, LoadError>> = OnceLock::new();
 
@@ -224,12 +180,7 @@ pub struct LoadError {
 impl fmt::Display for LoadError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("could not load the CUDA driver library; tried ")?;
-        for (i, attempt) in self.attempts.iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            write!(f, "`{}`: {}", attempt.candidate, attempt.message)?;
-        }
+        library::write_attempts(f, &self.attempts)?;
         write!(
             f,
             ". Install the NVIDIA driver, or set {LIBCUDA_PATH_VAR} to the driver library file"
@@ -238,6 +189,15 @@ impl fmt::Display for LoadError {
 }
 
 impl std::error::Error for LoadError {}
+
+impl From<LibraryLoadError> for LoadError {
+    /// The tries; the driver's error names its library and variable itself.
+    fn from(e: LibraryLoadError) -> LoadError {
+        LoadError {
+            attempts: e.attempts,
+        }
+    }
+}
 
 /// A function of the header that the loaded driver library does not export (the
 /// driver is older than the header, or the library is a partial stand-in).
@@ -258,19 +218,3 @@ impl fmt::Display for MissingSymbol {
 }
 
 impl std::error::Error for MissingSymbol {}
-
-impl CUresult {
-    /// Whether this is `CUDA_SUCCESS`.
-    #[inline]
-    pub const fn is_success(self) -> bool {
-        self.0 == 0
-    }
-}
-
-impl fmt::Display for CUresult {
-    /// `CUDA_ERROR_INVALID_VALUE (1)`, or `CUDA_UNKNOWN (9999)` for a status the
-    /// header does not define.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.name().unwrap_or("CUDA_UNKNOWN"), self.0)
-    }
-}

@@ -761,7 +761,7 @@ pub const FUNCTION_NAMES: [&str; 82] = [
     "pncclGroupSimulateEnd",
 ];
 /// One entry per header function; `None` where the loaded library lacks it.
-pub(crate) struct NcclFns {
+pub struct NcclFns {
     ncclMemAlloc: Option<PFN_ncclMemAlloc>,
     pncclMemAlloc: Option<PFN_pncclMemAlloc>,
     ncclMemFree: Option<PFN_ncclMemFree>,
@@ -845,12 +845,14 @@ pub(crate) struct NcclFns {
     ncclGroupSimulateEnd: Option<PFN_ncclGroupSimulateEnd>,
     pncclGroupSimulateEnd: Option<PFN_pncclGroupSimulateEnd>,
 }
-impl NcclFns {
+impl crate::library::sealed::Sealed for NcclFns {}
+impl crate::Table for NcclFns {
+    const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;
     /// Resolve every entry in `lib`; a missing symbol leaves `None`.
     ///
     /// # Safety
     /// `lib` must be an NCCL library whose exported functions have the signatures of the header these bindings were generated from.
-    pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {
+    unsafe fn resolve(lib: &::libloading::Library) -> Self {
         // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
         unsafe {
             Self {
@@ -1162,8 +1164,8 @@ impl NcclFns {
         }
     }
     /// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.
-    pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] {
-        [
+    fn presence(&self) -> Vec<bool> {
+        vec![
             self.ncclMemAlloc.is_some(),
             self.pncclMemAlloc.is_some(),
             self.ncclMemFree.is_some(),

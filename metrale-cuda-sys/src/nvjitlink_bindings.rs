@@ -128,7 +128,7 @@ pub const FUNCTION_NAMES: [&str; 14] = [
     "nvJitLinkVersion",
 ];
 /// One entry per header function; `None` where the loaded library lacks it.
-pub(crate) struct NvJitLinkFns {
+pub struct NvJitLinkFns {
     __nvJitLinkCreate_13_0: Option<PFN___nvJitLinkCreate_13_0>,
     __nvJitLinkDestroy_13_0: Option<PFN___nvJitLinkDestroy_13_0>,
     __nvJitLinkAddData_13_0: Option<PFN___nvJitLinkAddData_13_0>,
@@ -144,12 +144,14 @@ pub(crate) struct NvJitLinkFns {
     __nvJitLinkGetInfoLog_13_0: Option<PFN___nvJitLinkGetInfoLog_13_0>,
     nvJitLinkVersion: Option<PFN_nvJitLinkVersion>,
 }
-impl NvJitLinkFns {
+impl crate::library::sealed::Sealed for NvJitLinkFns {}
+impl crate::Table for NvJitLinkFns {
+    const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;
     /// Resolve every entry in `lib`; a missing symbol leaves `None`.
     ///
     /// # Safety
     /// `lib` must be an nvJitLink library whose exported functions have the signatures of the header these bindings were generated from.
-    pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {
+    unsafe fn resolve(lib: &::libloading::Library) -> Self {
         // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
         unsafe {
             Self {
@@ -219,8 +221,8 @@ impl NvJitLinkFns {
         }
     }
     /// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.
-    pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] {
-        [
+    fn presence(&self) -> Vec<bool> {
+        vec![
             self.__nvJitLinkCreate_13_0.is_some(),
             self.__nvJitLinkDestroy_13_0.is_some(),
             self.__nvJitLinkAddData_13_0.is_some(),

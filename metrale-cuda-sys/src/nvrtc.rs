@@ -15,17 +15,18 @@
 //!   same folder first (`RTLD_GLOBAL`, kept loaded as long as the table), or fails
 //!   naming them.
 //! - A function the library lacks never fails the load: its accessor returns
-//!   [`LibraryMissingSymbol`] naming it and the library's version.
+//!   [`LibraryMissingSymbol`](crate::LibraryMissingSymbol) naming it and the
+//!   library's version.
 
 use std::ffi::{OsStr, OsString};
-use std::fmt;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use crate::library::{self, LibraryLoadError, LibraryMissingSymbol};
-use crate::LoadAttempt;
+use crate::library;
+use crate::{Api, Companion, Library, LibraryLoadError, LoadAttempt, Names};
 
 generated_bindings!("nvrtc_bindings.rs");
+status_type!(nvrtcResult, "NVRTC_SUCCESS", "NVRTC_UNKNOWN");
 
 pub use bindings::*;
 
@@ -38,126 +39,44 @@ pub const DEFAULT_LIBRARY_NAMES: &[&str] = &["libnvrtc.so.13", "libnvrtc.so.12",
 /// The name every NVRTC builtins library starts with.
 pub const BUILTINS_PREFIX: &str = "libnvrtc-builtins.so";
 
-/// A loaded NVRTC library and its function table.
-///
-/// Each header function has an accessor of the same name returning the function
-/// pointer, or [`LibraryMissingSymbol`] when the library does not export it.
-pub struct Nvrtc {
-    pub(crate) fns: NvrtcFns,
-    path: String,
-    version: Option<(u32, u32)>,
-    builtins: Option<String>,
-    // Dropped after the table; the builtins after the library that uses them.
-    _library: libloading::Library,
-    _builtins: Option<libloading::Library>,
-}
+impl Api for NvrtcFns {
+    const NAMES: Names = Names::new("NVRTC", LIBNVRTC_PATH_VAR, DEFAULT_LIBRARY_NAMES);
+    type Version = (u32, u32);
+    type LoadError = LibraryLoadError;
 
-impl Nvrtc {
-    /// Load NVRTC from `path`. A path with a folder (it contains `/`) is an exact
-    /// file: its builtins are loaded from the same folder (see the module docs). A
-    /// bare name is searched by the system loader, which finds the builtins too.
-    ///
-    /// # Errors
-    /// [`LibraryLoadError`] with the loader's message, or naming the builtins when
-    /// the library loaded but they could not.
-    pub fn load_from(path: impl AsRef<OsStr>) -> Result<Nvrtc, LibraryLoadError> {
-        let path = path.as_ref();
-        let error = |attempts, companion_of| LibraryLoadError {
-            library: "NVRTC",
-            env_var: LIBNVRTC_PATH_VAR,
-            attempts,
-            companion_of,
-        };
-        let library = library::open(path).map_err(|a| error(vec![a], None))?;
-        // SAFETY: the library was asked for as NVRTC, whose exports have the
-        // signatures of nvrtc.h; absent symbols stay `None`.
-        let fns = unsafe { NvrtcFns::resolve(&library) };
-        let mut nvrtc = Nvrtc {
-            fns,
-            path: path.to_string_lossy().into_owned(),
-            version: None,
-            builtins: None,
-            _library: library,
-            _builtins: None,
-        };
-        nvrtc.version = nvrtc.query_version();
-        if nvrtc.path.contains('/') {
-            match load_builtins(Path::new(path), nvrtc.version) {
-                Ok((lib, at)) => {
-                    nvrtc._builtins = Some(lib);
-                    nvrtc.builtins = Some(at);
-                }
-                Err((name, attempts)) => return Err(error(attempts, Some((name, nvrtc.path)))),
-            }
-        }
-        Ok(nvrtc)
-    }
-
-    fn query_version(&self) -> Option<(u32, u32)> {
-        let f = self.nvrtcVersion().ok()?;
-        let (mut major, mut minor) = (0, 0);
+    fn query_version(lib: &Nvrtc) -> Option<(u32, u32)> {
         // SAFETY: nvrtcVersion writes two ints.
-        let status = unsafe { f(&mut major, &mut minor) };
-        if !status.is_success() {
-            return None;
-        }
+        let (major, minor) = unsafe { library::read_two(lib.nvrtcVersion().ok()?) }?;
         Some((u32::try_from(major).ok()?, u32::try_from(minor).ok()?))
     }
 
-    /// Try [`LIBNVRTC_PATH_VAR`] when it is set (and then only it), else each of
-    /// [`DEFAULT_LIBRARY_NAMES`] in order.
-    ///
-    /// # Errors
-    /// [`LibraryLoadError`] listing every candidate tried with the loader's message.
-    pub fn load_default() -> Result<Nvrtc, LibraryLoadError> {
-        library::load_first("NVRTC", LIBNVRTC_PATH_VAR, DEFAULT_LIBRARY_NAMES, |p| {
-            Nvrtc::load_from(p)
-        })
-    }
-
-    /// The path or name the library was loaded from.
-    pub fn path(&self) -> &str {
-        &self.path
-    }
-
-    /// `nvrtcVersion`'s answer (major, minor), read once at load.
-    pub fn version(&self) -> Option<(u32, u32)> {
-        self.version
-    }
-
-    /// The builtins library loaded beside it (for a library loaded from a path).
-    pub fn builtins_path(&self) -> Option<&str> {
-        self.builtins.as_deref()
-    }
-
-    /// Whether the loaded library exports `name`; `None` when `name` is not a
-    /// function of the header.
-    pub fn has_function(&self, name: &str) -> Option<bool> {
-        library::has_function(&FUNCTION_NAMES, &self.fns.presence(), name)
-    }
-
-    /// The header functions the loaded library does not export, in header order.
-    pub fn missing_functions(&self) -> Vec<&'static str> {
-        library::missing_functions(&FUNCTION_NAMES, &self.fns.presence())
-    }
-
-    #[cold]
-    fn missing(&self, name: &'static str) -> LibraryMissingSymbol {
-        LibraryMissingSymbol {
-            library: "NVRTC",
-            name,
-            version: self.version,
+    /// A path with a folder (it contains `/`) is an exact file: its builtins are
+    /// loaded from the same folder (see the module docs). A bare name is searched
+    /// by the system loader, which finds the builtins too.
+    fn load_companion(
+        path: &OsStr,
+        version: Option<(u32, u32)>,
+    ) -> Result<Option<Companion>, (String, Vec<LoadAttempt>)> {
+        if !path.to_string_lossy().contains('/') {
+            return Ok(None);
         }
+        let (library, at) = load_builtins(Path::new(path), version)?;
+        Ok(Some(Companion::new(library, at)))
     }
 }
 
-impl fmt::Debug for Nvrtc {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Nvrtc")
-            .field("path", &self.path)
-            .field("version", &self.version)
-            .field("builtins", &self.builtins)
-            .finish_non_exhaustive()
+/// A loaded NVRTC library and its function table.
+///
+/// Each header function has an accessor of the same name returning the function
+/// pointer, or [`LibraryMissingSymbol`](crate::LibraryMissingSymbol) when the
+/// library does not export it. [`Nvrtc::version`] is `nvrtcVersion`'s answer,
+/// read once at load.
+pub type Nvrtc = Library<NvrtcFns>;
+
+impl Nvrtc {
+    /// The builtins library loaded beside it (for a library loaded from a path).
+    pub fn builtins_path(&self) -> Option<&str> {
+        self.companion_path()
     }
 }
 
@@ -222,20 +141,4 @@ static NVRTC: OnceLock<Result<Nvrtc, LibraryLoadError>> = OnceLock::new();
 /// The [`LibraryLoadError`] of the first attempt.
 pub fn nvrtc() -> Result<&'static Nvrtc, &'static LibraryLoadError> {
     NVRTC.get_or_init(Nvrtc::load_default).as_ref()
-}
-
-impl nvrtcResult {
-    /// Whether this is `NVRTC_SUCCESS`.
-    #[inline]
-    pub const fn is_success(self) -> bool {
-        self.0 == 0
-    }
-}
-
-impl fmt::Display for nvrtcResult {
-    /// `NVRTC_ERROR_COMPILATION (6)`, or `NVRTC_UNKNOWN (99)` for a status the
-    /// header does not define.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} ({})", self.name().unwrap_or("NVRTC_UNKNOWN"), self.0)
-    }
 }

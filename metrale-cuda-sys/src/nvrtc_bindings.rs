@@ -152,7 +152,7 @@ pub const FUNCTION_NAMES: [&str; 24] = [
     "nvrtcSetFlowCallback",
 ];
 /// One entry per header function; `None` where the loaded library lacks it.
-pub(crate) struct NvrtcFns {
+pub struct NvrtcFns {
     nvrtcGetErrorString: Option<PFN_nvrtcGetErrorString>,
     nvrtcVersion: Option<PFN_nvrtcVersion>,
     nvrtcGetNumSupportedArchs: Option<PFN_nvrtcGetNumSupportedArchs>,
@@ -178,12 +178,14 @@ pub(crate) struct NvrtcFns {
     nvrtcGetPCHHeapSizeRequired: Option<PFN_nvrtcGetPCHHeapSizeRequired>,
     nvrtcSetFlowCallback: Option<PFN_nvrtcSetFlowCallback>,
 }
-impl NvrtcFns {
+impl crate::library::sealed::Sealed for NvrtcFns {}
+impl crate::Table for NvrtcFns {
+    const FUNCTION_NAMES: &'static [&'static str] = &FUNCTION_NAMES;
     /// Resolve every entry in `lib`; a missing symbol leaves `None`.
     ///
     /// # Safety
     /// `lib` must be an NVRTC library whose exported functions have the signatures of the header these bindings were generated from.
-    pub(crate) unsafe fn resolve(lib: &::libloading::Library) -> Self {
+    unsafe fn resolve(lib: &::libloading::Library) -> Self {
         // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
         unsafe {
             Self {
@@ -287,8 +289,8 @@ impl NvrtcFns {
         }
     }
     /// Whether each entry of [`FUNCTION_NAMES`] was found, in the same order.
-    pub(crate) fn presence(&self) -> [bool; FUNCTION_COUNT] {
-        [
+    fn presence(&self) -> Vec<bool> {
+        vec![
             self.nvrtcGetErrorString.is_some(),
             self.nvrtcVersion.is_some(),
             self.nvrtcGetNumSupportedArchs.is_some(),
