@@ -45,7 +45,7 @@ fn everything() -> Everything {
     grown.grow_to(1000).unwrap();
     let mut asleep = GrowableBuffer::<u32>::new(&host, 1 << 20).unwrap();
     asleep.grow_to(1000).unwrap();
-    let asleep = asleep.sleep(Some(&stream)).unwrap();
+    let asleep = asleep.sleep(&stream).unwrap();
     let mut range = VirtualRange::reserve(&host, 4 << 20).unwrap();
     let mapped = PhysicalMemory::new(&host, 2 << 20, HandleTypes::POSIX_FD).unwrap();
     range

@@ -508,7 +508,7 @@ fn child_drop_after_ctx_reset() {
     grown.grow_to(1 << 20).unwrap();
     let mut asleep = GrowableBuffer::<u32>::new(&h, 1 << 24).unwrap();
     asleep.grow_to(1 << 20).unwrap();
-    let asleep = asleep.sleep(Some(&s)).unwrap();
+    let asleep = asleep.sleep(&s).unwrap();
     s.synchronize().unwrap();
     let d = sys::driver().unwrap();
     // SAFETY: resets the device's primary context; every handle above dies with it.
