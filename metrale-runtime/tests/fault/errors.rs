@@ -136,14 +136,15 @@ fn error_text_for_each_variant() {
 
     // KernelLaunch: refused before the driver.
     let before = fake().calls("cuLaunchKernel");
-    let mut too_big = cfg;
-    too_big.block_dim = (2048, 1, 1);
+    // A shape no device runs cannot be built (`LaunchConfig` is closed); the
+    // device's own limits are the launch's check.
+    let too_big = cfg.with_shared_mem(1 << 20);
     // SAFETY: refused before any driver call.
     let e = unsafe { s.launch_raw(&f, too_big, &mut []) }.unwrap_err();
     assert_eq!(
         e.to_string(),
-        "kernel 'kernels::vec_add': launch not attempted, more than 1024 threads per block: \
-         (grid=[4,1,1], block=[2048,1,1], shared_mem=0)"
+        "kernel 'kernels::vec_add': launch not attempted, dynamic shared memory above the \
+         device's opt-in limit of 232448 bytes: (grid=[4,1,1], block=[256,1,1], shared_mem=1048576)"
     );
     assert_eq!(fake().calls("cuLaunchKernel"), before);
 

@@ -228,8 +228,10 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     );
     let f = reg.function("kernels", "vec_add").unwrap();
     let out = DeviceBuffer::<f32>::alloc(reg.stream(), 4).unwrap();
-    let mut impossible = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0).unwrap();
-    impossible.block_dim = (2048, 1, 1);
+    // Above the H200's opt-in shared memory: refused at launch.
+    let impossible = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0)
+        .unwrap()
+        .with_shared_mem(1 << 20);
     // SAFETY: refused before the driver.
     let e = unsafe {
         reg.stream()
