@@ -39,7 +39,7 @@ fn error_text_for_each_variant() {
 
     // ModuleLoad: JIT log included, data kept apart.
     let bad = b".version 9.0\n.target sm_90\nsyntax error here\n";
-    let e = MetraleRegistry::load(0, [("broken", bad)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("broken", bad)]).unwrap_err();
     assert_eq!(
         e.to_string(),
         "broken: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): a PTX JIT compilation failed \
@@ -62,7 +62,7 @@ fn error_text_for_each_variant() {
     }
 
     // InvalidBlob.
-    let e = MetraleRegistry::load(0, [("empty", b"")]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("empty", b"")]).unwrap_err();
     assert!(matches!(
         e.kind(),
         ErrorKind::InvalidBlob { module, .. } if module == "empty"));

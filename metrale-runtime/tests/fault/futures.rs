@@ -207,7 +207,7 @@ fn metrale_calls_inside_a_host_function_are_refused() {
             CudaStream::new(&ctx).map(drop),
             DeviceBuffer::<u32>::alloc(&ctx, 4).map(drop),
             CudaEvent::new(&ctx).map(drop),
-            MetraleRegistry::load(0, [("k", PTX)]).map(drop),
+            MetraleRegistry::load(0, &[("k", PTX)]).map(drop),
             ctx.synchronize(),
         ];
         let _ = tx.send(results.iter().all(|r| {
