@@ -945,8 +945,37 @@ fn sleep_and_wake_take_the_question_mark() {
     done(reg);
 }
 
+/// `physical_cloned` (issue 31): a piece kept while the buffer is used
+/// mutably, the same memory as the mapping, alive until its last handle.
+fn a_cloned_piece_outlives_its_borrow() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::with_handle_types(s, MIB, HandleTypes::POSIX_FD).unwrap();
+    buf.grow_to(1024).unwrap();
+    let piece = buf.range().physical_cloned(0).unwrap();
+    s.zero(&mut buf).unwrap(); // a mutable use while the piece is kept
+    assert!(Arc::ptr_eq(&piece, buf.range().physical(0).unwrap()));
+    assert!(
+        buf.range().physical_cloned(4096).is_none(),
+        "no mapping starts there"
+    );
+    drop(buf);
+    assert_eq!(
+        vmm_counts(),
+        (1, 0, 0),
+        "unmapped; the piece lives while held"
+    );
+    drop(piece);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::a_cloned_piece_outlives_its_borrow",
+            run: a_cloned_piece_outlives_its_borrow,
+        },
         Test {
             name: "vmm::sleep_and_wake_take_the_question_mark",
             run: sleep_and_wake_take_the_question_mark,
