@@ -26,7 +26,7 @@ fn ok(call: &str, s: CUresult) {
 fn run() -> Result<(), MetraleError> {
     let rounds = rounds(21, 3);
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let s = reg.stream();
     let raw_s = s.raw();
     let f = reg.function("kernels", "empty")?;

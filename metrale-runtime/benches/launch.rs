@@ -59,7 +59,7 @@ fn run() -> Result<(), MetraleError> {
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
     let first_driver_load_ms = t.elapsed().as_secs_f64() * 1e3;
     let t = std::time::Instant::now();
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let first_registry_ms = t.elapsed().as_secs_f64() * 1e3;
     let host = reg.host();
     let stream = reg.stream();
@@ -331,8 +331,8 @@ fn run() -> Result<(), MetraleError> {
     // Module loads: fresh registries, PTX (JIT; the driver may cache it) vs cubin.
     let (mut r_ptx, mut r_cubin) = (Row::default(), Row::default());
     for _ in 0..rounds.min(9) {
-        r_ptx.push(time(|| drop(MetraleRegistry::load(0, [("k", PTX)]).unwrap())) * 1e3);
-        r_cubin.push(time(|| drop(MetraleRegistry::load(0, [("k", CUBIN)]).unwrap())) * 1e3);
+        r_ptx.push(time(|| drop(MetraleRegistry::load(0, &[("k", PTX)]).unwrap())) * 1e3);
+        r_cubin.push(time(|| drop(MetraleRegistry::load(0, &[("k", CUBIN)]).unwrap())) * 1e3);
     }
 
     let v = host.driver_version();

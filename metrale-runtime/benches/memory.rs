@@ -37,7 +37,7 @@ fn run() -> Result<(), MetraleError> {
         1 << 30
     };
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let s = reg.stream();
     let raw_s = s.raw();
     let sync = || {

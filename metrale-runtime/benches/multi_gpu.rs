@@ -156,7 +156,7 @@ fn run() -> Result<(), MetraleError> {
             rows[i].push(
                 time(|| {
                     let regs =
-                        MetraleRegistry::load_on_devices(&[0, 1], [("kernels", blob)]).unwrap();
+                        MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", blob)]).unwrap();
                     for r in &regs {
                         r.function("kernels", "vec_add").unwrap();
                     }
@@ -165,7 +165,7 @@ fn run() -> Result<(), MetraleError> {
             rows[i + 1].push(
                 time(|| {
                     for o in [0, 1] {
-                        let r = MetraleRegistry::load(o, [("kernels", blob)]).unwrap();
+                        let r = MetraleRegistry::load(o, &[("kernels", blob)]).unwrap();
                         r.function("kernels", "vec_add").unwrap();
                     }
                 }) * 1e3,
@@ -174,7 +174,7 @@ fn run() -> Result<(), MetraleError> {
     }
     // Launch rate: one device alone, then both at once from two threads, through
     // metrale and through the sys table.
-    let regs = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", CUBIN)])?;
+    let regs = MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", CUBIN)])?;
     let n = if common::is_quick() { 20_000 } else { 200_000 };
     let mut rates: Vec<Row> = vec![Row::default(); 4];
     for round in 0..rounds.min(5) {

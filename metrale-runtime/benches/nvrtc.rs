@@ -245,7 +245,7 @@ fn end_to_end(program: &Program, cache: &CompileCache, rounds: usize) -> Result<
     let y = DeviceBuffer::<f32>::zeroed(s, n)?;
     let cfg = LaunchConfig::for_num_elems(n, 256)?;
     let mut step = |compiled: &metrale_runtime::nvrtc::Compiled| -> Result<(), MetraleError> {
-        let reg = MetraleRegistry::load_into(std::sync::Arc::clone(&h), [compiled])?;
+        let reg = MetraleRegistry::load_into(std::sync::Arc::clone(&h), &[compiled])?;
         let f = reg.function("bench.cu", "step0")?;
         // SAFETY: step0(float* x, const float* y, float a, unsigned n) over n
         // elements of x and y.

@@ -64,7 +64,7 @@ async fn serve(stream: CudaStream, reg: Arc<MetraleRegistry>, next: Arc<AtomicU3
 }
 
 fn run() -> std::result::Result<(), MetraleError> {
-    let reg = MetraleRegistry::load(0, [("kernels", KERNELS)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", KERNELS)])?;
     let streams: Vec<CudaStream> = (0..STREAMS)
         .map(|_| CudaStream::new(reg.ctx()))
         .collect::<Result<_>>()?;

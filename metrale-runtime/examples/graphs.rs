@@ -18,7 +18,7 @@ fn run() -> Result<(), MetraleError> {
     let dot = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "graph.dot".to_owned());
-    let reg = MetraleRegistry::load(0, [("kernels", KERNELS), ("cond", CONDITIONAL)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", KERNELS), ("cond", CONDITIONAL)])?;
     let axpb = reg.function("kernels", "axpb")?;
     let (a, b) = (reg.stream(), CudaStream::new(reg.ctx())?);
     let mut x = DeviceBuffer::<u32>::zeroed(a, 1)?;

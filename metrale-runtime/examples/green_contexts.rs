@@ -15,7 +15,7 @@ use metrale_runtime::{
 static KERNELS: &[u8] = include_bytes!("../tests/fixtures/kernels.ptx");
 
 fn run() -> Result<(), MetraleError> {
-    let reg = MetraleRegistry::load(0, [("kernels", KERNELS)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", KERNELS)])?;
     let spin = reg.function("kernels", "spin")?;
     let all = SmResource::of_device(reg.ctx())?;
     let align = all.coscheduled_alignment().max(1);

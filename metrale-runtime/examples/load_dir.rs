@@ -62,7 +62,7 @@ fn run() -> Result<(), MetraleError> {
             let t = Instant::now();
             let separate: Vec<MetraleRegistry> = blobs
                 .iter()
-                .map(|b| MetraleRegistry::load_into(h.clone(), [b]))
+                .map(|b| MetraleRegistry::load_into(h.clone(), &[b]))
                 .collect::<Result<_, _>>()?;
             let took = t.elapsed();
             drop(separate);

@@ -96,7 +96,7 @@ fn run() -> Result<(), MetraleError> {
         println!("  {expression} -> {lowered}");
     }
 
-    let reg = MetraleRegistry::load_into(host, [&*compiled])?;
+    let reg = MetraleRegistry::load_into(host, &[&*compiled])?;
     let lowered = |e: &str| {
         compiled.lowered_name(e).map(str::to_owned).ok_or_else(|| {
             MetraleError::from(metrale_runtime::ErrorKind::InvalidArgument(format!(

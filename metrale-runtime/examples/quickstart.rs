@@ -19,7 +19,7 @@ const N: usize = 1 << 20;
 
 fn run() -> Result<(), MetraleError> {
     let t0 = Instant::now();
-    let reg = MetraleRegistry::load(0, [("kernels", KERNELS)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", KERNELS)])?;
     let host = reg.host();
     let loaded = t0.elapsed();
     let v = host.driver_version();

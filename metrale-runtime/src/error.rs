@@ -161,6 +161,78 @@ pub enum LaunchFailure {
 /// words: the call, the status name and number with the library's description,
 /// and what was being worked on. [`MetraleError::kind`] gives the data to match on.
 ///
+/// # Matching on errors
+///
+/// Match on [`e.kind()`](MetraleError::kind), an [`ErrorKind`]: `MetraleError`
+/// itself is one pointer with no variants, so `MetraleError::ArgumentMismatch {
+/// .. }` does not name anything (rustc says E0223, "ambiguous associated type").
+/// `ErrorKind` grows with the crate: end with a `_` arm. [`MetraleError::status`]
+/// gives the driver's status whatever the kind, [`MetraleError::is_unavailable`]
+/// says "no GPU stack here". Each common kind:
+///
+/// ```
+/// use metrale_runtime::sys::CUresult;
+/// use metrale_runtime::{ErrorKind, LaunchFailure, MetraleError, NameKind};
+///
+/// fn advice(e: &MetraleError) -> &'static str {
+///     match e.kind() {
+///         ErrorKind::DriverUnavailable(_) => "no driver here: fall back to the CPU",
+///         ErrorKind::MissingSymbol { .. } => "the installed driver is too old for this call",
+///         ErrorKind::Driver { status, .. } if *status == CUresult::CUDA_ERROR_OUT_OF_MEMORY => {
+///             "out of device memory: free some and retry"
+///         }
+///         ErrorKind::Driver { .. } => "a driver call failed (the message names it)",
+///         ErrorKind::ModuleLoad { .. } => "the driver refused a blob (the message has the JIT log)",
+///         ErrorKind::InvalidBlob { .. } => "not a PTX, cubin or fatbin",
+///         ErrorKind::NotFound { kind: NameKind::Kernel, .. } => "no kernel of that name",
+///         ErrorKind::NotFound { .. } => "no module or symbol of that name",
+///         ErrorKind::KernelLaunch { failure: LaunchFailure::Refused(_), .. } => {
+///             "the launch shape was refused before the driver"
+///         }
+///         ErrorKind::KernelLaunch { .. } => "the driver refused the launch",
+///         ErrorKind::ArgumentMismatch { .. } => "the arguments do not match the kernel's parameters",
+///         ErrorKind::WrongDevice { .. } => "a handle of one device used with another",
+///         ErrorKind::InvalidArgument(_) => "refused before any driver call",
+///         _ => "something else: show the message",
+///     }
+/// }
+///
+/// let oom = MetraleError::from(ErrorKind::Driver {
+///     call: "cuMemAlloc_v2",
+///     status: CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+///     subject: "device 0: allocating 1 GiB".into(),
+/// });
+/// assert_eq!(advice(&oom), "out of device memory: free some and retry");
+/// assert_eq!(oom.status(), Some(CUresult::CUDA_ERROR_OUT_OF_MEMORY));
+///
+/// let args = MetraleError::from(ErrorKind::ArgumentMismatch {
+///     kernel: "kernels::vec_add".into(),
+///     index: Some(2),
+///     expected: 8,
+///     given: 4,
+/// });
+/// assert_eq!(advice(&args), "the arguments do not match the kernel's parameters");
+/// // The fields, when the handling needs them:
+/// if let ErrorKind::ArgumentMismatch { index: Some(i), expected, given, .. } = args.kind() {
+///     assert_eq!((*i, *expected, *given), (2, 8, 4));
+/// }
+///
+/// let bad = MetraleError::from(ErrorKind::InvalidArgument("a launch dimension is zero".into()));
+/// assert_eq!(advice(&bad), "refused before any driver call");
+/// assert!(!bad.is_unavailable());
+/// ```
+///
+/// The variants live on `ErrorKind`, not on `MetraleError`:
+///
+/// ```compile_fail,E0223
+/// # use metrale_runtime::MetraleError;
+/// fn is_mismatch(e: &MetraleError) -> bool {
+///     matches!(e, MetraleError::ArgumentMismatch { .. })
+/// }
+/// ```
+///
+/// Loading, with the kinds a load can fail with:
+///
 /// ```no_run
 /// use metrale_runtime::{ErrorKind, MetraleRegistry, NameKind};
 /// # fn main() {

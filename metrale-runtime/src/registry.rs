@@ -71,8 +71,21 @@ impl MetraleRegistry {
     /// each named) into device `ordinal`'s primary context.
     ///
     /// Names and blobs may be borrowed or owned ([`NamedBlob`]): the registry API's
-    /// `&[("kernels", PTX)]` with statics, `(String, Vec<u8>)` read from disk, or
-    /// NVRTC's outputs; nothing is kept after loading.
+    /// `&[("kernels", PTX)]` with statics, `&blobs` of `(String, Vec<u8>)` read
+    /// from disk, or NVRTC's outputs; nothing is kept after loading. The set is
+    /// a slice (`&[..]`, `&vec`): the registry API's form, and one that clippy's
+    /// `needless_borrows_for_generic_args` accepts in your code.
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::MetraleRegistry;
+    /// # const PTX: &[u8] = b"";
+    /// # fn main() -> metrale_runtime::Result<()> {
+    /// let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
+    /// let from_disk: Vec<(String, Vec<u8>)> = vec![("other".into(), std::fs::read("other.ptx").unwrap_or_default())];
+    /// let again = MetraleRegistry::load(0, &from_disk)?;
+    /// # drop((reg, again));
+    /// # Ok(()) }
+    /// ```
     ///
     /// Each call loads a fresh, independent set of modules; only the [`CudaHost`]
     /// (context and stream) is shared with other registries of the device.
@@ -83,10 +96,7 @@ impl MetraleRegistry {
     /// [`ErrorKind::ModuleLoad`](crate::ErrorKind::ModuleLoad) (with the JIT log for PTX, and the
     /// architectures for a cubin built for another GPU), both naming the module;
     /// the modules loaded before it are unloaded again.
-    pub fn load(
-        ordinal: usize,
-        kernel_blobs: impl IntoIterator<Item = impl NamedBlob>,
-    ) -> Result<Arc<Self>> {
+    pub fn load(ordinal: usize, kernel_blobs: &[impl NamedBlob]) -> Result<Arc<Self>> {
         Ok(Arc::new(Self::load_into(host(ordinal)?, kernel_blobs)?))
     }
 
@@ -97,12 +107,9 @@ impl MetraleRegistry {
     ///
     /// # Errors
     /// As [`MetraleRegistry::load`].
-    pub fn load_into(
-        host: Arc<CudaHost>,
-        kernel_blobs: impl IntoIterator<Item = impl NamedBlob>,
-    ) -> Result<Self> {
-        let owned: Vec<_> = kernel_blobs.into_iter().collect();
-        let blobs: Vec<(&str, &[u8])> = owned.iter().map(|b| (b.name(), b.bytes())).collect();
+    pub fn load_into(host: Arc<CudaHost>, kernel_blobs: &[impl NamedBlob]) -> Result<Self> {
+        let blobs: Vec<(&str, &[u8])> =
+            kernel_blobs.iter().map(|b| (b.name(), b.bytes())).collect();
         let code = ModuleSet::load_modules(host.ctx(), &blobs)?;
         Ok(MetraleRegistry {
             table: KernelTable::new(host.ctx(), Arc::new(code)),
@@ -124,15 +131,15 @@ impl MetraleRegistry {
     /// As [`MetraleRegistry::load`]; `InvalidArgument` for an ordinal listed twice.
     pub fn load_on_devices(
         ordinals: &[usize],
-        kernel_blobs: impl IntoIterator<Item = impl NamedBlob>,
+        kernel_blobs: &[impl NamedBlob],
     ) -> Result<Vec<Arc<Self>>> {
         for (i, o) in ordinals.iter().enumerate() {
             if ordinals[..i].contains(o) {
                 return Err(invalid_arg(format!("device {o} is listed twice")));
             }
         }
-        let owned: Vec<_> = kernel_blobs.into_iter().collect();
-        let blobs: Vec<(&str, &[u8])> = owned.iter().map(|b| (b.name(), b.bytes())).collect();
+        let blobs: Vec<(&str, &[u8])> =
+            kernel_blobs.iter().map(|b| (b.name(), b.bytes())).collect();
         let hosts = ordinals
             .iter()
             .map(|&o| host(o))
@@ -157,7 +164,7 @@ impl MetraleRegistry {
         } else {
             hosts
                 .into_iter()
-                .map(|h| Ok(Arc::new(Self::load_into(h, blobs.iter().copied())?)))
+                .map(|h| Ok(Arc::new(Self::load_into(h, &blobs)?)))
                 .collect()
         }
     }

@@ -19,7 +19,7 @@ use metrale_runtime::*;
 static PTX: &[u8] = include_bytes!("fixtures/kernels.ptx");
 
 fn both() -> Vec<Arc<MetraleRegistry>> {
-    MetraleRegistry::load_on_devices(&[0, 1], [("kernels", PTX)]).unwrap()
+    MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", PTX)]).unwrap()
 }
 
 fn one_model_loaded_once_runs_on_both_devices() {
@@ -83,7 +83,7 @@ fn peer_copy_round_trip_of_1_gib() {
     let n = (1usize << 30) / 4;
     let mut src = DeviceBuffer::<u32>::alloc(&h0, n).unwrap();
     // A pattern that differs per word: fill_index on device 0.
-    let reg0 = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let reg0 = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     let f = reg0.function("kernels", "fill_index").unwrap();
     // SAFETY: fill_index(unsigned*, unsigned, unsigned) over n elements.
     unsafe {

@@ -15,7 +15,7 @@ fn step() -> anyhow::Result<()> {
     let a = DeviceBuffer::from_host(s, &vec![1.0f32; n])?;
     let mut c = DeviceBuffer::<f32>::zeroed(s, n)?;
     let cfg = LaunchConfig::for_num_elems(n, 256)?;
-    let graph = s.capture(|s| -> anyhow::Result<()> {
+    let graph = s.try_capture(|s| -> anyhow::Result<()> {
         // SAFETY: vec_add(const float*, const float*, float*, unsigned) over n.
         unsafe { s.launch(&f, cfg, (&a, &a, &mut c, n as u32))? };
         anyhow::ensure!(n > 0, "an error of the program's own type");

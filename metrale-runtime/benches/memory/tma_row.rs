@@ -23,7 +23,7 @@ pub fn run(
         return Ok(());
     }
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
-    let tma = MetraleRegistry::load(reg.host().ordinal(), [("tma", TMA_PTX)])?;
+    let tma = MetraleRegistry::load(reg.host().ordinal(), &[("tma", TMA_PTX)])?;
     let f = tma.function("tma", "tma_copy_2d")?;
     let cols = 16_384usize;
     let rows = (big / 4 / cols).max(32) / 32 * 32;

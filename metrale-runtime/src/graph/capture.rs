@@ -146,23 +146,76 @@ impl CudaStream {
     /// Capture the work `f` queues on this stream into a graph, in the default
     /// mode ([`CaptureMode::ThreadLocal`]): begin, run `f`, end. The capture ends
     /// on every path (an error or a panic in `f` too), so the stream is usable
-    /// afterwards. `f` may return any error type that a [`MetraleError`] converts
-    /// into (`anyhow::Error`, your own).
+    /// afterwards.
+    ///
+    /// `f` returns metrale's [`Result`], so the closure needs no annotation;
+    /// for another error type (`anyhow::Error`, your own) use
+    /// [`CudaStream::try_capture`].
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::{CudaGraph, CudaStream, DeviceBuffer, Result};
+    /// fn record(s: &CudaStream, buf: &mut DeviceBuffer<f32>) -> Result<CudaGraph> {
+    ///     s.capture(|s| {
+    ///         s.zero(buf)?; // `?` on metrale's Result: no annotation needed
+    ///         Ok(())
+    ///     })
+    /// }
+    /// ```
     ///
     /// # Errors
     /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
-    pub fn capture<E: From<MetraleError>>(
-        &self,
-        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
-    ) -> std::result::Result<CudaGraph, E> {
-        self.capture_with(CaptureMode::default(), f)
+    pub fn capture(&self, f: impl FnOnce(&CudaStream) -> Result<()>) -> Result<CudaGraph> {
+        self.try_capture_with(CaptureMode::default(), f)
     }
 
     /// As [`CudaStream::capture`], in `mode`.
     ///
     /// # Errors
     /// As [`CudaStream::capture`].
-    pub fn capture_with<E: From<MetraleError>>(
+    pub fn capture_with(
+        &self,
+        mode: CaptureMode,
+        f: impl FnOnce(&CudaStream) -> Result<()>,
+    ) -> Result<CudaGraph> {
+        self.try_capture_with(mode, f)
+    }
+
+    /// As [`CudaStream::capture`], with `f` returning any error type that a
+    /// [`MetraleError`] converts into (`anyhow::Error`, your own); name it in the
+    /// closure (`|s| -> anyhow::Result<()> { .. }`) or with a turbofish
+    /// (`try_capture::<MyError>`).
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::{CudaStream, CudaGraph, MetraleError};
+    /// #[derive(Debug)]
+    /// enum AppError { Gpu(MetraleError), Config(&'static str) }
+    /// impl From<MetraleError> for AppError {
+    ///     fn from(e: MetraleError) -> Self { AppError::Gpu(e) }
+    /// }
+    /// fn record(s: &CudaStream, steps: usize) -> Result<CudaGraph, AppError> {
+    ///     s.try_capture(|_s| -> Result<(), AppError> {
+    ///         if steps == 0 {
+    ///             return Err(AppError::Config("no steps"));
+    ///         }
+    ///         Ok(())
+    ///     })
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`CudaStream::capture`].
+    pub fn try_capture<E: From<MetraleError>>(
+        &self,
+        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    ) -> std::result::Result<CudaGraph, E> {
+        self.try_capture_with(CaptureMode::default(), f)
+    }
+
+    /// As [`CudaStream::try_capture`], in `mode`.
+    ///
+    /// # Errors
+    /// As [`CudaStream::capture`].
+    pub fn try_capture_with<E: From<MetraleError>>(
         &self,
         mode: CaptureMode,
         f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,

@@ -47,7 +47,7 @@
 //! | kernel attributes, carveout, occupancy | `CudaFunction::attributes`, `max_active_blocks_per_sm`, `potential_block_size(_with)` | any |
 //! | teardown detection after a context reset | automatic in every Drop | 12.0+ for `cuCtxGetId`; statuses alone before that |
 //! | `half::f16` / `half::bf16` element types | feature `half` | any |
-//! | virtual memory: growable buffers, sleep and wake | `GrowableBuffer::new(s, cap)?.grow_to(n)`, `buf.sleep(Some(s))`, `VirtualRange::reserve`, `PhysicalMemory::new` | 10.2+ and the device's VMM support |
+//! | virtual memory: growable buffers, sleep and wake | `GrowableBuffer::new(s, cap)?.grow_to(n)`, `buf.sleep(s)`, `VirtualRange::reserve`, `PhysicalMemory::new` | 10.2+ and the device's VMM support |
 //! | sharing memory between processes (Linux) | `PhysicalMemory::export_fd`, `import_fd`, `send` / `receive` over a `UnixStream` | 10.2+, POSIX descriptors |
 //! | host functions, futures, GPU-side signals | `stream.launch_host_fn(..)`, `stream.done().await`, `stream.wait_value32(..)` | any (64-bit signals: the device's support) |
 //! | tensor maps (TMA) | `TensorMap::tiled(&buf)..encode()`, `TensorMapLayout::encode(&mem)` | 12.0+, compute capability 9.0 |
@@ -61,10 +61,10 @@
 //! # use metrale_runtime::*;
 //! # fn main() -> Result<()> {
 //! # static KERNELS: &[u8] = b"...";
-//! let reg = MetraleRegistry::load(0, [("kernels", KERNELS)])?;
+//! let reg = MetraleRegistry::load(0, &[("kernels", KERNELS)])?;
 //! let owned = vec![("kernels".to_string(), KERNELS.to_vec())];
 //! let _again = MetraleRegistry::load_into(host(0)?, &owned)?;
-//! let _both = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", KERNELS)])?;
+//! let _both = MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", KERNELS)])?;
 //! let f = reg.function("kernels", "vec_add")?;
 //! let s = reg.stream();
 //! let a = DeviceBuffer::from_host(s, &[1.0f32; 1024])?;
@@ -75,6 +75,8 @@
 //! let _layout = f.params();
 //! let _big = LaunchConfig::new((8, 1, 1), (256, 1, 1), 100 << 10)?.with_shared_mem(120 << 10);
 //! let _clustered = cfg.with_cluster(4, 1, 1).with_cooperative(false);
+//! let _wide = cfg.with_block((512, 1, 1))?; // fields are private; setters check like `new`
+//! assert_eq!(cfg.grid_dim(), (4, 1, 1));
 //! let _hi = CudaStream::with_options(s, StreamOptions::default().with_priority(-1))?;
 //! let ready = CudaEvent::timed(s)?;
 //! ready.record(s)?;
@@ -90,7 +92,7 @@
 //! let m = ManagedBuffer::<f32>::zeroed(s, 1024)?;
 //! s.prefetch(&m, PrefetchTarget::Device)?;
 //! let _scale = reg.symbol_array::<f32>("kernels", "_ZN7tq_plus14d_innerq_scaleE", 64)?;
-//! let graph = s.capture(|s| -> Result<()> {
+//! let graph = s.capture(|s| {
 //!     // SAFETY: as above.
 //!     unsafe { s.launch(&f, cfg, (&a, &a, &mut c, 1024u32)) }
 //! })?;
@@ -108,7 +110,7 @@
 //! let _fd = grown.range().physical(0).map(|p| p.export_fd());
 //! let _range = VirtualRange::reserve(s, 2 << 20)?;
 //! let _phys = PhysicalMemory::new(s, 2 << 20, HandleTypes::NONE)?;
-//! let _asleep = grown.sleep(Some(s));
+//! let _asleep = grown.sleep(s);
 //! # Ok(()) }
 //! ```
 

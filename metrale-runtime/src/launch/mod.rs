@@ -43,32 +43,54 @@ pub const DEFAULT_DYNAMIC_SHARED_LIMIT: u32 = 48 * 1024;
 
 /// The shape of a launch: grid and block dimensions and dynamic shared memory bytes.
 ///
+/// Closed: the fields are private, read through [`grid_dim`](LaunchConfig::grid_dim),
+/// [`block_dim`](LaunchConfig::block_dim), [`shared_mem_bytes`](LaunchConfig::shared_mem_bytes)
+/// and [`attributes`](LaunchConfig::attributes), and every way to make or change
+/// one checks the device-independent rules ([`LaunchConfig::new`],
+/// [`with_grid`](LaunchConfig::with_grid), [`with_block`](LaunchConfig::with_block)),
+/// so a `LaunchConfig` always has a shape some device can run. What depends on
+/// the device (its grid and block limits, the shared-memory opt-in limit, the
+/// attributes) is checked at launch; the limits also before, with
+/// [`LaunchConfig::validate_for`].
+///
 /// ```
 /// use metrale_runtime::LaunchConfig;
 /// // 1,000,000 elements, 256 threads a block: 3907 blocks.
 /// let cfg = LaunchConfig::for_num_elems(1_000_000, 256)?;
-/// assert_eq!(cfg.grid_dim, (3907, 1, 1));
+/// assert_eq!(cfg.grid_dim(), (3907, 1, 1));
 /// // 2D tiles with 64 KiB of dynamic shared memory (opted in at launch).
 /// let tiles = LaunchConfig::new((32, 32, 1), (16, 16, 1), 64 << 10)?;
 /// assert_eq!(tiles.threads_per_block(), 256);
+/// // Changing a dimension is checked like making one.
+/// let wide = tiles.with_block((32, 32, 1))?;
+/// assert_eq!(wide.block_dim(), (32, 32, 1));
 /// // Impossible shapes are refused before any driver call.
 /// assert!(LaunchConfig::new((1, 1, 1), (2048, 1, 1), 0).is_err());
+/// assert!(tiles.with_block((64, 32, 1)).is_err());
+/// # Ok::<(), metrale_runtime::MetraleError>(())
+/// ```
+///
+/// A field cannot be set to a shape `new` would refuse:
+///
+/// ```compile_fail,E0616
+/// # use metrale_runtime::LaunchConfig;
+/// let mut cfg = LaunchConfig::new((1, 1, 1), (256, 1, 1), 0)?;
+/// cfg.block_dim = (1025, 1, 1);
 /// # Ok::<(), metrale_runtime::MetraleError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
 pub struct LaunchConfig {
     /// Blocks in the grid (x, y, z).
-    pub grid_dim: (u32, u32, u32),
+    pub(crate) grid_dim: (u32, u32, u32),
     /// Threads in a block (x, y, z).
-    pub block_dim: (u32, u32, u32),
+    pub(crate) block_dim: (u32, u32, u32),
     /// Dynamic shared memory per block, in bytes. Above 48 KiB the launch opts the
     /// kernel in first (`CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`).
-    pub shared_mem_bytes: u32,
+    pub(crate) shared_mem_bytes: u32,
     /// Thread-block clusters, cooperative launch, programmatic dependent launch:
     /// when any is set the launch goes through `cuLaunchKernelEx` (CUDA 12.0+),
     /// else through `cuLaunchKernel`. One configuration, one launch path.
-    pub attributes: LaunchAttributes,
+    pub(crate) attributes: LaunchAttributes,
 }
 
 impl LaunchConfig {
@@ -82,15 +104,70 @@ impl LaunchConfig {
         block_dim: (u32, u32, u32),
         shared_mem_bytes: u32,
     ) -> Result<LaunchConfig> {
-        let cfg = LaunchConfig {
+        LaunchConfig {
             grid_dim,
             block_dim,
             shared_mem_bytes,
             attributes: LaunchAttributes::default(),
-        };
-        cfg.check_shape()
-            .map_err(|why| invalid_arg(format!("{why} {cfg}")))?;
-        Ok(cfg)
+        }
+        .checked()
+    }
+
+    /// `self` when it passes the device-independent rules.
+    fn checked(self) -> Result<LaunchConfig> {
+        self.check_shape()
+            .map_err(|why| invalid_arg(format!("{why} {self}")))?;
+        Ok(self)
+    }
+
+    /// Blocks in the grid (x, y, z).
+    #[inline]
+    pub fn grid_dim(&self) -> (u32, u32, u32) {
+        self.grid_dim
+    }
+
+    /// Threads in a block (x, y, z).
+    #[inline]
+    pub fn block_dim(&self) -> (u32, u32, u32) {
+        self.block_dim
+    }
+
+    /// Dynamic shared memory per block, in bytes.
+    #[inline]
+    pub fn shared_mem_bytes(&self) -> u32 {
+        self.shared_mem_bytes
+    }
+
+    /// The launch attributes (clusters, cooperative, programmatic dependent
+    /// launch); when any is set the launch goes through `cuLaunchKernelEx`.
+    #[inline]
+    pub fn attributes(&self) -> LaunchAttributes {
+        self.attributes
+    }
+
+    /// This configuration with `grid` blocks, checked as in [`LaunchConfig::new`].
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] saying which rule failed.
+    pub fn with_grid(self, grid: (u32, u32, u32)) -> Result<LaunchConfig> {
+        LaunchConfig {
+            grid_dim: grid,
+            ..self
+        }
+        .checked()
+    }
+
+    /// This configuration with blocks of `block` threads, checked as in
+    /// [`LaunchConfig::new`].
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`] saying which rule failed.
+    pub fn with_block(self, block: (u32, u32, u32)) -> Result<LaunchConfig> {
+        LaunchConfig {
+            block_dim: block,
+            ..self
+        }
+        .checked()
     }
 
     /// One dimension: `ceil(n / block)` blocks of `block` threads (`block` must be
@@ -239,6 +316,10 @@ pub const MAX_PORTABLE_CLUSTER_SIZE: u64 = 8;
 
 /// Launch attributes for `cuLaunchKernelEx` (CUDA 12.0+), part of a
 /// [`LaunchConfig`] ([`LaunchConfig::with_cluster`], ...).
+///
+/// The fields are public: every rule of theirs depends on the device or on the
+/// launch shape (cluster support, divisibility of the grid, cooperative
+/// support), so they are checked at launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Hash)]
 #[non_exhaustive]
 pub struct LaunchAttributes {

@@ -102,8 +102,11 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Allocate (`cuMemAlloc`) and fill from `data` with a copy queued on
-    /// `stream` (a stream, or a host's or registry's stream) after its work so far; returns once the copy is done, so the buffer
-    /// is ready for work on any stream of its device.
+    /// `stream` (a stream, or a host's or registry's stream) after its work so
+    /// far; returns once the copy is done, so the buffer is ready for work on
+    /// any stream of its device. With only a context at hand, pass
+    /// `&host(ctx.ordinal())?` (the device's host shares the context) or a new
+    /// `CudaStream` (see [`AsStream`]).
     ///
     /// # Errors
     /// As [`DeviceBuffer::alloc`] and [`CudaStream::copy_h2d`].
@@ -115,7 +118,10 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     }
 
     /// Allocate `len` elements and fill them with zero bytes on `stream`; returns
-    /// once they are zero (ready for work on any stream of the device).
+    /// once they are zero (ready for work on any stream of the device). Unlike
+    /// [`DeviceBuffer::alloc`] this queues work, so it takes a stream, host or
+    /// registry, not a context: from a context, `&host(ctx.ordinal())?` (see
+    /// [`AsStream`]).
     ///
     /// # Errors
     /// As [`DeviceBuffer::alloc`], and the failing fill or wait.

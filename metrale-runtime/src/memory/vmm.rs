@@ -383,11 +383,36 @@ impl VirtualRange {
     }
 
     /// The physical memory of the mapping that starts at `offset` (to export it).
+    /// The reference borrows the range (and a growable buffer it belongs to);
+    /// [`VirtualRange::physical_cloned`] gives a handle of your own.
     pub fn physical(&self, offset: usize) -> Option<&Arc<PhysicalMemory>> {
         self.mappings
             .iter()
             .find(|m| m.offset == offset)
             .map(|m| &m.phys)
+    }
+
+    /// As [`VirtualRange::physical`], a handle of your own (a clone of the
+    /// `Arc`): it borrows nothing, so the buffer the range belongs to can be
+    /// used mutably while you keep it. The memory lives while any handle does;
+    /// unmapping (a sleep, a drop) releases the mapping, not your handle.
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::{host, GrowableBuffer, HandleTypes};
+    /// # fn main() -> metrale_runtime::Result<()> {
+    /// # let h = host(0)?;
+    /// # let s = h.stream();
+    /// let mut buf = GrowableBuffer::<u32>::with_handle_types(s, 1 << 20, HandleTypes::POSIX_FD)?;
+    /// buf.grow_to(1 << 20)?;
+    /// let piece = buf.range().physical_cloned(0);
+    /// s.zero(&mut buf)?; // a mutable use while the piece is kept
+    /// if let Some(piece) = piece {
+    ///     let _fd = piece.export_fd()?;
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub fn physical_cloned(&self, offset: usize) -> Option<Arc<PhysicalMemory>> {
+        self.physical(offset).cloned()
     }
 
     /// Whether any byte of `[offset, offset + size)` is mapped.

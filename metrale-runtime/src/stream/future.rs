@@ -180,17 +180,37 @@ impl Future for StreamDone {
 }
 
 /// A future resolving once a recorded event has completed: see
-/// [`CudaEvent::done`].
+/// [`CudaEvent::done`]. `EventDone<'static>` (from [`CudaEvent::into_done`] or
+/// [`CudaEvent::done_owned`]) owns its event and is `Send`, so it can go into
+/// `tokio::spawn`.
 #[must_use = "a future does nothing unless awaited or polled"]
 pub struct EventDone<'a> {
     state: State,
-    event: &'a CudaEvent,
+    event: EventHold<'a>,
+}
+
+/// How an [`EventDone`] holds its event.
+enum EventHold<'a> {
+    Borrowed(&'a CudaEvent),
+    Owned(CudaEvent),
+    Shared(Arc<CudaEvent>),
+}
+
+impl std::ops::Deref for EventHold<'_> {
+    type Target = CudaEvent;
+    fn deref(&self) -> &CudaEvent {
+        match self {
+            EventHold::Borrowed(e) => e,
+            EventHold::Owned(e) => e,
+            EventHold::Shared(e) => e,
+        }
+    }
 }
 
 impl std::fmt::Debug for EventDone<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("EventDone")
-            .field("event", self.event)
+            .field("event", &*self.event)
             .field("pending", &matches!(self.state, State::Waiting(_)))
             .finish()
     }
@@ -266,19 +286,58 @@ impl CudaEvent {
     /// the future resolves after the work queued on that stream when `done` is
     /// called: call it right after [`CudaEvent::record`] to wake as the event
     /// completes.
+    ///
+    /// The future borrows the event; [`CudaEvent::into_done`] and
+    /// [`CudaEvent::done_owned`] give one that owns it (`'static`, `Send`).
     pub fn done(&self) -> EventDone<'_> {
+        EventDone {
+            state: self.wake_state(),
+            event: EventHold::Borrowed(self),
+        }
+    }
+
+    /// As [`CudaEvent::done`], owning the event: an `EventDone<'static>` that is
+    /// `Send`, for `tokio::spawn` and other executors that need `'static`
+    /// tasks. The event is destroyed with the future.
+    ///
+    /// ```no_run
+    /// # use metrale_runtime::{CudaEvent, CudaStream};
+    /// # async fn f(s: &CudaStream) -> metrale_runtime::Result<()> {
+    /// let ev = CudaEvent::new(s.context())?;
+    /// // ... queue work on s ...
+    /// ev.record(s)?;
+    /// let waiter = tokio::spawn(ev.into_done());
+    /// # drop(waiter); Ok(()) }
+    /// ```
+    pub fn into_done(self) -> EventDone<'static> {
+        EventDone {
+            state: self.wake_state(),
+            event: EventHold::Owned(self),
+        }
+    }
+
+    /// As [`CudaEvent::done`], holding a share of an event kept elsewhere too
+    /// (recorded again later, say): an `EventDone<'static>` that is `Send`.
+    pub fn done_owned(self: &Arc<Self>) -> EventDone<'static> {
+        EventDone {
+            state: self.wake_state(),
+            event: EventHold::Shared(Arc::clone(self)),
+        }
+    }
+
+    /// Queue the wake-up on the stream of the last record.
+    fn wake_state(&self) -> State {
         let stream = self
             .recorded_on
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let state = match stream {
+        match stream {
             None => State::Failed(None),
             Some(s) => match queue_wake(&s) {
                 Ok(shared) => State::Waiting(shared),
                 Err(e) => State::Failed(Some(e)),
             },
-        };
-        EventDone { state, event: self }
+        }
     }
 }

@@ -1161,6 +1161,39 @@ pub(crate) fn work_abandoned(status: CUresult) -> bool {
 /// Something that names a stream to queue work on: a [`CudaStream`], or a
 /// [`CudaHost`](crate::CudaHost) or [`MetraleRegistry`](crate::MetraleRegistry)
 /// (their default stream).
+///
+/// A [`CudaContext`] is not one: it owns no stream, and metrale does not queue
+/// on the legacy null stream behind your back (it synchronises with every
+/// blocking stream of the context). From a context, take the device's host,
+/// which shares it, or make a stream:
+///
+/// ```no_run
+/// # use metrale_runtime::{context, host, CudaStream, DeviceBuffer};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = context(0)?;
+/// let a = DeviceBuffer::<f32>::alloc(&ctx, 256)?; // queues nothing: a context
+/// let h = host(ctx.ordinal())?;                  // the same context, with a stream
+/// let b = DeviceBuffer::<f32>::zeroed(&h, 256)?;
+/// let s = CudaStream::new(&ctx)?;
+/// let c = DeviceBuffer::from_host(&s, &[1.0f32; 256])?;
+/// # drop((a, b, c));
+/// # Ok(()) }
+/// ```
+///
+/// ```compile_fail,E0277
+/// # use metrale_runtime::{context, DeviceBuffer};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = context(0)?;
+/// // error: `CudaContext` is not a stream: this call queues work on one
+/// // note: a `CudaContext` owns no stream: pass `&metrale_runtime::host(ctx.ordinal())?` ...
+/// let b = DeviceBuffer::<f32>::zeroed(&ctx, 256)?;
+/// # Ok(()) }
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a stream: this call queues work on one",
+    label = "not a `CudaStream`, `CudaHost` or `MetraleRegistry`",
+    note = "a `CudaContext` owns no stream: pass `&metrale_runtime::host(ctx.ordinal())?` (the device's host: the same context and its stream), or `&CudaStream::new(&ctx)?`; `DeviceBuffer::alloc` takes a context because it queues nothing"
+)]
 pub trait AsStream {
     /// The stream.
     fn stream(&self) -> &CudaStream;

@@ -40,10 +40,7 @@ fn device_limits() {
     let l = limits();
     let ok = LaunchConfig::new((1000, 1, 1), (256, 1, 1), 100 * 1024).unwrap();
     assert!(ok.validate_for(&l).is_ok());
-    let too_much_smem = LaunchConfig {
-        shared_mem_bytes: 228 * 1024,
-        ..ok
-    };
+    let too_much_smem = ok.with_shared_mem(228 * 1024);
     assert_eq!(
         too_much_smem.validate_for(&l).unwrap_err().to_string(),
         "invalid argument: dynamic shared memory above the device's opt-in limit of 232448 bytes: \
@@ -108,8 +105,8 @@ fn cluster_attributes_are_checked_before_the_driver() {
 #[test]
 fn for_num_elems_rounds_up() {
     let cfg = LaunchConfig::for_num_elems(1000, 256).unwrap();
-    assert_eq!(cfg.grid_dim, (4, 1, 1));
-    assert_eq!(cfg.block_dim, (256, 1, 1));
+    assert_eq!(cfg.grid_dim(), (4, 1, 1));
+    assert_eq!(cfg.block_dim(), (256, 1, 1));
     assert!(LaunchConfig::for_num_elems(0, 256).is_err());
     assert!(LaunchConfig::for_num_elems(10, 2048).is_err());
 }
@@ -143,4 +140,28 @@ fn results_stay_one_pointer_wide() {
     // The hot path returns `Result<()>`: the error's data lives behind one box.
     assert_eq!(std::mem::size_of::<crate::Result<()>>(), 8);
     assert_eq!(std::mem::size_of::<crate::MetraleError>(), 8);
+}
+
+#[test]
+fn setters_check_like_new() {
+    let cfg = LaunchConfig::new((4, 1, 1), (256, 1, 1), 0).unwrap();
+    let wider = cfg.with_block((1024, 1, 1)).unwrap();
+    assert_eq!(
+        (wider.grid_dim(), wider.block_dim()),
+        ((4, 1, 1), (1024, 1, 1))
+    );
+    let e = cfg.with_block((1025, 1, 1)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: more than 1024 threads per block: (grid=[4,1,1], block=[1025,1,1], shared_mem=0)"
+    );
+    assert!(cfg.with_block((1, 1, 65)).is_err());
+    assert!(cfg.with_grid((0, 1, 1)).is_err());
+    let g = cfg.with_grid((8, 2, 1)).unwrap().with_shared_mem(1024);
+    assert_eq!((g.grid_dim(), g.shared_mem_bytes()), ((8, 2, 1), 1024));
+    assert_eq!(g.attributes(), LaunchAttributes::default());
+    assert_eq!(
+        g.with_cooperative(true).attributes(),
+        LaunchAttributes::cooperative()
+    );
 }

@@ -54,7 +54,7 @@ pub fn fake() -> &'static Fake {
 /// A clean stand-in and a registry with the PTX fixture as module "kernels".
 pub fn setup() -> Arc<MetraleRegistry> {
     fake().reset();
-    MetraleRegistry::load(0, [("kernels", PTX)]).expect("fixture loads into the stand-in")
+    MetraleRegistry::load(0, &[("kernels", PTX)]).expect("fixture loads into the stand-in")
 }
 
 pub fn vec_add(reg: &MetraleRegistry) -> RawCudaFunc {

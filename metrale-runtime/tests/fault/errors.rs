@@ -39,7 +39,7 @@ fn error_text_for_each_variant() {
 
     // ModuleLoad: JIT log included, data kept apart.
     let bad = b".version 9.0\n.target sm_90\nsyntax error here\n";
-    let e = MetraleRegistry::load(0, [("broken", bad)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("broken", bad)]).unwrap_err();
     assert_eq!(
         e.to_string(),
         "broken: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): a PTX JIT compilation failed \
@@ -62,7 +62,7 @@ fn error_text_for_each_variant() {
     }
 
     // InvalidBlob.
-    let e = MetraleRegistry::load(0, [("empty", b"")]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("empty", b"")]).unwrap_err();
     assert!(matches!(
         e.kind(),
         ErrorKind::InvalidBlob { module, .. } if module == "empty"));
@@ -136,14 +136,15 @@ fn error_text_for_each_variant() {
 
     // KernelLaunch: refused before the driver.
     let before = fake().calls("cuLaunchKernel");
-    let mut too_big = cfg;
-    too_big.block_dim = (2048, 1, 1);
+    // A shape no device runs cannot be built (`LaunchConfig` is closed); the
+    // device's own limits are the launch's check.
+    let too_big = cfg.with_shared_mem(1 << 20);
     // SAFETY: refused before any driver call.
     let e = unsafe { s.launch_raw(&f, too_big, &mut []) }.unwrap_err();
     assert_eq!(
         e.to_string(),
-        "kernel 'kernels::vec_add': launch not attempted, more than 1024 threads per block: \
-         (grid=[4,1,1], block=[2048,1,1], shared_mem=0)"
+        "kernel 'kernels::vec_add': launch not attempted, dynamic shared memory above the \
+         device's opt-in limit of 232448 bytes: (grid=[4,1,1], block=[256,1,1], shared_mem=1048576)"
     );
     assert_eq!(fake().calls("cuLaunchKernel"), before);
 

@@ -207,7 +207,7 @@ fn metrale_calls_inside_a_host_function_are_refused() {
             CudaStream::new(&ctx).map(drop),
             DeviceBuffer::<u32>::alloc(&ctx, 4).map(drop),
             CudaEvent::new(&ctx).map(drop),
-            MetraleRegistry::load(0, [("k", PTX)]).map(drop),
+            MetraleRegistry::load(0, &[("k", PTX)]).map(drop),
             ctx.synchronize(),
         ];
         let _ = tx.send(results.iter().all(|r| {
@@ -551,6 +551,44 @@ fn ten_thousand_futures_in_flight() {
     assert_eq!(count.wakes.load(Ordering::SeqCst), 10_000, "one wake each");
 }
 
+/// Owned event futures (issue 31): `into_done` and `done_owned` are `'static`
+/// and `Send`, so they go into `tokio::spawn`, and resolve after the work.
+fn event_futures_spawn_under_tokio() {
+    fn spawnable<F: std::future::Future + Send + 'static>(f: F) -> F {
+        f
+    }
+    let reg = setup();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let finished = rt.block_on(async {
+        let open = gate(&s);
+        let owned = CudaEvent::new(&s).unwrap();
+        owned.record(&s).unwrap();
+        let shared = Arc::new(CudaEvent::new(&s).unwrap());
+        shared.record(&s).unwrap();
+        let a = tokio::spawn(spawnable(owned.into_done()));
+        let b = tokio::spawn(spawnable(shared.done_owned()));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        assert!(
+            !a.is_finished() && !b.is_finished(),
+            "pending behind the gate"
+        );
+        open.send(()).unwrap();
+        a.await.unwrap().unwrap();
+        b.await.unwrap().unwrap();
+        shared.query().unwrap()
+    });
+    assert!(finished);
+    // A never-recorded event's owned future is ready at once.
+    let (out, wakes) = block_on(CudaEvent::new(&s).unwrap().into_done());
+    out.unwrap();
+    assert_eq!(wakes, 0);
+}
+
 fn futures_under_tokio() {
     let reg = setup();
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -710,6 +748,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "futures::under_tokio",
             run: futures_under_tokio,
+        },
+        Test {
+            name: "futures::event_futures_spawn_under_tokio",
+            run: event_futures_spawn_under_tokio,
         },
     ]
 }

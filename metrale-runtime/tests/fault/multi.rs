@@ -8,7 +8,7 @@ use crate::harness::Test;
 
 fn one_model_loaded_once_for_two_devices() {
     fake().reset();
-    let regs = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", PTX)]).unwrap();
+    let regs = MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", PTX)]).unwrap();
     assert_eq!(fake().calls("cuLibraryLoadData"), 1, "loaded once");
     assert_eq!(fake().calls("cuModuleLoadDataEx"), 0);
     assert!(regs.iter().all(|r| r.shares_code()));
@@ -107,7 +107,7 @@ fn peer_access_and_peer_copies() {
 
 fn one_thread_per_device() {
     fake().reset();
-    let regs = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", PTX)]).unwrap();
+    let regs = MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", PTX)]).unwrap();
     let threads: Vec<_> = regs
         .iter()
         .map(|r| {

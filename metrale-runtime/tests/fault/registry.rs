@@ -10,18 +10,18 @@ use crate::harness::Test;
 fn bad_inputs_are_named_and_harmless() {
     let reg = setup();
     let garbage: &[u8] = &[0x13, 0x37, 0xff, 0x00, 0x42, 0x99];
-    let e = MetraleRegistry::load(0, [("garbage", garbage)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("garbage", garbage)]).unwrap_err();
     assert!(
         e.to_string().starts_with("garbage: PTX is not valid UTF-8"),
         "{e}"
     );
     let truncated = &CUBIN[..CUBIN.len() / 2];
-    let e = MetraleRegistry::load(0, [("half", truncated)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("half", truncated)]).unwrap_err();
     assert_eq!(
         e.to_string(),
         "half: malformed cubin: section headers lie past the end of the blob (truncated?)"
     );
-    let e = MetraleRegistry::load(0, [("a", PTX), ("a", PTX)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("a", PTX), ("a", PTX)]).unwrap_err();
     assert_eq!(
         e.to_string(),
         "invalid argument: module 'a' is listed twice"
@@ -46,7 +46,7 @@ fn failure_mid_list_unloads_the_loaded_modules() {
     let bad = b".version 9.0\nsyntax error\n";
     let e = MetraleRegistry::load(
         0,
-        [("one", PTX), ("two", PTX), ("three", bad), ("four", PTX)],
+        &[("one", PTX), ("two", PTX), ("three", bad), ("four", PTX)],
     )
     .unwrap_err();
     assert!(
@@ -58,7 +58,7 @@ fn failure_mid_list_unloads_the_loaded_modules() {
     assert_eq!(fake().live(Live::Modules), before);
     // The same through an injected driver failure on the second module.
     fake().fail("cuModuleLoadDataEx", 2, 2, Some(1));
-    let e = MetraleRegistry::load(0, [("one", PTX), ("two", PTX)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("one", PTX), ("two", PTX)]).unwrap_err();
     assert!(
         e.to_string()
             .starts_with("two: cuModuleLoadDataEx failed: CUDA_ERROR_OUT_OF_MEMORY (2)"),
@@ -70,7 +70,7 @@ fn failure_mid_list_unloads_the_loaded_modules() {
 
 fn registries_share_one_host_and_lookups_memoize() {
     let reg = setup();
-    let other = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let other = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     assert!(Arc::ptr_eq(reg.host(), other.host()));
     assert_eq!(fake().primary_refs(), 1, "one retain for the shared host");
     assert_eq!(reg.module_names().collect::<Vec<_>>(), ["kernels"]);
@@ -129,7 +129,7 @@ fn a_cached_handle_never_crosses_registries() {
         .unwrap();
     drop(ta);
     drop(a);
-    let b = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let b = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     let fb = b.raw_function_cached(&RAW, "kernels", "vec_add").unwrap();
     assert_ne!(fb, fa, "B must not hand out A's stale handle");
     let tb = b
@@ -151,7 +151,7 @@ fn a_cached_handle_never_crosses_registries() {
     );
     assert_eq!(fake().launches(), launches);
     // A live foreign registry's handle is named by its kernel.
-    let c = MetraleRegistry::load(0, [("other", PTX)]).unwrap();
+    let c = MetraleRegistry::load(0, &[("other", PTX)]).unwrap();
     let fc = c.function("other", "empty").unwrap().raw();
     // SAFETY: refused before the driver.
     let e = unsafe { b.launch_on_stream(fc, cfg, b.stream(), &mut []) }.unwrap_err();
@@ -186,14 +186,14 @@ fn registries_load_owned_names_and_blobs() {
     let blobs: Vec<(String, Vec<u8>)> = (0..3)
         .map(|i| (format!("module_{i}"), PTX.to_vec()))
         .collect();
-    let reg = MetraleRegistry::load_into(host(0).unwrap(), blobs).unwrap();
+    let reg = MetraleRegistry::load_into(host(0).unwrap(), &blobs).unwrap();
     assert_eq!(
         reg.module_names().collect::<Vec<_>>(),
         ["module_0", "module_1", "module_2"]
     );
     reg.function("module_2", "vec_add").unwrap();
     let borrowed: Vec<(&str, &[u8])> = vec![("x", PTX)];
-    let reg2 = MetraleRegistry::load_into(host(0).unwrap(), borrowed).unwrap();
+    let reg2 = MetraleRegistry::load_into(host(0).unwrap(), &borrowed).unwrap();
     assert!(reg2.has_module("x"));
     drop(reg2);
     done(Arc::new(reg));

@@ -160,7 +160,7 @@ fn code_queued_into_a_capture_outlives_its_registry() {
     let x = DeviceBuffer::<f32>::alloc(&h, 1).unwrap();
     let graph = s
         .capture(|s| -> metrale_runtime::Result<()> {
-            let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+            let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
             let f = reg.function("kernels", "empty")?;
             let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
             // SAFETY: the stand-in only records the arguments.
@@ -255,7 +255,7 @@ fn frees_wait_for_captures_and_panics_end_them() {
 fn a_failed_layout_read_is_not_remembered() {
     fake().reset();
     fake().fail("cuFuncGetParamInfo", 999, 1, Some(1));
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     let f = reg.function("kernels", "vec_add").unwrap();
     assert!(f.params().is_none(), "not known yet");
     let s = reg.stream();
@@ -278,7 +278,7 @@ fn a_failed_layout_read_is_not_remembered() {
 fn caches_shared_between_registries() {
     fake().reset();
     let regs: Vec<_> = (0..2)
-        .map(|_| MetraleRegistry::load(0, [("kernels", PTX)]).unwrap())
+        .map(|_| MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap())
         .collect();
     let mine: Vec<RawCudaFunc> = regs
         .iter()
@@ -425,7 +425,7 @@ fn capture_bookkeeping_holds_against_misuse() {
     let x = DeviceBuffer::<f32>::alloc(&h0, 1).unwrap();
     let graph = s
         .capture(|s| -> metrale_runtime::Result<()> {
-            let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+            let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
             let f = reg.function("kernels", "empty")?;
             assert!(other.end_capture().is_err(), "never captured");
             let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0)?;
@@ -444,7 +444,7 @@ fn capture_bookkeeping_holds_against_misuse() {
     let exec = graph.instantiate().unwrap();
     let node = graph.kernel_nodes().unwrap().remove(0);
     drop(graph);
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     let f = reg.function("kernels", "empty").unwrap();
     let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
     // SAFETY: refused before the driver.

@@ -45,7 +45,7 @@ fn everything() -> Everything {
     grown.grow_to(1000).unwrap();
     let mut asleep = GrowableBuffer::<u32>::new(&host, 1 << 20).unwrap();
     asleep.grow_to(1000).unwrap();
-    let asleep = asleep.sleep(Some(&stream)).unwrap();
+    let asleep = asleep.sleep(&stream).unwrap();
     let mut range = VirtualRange::reserve(&host, 4 << 20).unwrap();
     let mapped = PhysicalMemory::new(&host, 2 << 20, HandleTypes::POSIX_FD).unwrap();
     range
@@ -296,7 +296,7 @@ fn child_old_driver() {
         "{e}"
     );
     // One model for two devices falls back to a module per device.
-    let regs = MetraleRegistry::load_on_devices(&[0, 1], [("kernels", PTX)]).unwrap();
+    let regs = MetraleRegistry::load_on_devices(&[0, 1], &[("kernels", PTX)]).unwrap();
     assert!(regs.iter().all(|r| !r.shares_code()));
     assert_eq!(fake().calls("cuLibraryLoadData"), 0);
     launch_vec_add(&regs[1]);
@@ -445,7 +445,7 @@ fn an_old_driver_reports_missing_symbols_and_keeps_working() {
 fn cached_handles_under_threads() {
     static CACHE: OnceLock<RawCudaFunc> = OnceLock::new();
     let a = setup();
-    let b = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+    let b = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
     let threads: Vec<_> = (0..8)
         .map(|t| {
             let r = if t % 2 == 0 {

@@ -365,7 +365,7 @@ fn a_driver_failure_names_the_call_and_the_address() {
 fn a_map_is_a_128_byte_kernel_argument() {
     let reg = setup();
     let s = reg.stream();
-    let tma = MetraleRegistry::load(0, [("tma", TMA_TEXT.as_bytes())]).unwrap();
+    let tma = MetraleRegistry::load(0, &[("tma", TMA_TEXT.as_bytes())]).unwrap();
     let f = tma.function("tma", "tma_copy").unwrap();
     let buf = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
     let out = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();

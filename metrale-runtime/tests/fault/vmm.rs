@@ -216,7 +216,7 @@ fn uses_on_another_device_are_waited_for() {
     let mut other = DeviceBuffer::<f32>::zeroed(&h1, 1000).unwrap();
     h1.stream().copy_peer(&buf, &mut other).unwrap();
     let syncs = fake().calls("cuStreamSynchronize");
-    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    let asleep = buf.sleep_discarding().unwrap();
     assert!(
         fake().calls("cuStreamSynchronize") > syncs,
         "the other device's stream was waited for"
@@ -279,7 +279,7 @@ fn sleep_and_wake_restore_every_byte() {
     s.copy_h2d(&values, &mut buf).unwrap();
     let p = buf.device_ptr();
     let (free_awake, _) = memory_info(s).unwrap();
-    let asleep = buf.sleep(Some(s)).unwrap();
+    let asleep = buf.sleep(s).unwrap();
     assert!(asleep.is_saved());
     assert_eq!((asleep.len(), asleep.device_ptr()), (MIB + 3, p));
     let (free_asleep, _) = memory_info(s).unwrap();
@@ -297,14 +297,14 @@ fn sleep_and_wake_restore_every_byte() {
     );
     assert_eq!(s.to_vec(&buf).unwrap(), values);
     // Without saving: the length and addresses come back.
-    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    let asleep = buf.sleep_discarding().unwrap();
     assert!(!asleep.is_saved());
     let mut buf = asleep.wake(s).unwrap();
     assert_eq!((buf.len(), buf.device_ptr()), (MIB + 3, p));
     s.zero(&mut buf).unwrap();
     // A failed save releases nothing and hands the buffer back.
     fake().fail("cuMemcpyDtoHAsync_v2", 999, 1, Some(1));
-    let err = buf.sleep(Some(s)).unwrap_err();
+    let err = buf.sleep(s).unwrap_err();
     assert!(
         err.error.to_string().contains("cuMemcpyDtoHAsync_v2"),
         "{}",
@@ -315,7 +315,7 @@ fn sleep_and_wake_restore_every_byte() {
     };
     assert_eq!(vmm_counts(), (2, 1, 2));
     // A failed wake keeps it asleep; waking again maps only what is missing.
-    let asleep = buf.sleep(Some(s)).unwrap();
+    let asleep = buf.sleep(s).unwrap();
     fake().fail("cuMemCreate", 2, 1, Some(1));
     let err = asleep.wake(s).unwrap_err();
     assert_eq!(err.error.status(), Some(CUresult(2)));
@@ -351,7 +351,7 @@ fn sleep_and_wake_restore_every_byte() {
     let (buf, _) = asleep.wake_keeping_host(s).unwrap();
     assert_eq!(s.to_vec(&buf).unwrap(), values, "reused for a second sleep");
     // A sleeping buffer dropped frees everything.
-    let asleep = buf.sleep(None::<&CudaStream>).unwrap();
+    let asleep = buf.sleep_discarding().unwrap();
     drop(asleep);
     assert_eq!(vmm_counts(), (0, 0, 0));
     done(reg);
@@ -742,7 +742,7 @@ fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
     // Run in a thread so that a blocking wait fails the test instead of hanging it.
     let (tx, rx) = std::sync::mpsc::channel();
     let t = std::thread::spawn(move || {
-        let e = buf.sleep(None::<&CudaStream>).unwrap_err();
+        let e = buf.sleep_discarding().unwrap_err();
         let buf = match e.buffer {
             SleepState::Awake(buf) => buf,
             _ => panic!("still awake"),
@@ -795,7 +795,7 @@ fn a_pending_wait_makes_sleep_refuse_and_drop_leak() {
     b.synchronize().unwrap();
     let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
     buf.grow_to(1024).unwrap();
-    let asleep = buf.sleep(None::<&CudaStream>).map_err(|e| e.error).unwrap();
+    let asleep = buf.sleep_discarding().map_err(|e| e.error).unwrap();
     drop(asleep);
     drop(word);
     drop(flags);
@@ -811,7 +811,7 @@ fn a_buffer_over_shared_memory_refuses_to_sleep() {
     let s = reg.stream();
     let phys = Arc::new(PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap());
     let buf = GrowableBuffer::<u32>::from_physical(phys).unwrap();
-    let e = buf.sleep(None::<&CudaStream>).unwrap_err();
+    let e = buf.sleep_discarding().unwrap_err();
     assert!(
         e.error
             .to_string()
@@ -896,7 +896,7 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     s.copy_h2d(&values, &mut buf).unwrap();
     // The second piece's copy cannot be queued: nothing released yet.
     fake().fail("cuMemcpyDtoHAsync_v2", 999, 2, Some(1));
-    let err = buf.sleep(Some(s)).unwrap_err();
+    let err = buf.sleep(s).unwrap_err();
     assert!(
         err.error.to_string().contains("cuMemcpyDtoHAsync_v2"),
         "{}",
@@ -912,7 +912,7 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     let mut outcome = None;
     let graph = s
         .capture(|cs| -> metrale_runtime::Result<()> {
-            outcome = Some(buf.sleep(Some(cs)));
+            outcome = Some(buf.sleep(cs));
             Ok(())
         })
         .unwrap();
@@ -931,7 +931,7 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     // (and the stream's own wait fails too): asleep, saved, nothing leaked.
     fake().fail("cuEventSynchronize", 999, 2, Some(1));
     fake().fail("cuStreamSynchronize", 999, 1, Some(1));
-    let err = buf.sleep(Some(s)).unwrap_err();
+    let err = buf.sleep(s).unwrap_err();
     assert!(
         err.error.to_string().contains("cuEventSynchronize"),
         "{}",
@@ -952,7 +952,7 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     assert_eq!(vmm_counts(), (2, 1, 2));
     assert_eq!(s.to_vec(&buf).unwrap(), values, "every byte back");
     // And a whole sleep and wake, group by group.
-    let asleep = buf.sleep(Some(s)).unwrap();
+    let asleep = buf.sleep(s).unwrap();
     assert_eq!(vmm_counts(), (0, 1, 0));
     let buf = asleep.wake(s).unwrap();
     assert_eq!(s.to_vec(&buf).unwrap(), values);
@@ -960,8 +960,70 @@ fn a_save_that_fails_partway_keeps_what_it_released() {
     assert_eq!(vmm_counts(), (0, 0, 0));
 }
 
+/// `?` on a sleep and a wake in a function returning metrale's `Result`
+/// (issue 31): the errors convert, keeping the message.
+fn sleep_and_wake_take_the_question_mark() {
+    fn cycle(
+        s: &CudaStream,
+        buf: GrowableBuffer<u32>,
+    ) -> metrale_runtime::Result<GrowableBuffer<u32>> {
+        let buf = buf.sleep(s)?.wake(s)?;
+        let buf = buf.sleep_discarding()?.wake(s)?;
+        Ok(buf)
+    }
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::new(s, MIB).unwrap();
+    buf.grow_to(1024).unwrap();
+    s.copy_h2d(&[7u32; 1024], &mut buf).unwrap();
+    let buf = cycle(s, buf).unwrap();
+    assert_eq!(buf.len(), 1024);
+    drop(buf);
+    // A refusal comes out of `?` as the MetraleError the SleepError held.
+    let phys = Arc::new(PhysicalMemory::new(s, 2 * MIB, HandleTypes::POSIX_FD).unwrap());
+    let shared = GrowableBuffer::<u32>::from_physical(phys).unwrap();
+    let e = cycle(s, shared).unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::InvalidArgument(_)), "{e}");
+    assert!(e.to_string().contains("from_physical"), "{e}");
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
+/// `physical_cloned` (issue 31): a piece kept while the buffer is used
+/// mutably, the same memory as the mapping, alive until its last handle.
+fn a_cloned_piece_outlives_its_borrow() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::with_handle_types(s, MIB, HandleTypes::POSIX_FD).unwrap();
+    buf.grow_to(1024).unwrap();
+    let piece = buf.range().physical_cloned(0).unwrap();
+    s.zero(&mut buf).unwrap(); // a mutable use while the piece is kept
+    assert!(Arc::ptr_eq(&piece, buf.range().physical(0).unwrap()));
+    assert!(
+        buf.range().physical_cloned(4096).is_none(),
+        "no mapping starts there"
+    );
+    drop(buf);
+    assert_eq!(
+        vmm_counts(),
+        (1, 0, 0),
+        "unmapped; the piece lives while held"
+    );
+    drop(piece);
+    assert_eq!(vmm_counts(), (0, 0, 0));
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "vmm::a_cloned_piece_outlives_its_borrow",
+            run: a_cloned_piece_outlives_its_borrow,
+        },
+        Test {
+            name: "vmm::sleep_and_wake_take_the_question_mark",
+            run: sleep_and_wake_take_the_question_mark,
+        },
         Test {
             name: "vmm::a_save_that_fails_partway_keeps_what_it_released",
             run: a_save_that_fails_partway_keeps_what_it_released,

@@ -11,7 +11,7 @@ use crate::harness::{run_child, Child, Test};
 
 fn ptx_cubin_and_fatbin_each_run_vec_add() {
     let reg =
-        MetraleRegistry::load(0, [("ptx", PTX), ("cubin", CUBIN), ("fatbin", FATBIN)]).unwrap();
+        MetraleRegistry::load(0, &[("ptx", PTX), ("cubin", CUBIN), ("fatbin", FATBIN)]).unwrap();
     assert_eq!(reg.module_kind("ptx"), Some(BlobKind::Ptx));
     assert_eq!(reg.module_kind("cubin"), Some(BlobKind::Cubin));
     assert_eq!(reg.module_kind("fatbin"), Some(BlobKind::Fatbin));
@@ -162,19 +162,19 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     let check = |what: &str| check_vec_add(&reg, "kernels", 4096, what.len() as u32);
 
     let garbage: &[u8] = &[0x13, 0x37, 0xff, 0x00, 0x42, 0x99, 0x10, 0x20];
-    let e = MetraleRegistry::load(0, [("garbage", garbage)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("garbage", garbage)]).unwrap_err();
     assert!(
         e.to_string().starts_with("garbage: PTX is not valid UTF-8"),
         "{e}"
     );
     check("garbage");
 
-    let e = MetraleRegistry::load(0, [("half", &CUBIN[..CUBIN.len() / 2])]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("half", &CUBIN[..CUBIN.len() / 2])]).unwrap_err();
     assert!(e.to_string().starts_with("half: malformed cubin:"), "{e}");
     check("truncated");
 
     let broken = b".version 8.0\n.target sm_90\n.address_size 64\n.visible .entry k() { bogus_instruction; }\n";
-    let e = MetraleRegistry::load(0, [("broken", broken)]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("broken", broken)]).unwrap_err();
     let text = e.to_string();
     assert!(
         text.starts_with("broken: cuModuleLoadDataEx failed: CUDA_ERROR_INVALID_PTX (218): "),
@@ -187,7 +187,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     eprintln!("    JIT error text: {}", text.replace('\n', "\n    | "));
     check("syntax");
 
-    let e = MetraleRegistry::load(0, [("latin1", b".version 8.0 // caf\xe9\n")]).unwrap_err();
+    let e = MetraleRegistry::load(0, &[("latin1", b".version 8.0 // caf\xe9\n")]).unwrap_err();
     assert!(
         e.to_string().starts_with("latin1: PTX is not valid UTF-8"),
         "{e}"
@@ -198,7 +198,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     let flags = u32::from_le_bytes(sm80[0x30..0x34].try_into().unwrap());
     let patched = (flags & !0xff00) | (80 << 8);
     sm80[0x30..0x34].copy_from_slice(&patched.to_le_bytes());
-    match MetraleRegistry::load_into(Arc::clone(reg.host()), [("sm80", &sm80)]) {
+    match MetraleRegistry::load_into(Arc::clone(reg.host()), &[("sm80", &sm80)]) {
         Err(e) => {
             eprintln!("    wrong-architecture cubin: {e}");
             assert!(
@@ -228,8 +228,10 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
     );
     let f = reg.function("kernels", "vec_add").unwrap();
     let out = DeviceBuffer::<f32>::alloc(reg.stream(), 4).unwrap();
-    let mut impossible = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0).unwrap();
-    impossible.block_dim = (2048, 1, 1);
+    // Above the H200's opt-in shared memory: refused at launch.
+    let impossible = LaunchConfig::new((1, 1, 1), (1, 1, 1), 0)
+        .unwrap()
+        .with_shared_mem(1 << 20);
     // SAFETY: refused before the driver.
     let e = unsafe {
         reg.stream()
@@ -251,7 +253,7 @@ fn bad_inputs_give_named_errors_and_the_registry_still_works() {
 
 fn two_registries_share_one_host() {
     let a = registry();
-    let b = MetraleRegistry::load(0, [("other", CUBIN)]).unwrap();
+    let b = MetraleRegistry::load(0, &[("other", CUBIN)]).unwrap();
     assert!(Arc::ptr_eq(a.host(), b.host()));
     assert!(Arc::ptr_eq(a.host(), &host(0).unwrap()));
     check_vec_add(&a, "kernels", 10_000, 1);
@@ -387,7 +389,7 @@ fn kernel_attributes_occupancy_and_listing() {
 
 fn vec_add_cubin_via_raw_params() {
     // The seed's raw path: a hand-built void* array.
-    let reg = MetraleRegistry::load(0, [("cubin", CUBIN)]).unwrap();
+    let reg = MetraleRegistry::load(0, &[("cubin", CUBIN)]).unwrap();
     let s = reg.stream();
     let n = 1000usize;
     let (a, b) = (data(n, 9), data(n, 10));
@@ -447,7 +449,7 @@ fn child_illegal_address() {
 /// GPU and driver through the JIT, and computes exactly.
 fn the_quickstart_blob_loads_and_runs() {
     static QUICKSTART: &[u8] = include_bytes!("../../examples/kernels/vec_add.ptx");
-    let reg = MetraleRegistry::load(0, [("quickstart", QUICKSTART)]).unwrap();
+    let reg = MetraleRegistry::load(0, &[("quickstart", QUICKSTART)]).unwrap();
     assert_eq!(reg.module_kind("quickstart"), Some(BlobKind::Ptx));
     let f = reg.function("quickstart", "vec_add").unwrap();
     let attrs = f.attributes().unwrap();
@@ -508,7 +510,7 @@ fn child_drop_after_ctx_reset() {
     grown.grow_to(1 << 20).unwrap();
     let mut asleep = GrowableBuffer::<u32>::new(&h, 1 << 24).unwrap();
     asleep.grow_to(1 << 20).unwrap();
-    let asleep = asleep.sleep(Some(&s)).unwrap();
+    let asleep = asleep.sleep(&s).unwrap();
     s.synchronize().unwrap();
     let d = sys::driver().unwrap();
     // SAFETY: resets the device's primary context; every handle above dies with it.

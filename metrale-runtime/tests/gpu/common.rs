@@ -17,7 +17,7 @@ pub const SCALE: &str = "_ZN7tq_plus14d_innerq_scaleE";
 pub const SEED: &str = "_ZN12metrale_test4seedE";
 
 pub fn registry() -> Arc<MetraleRegistry> {
-    MetraleRegistry::load(0, [("kernels", PTX)]).unwrap()
+    MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap()
 }
 
 /// Deterministic, non-trivial floats (never zeros).

@@ -176,7 +176,7 @@ fn drop_in_every_order() {
         [2, 3, 0, 1],
     ];
     for order in orders {
-        let reg = MetraleRegistry::load(0, [("k", CUBIN)]).unwrap();
+        let reg = MetraleRegistry::load(0, &[("k", CUBIN)]).unwrap();
         let s = CudaStream::new(reg.ctx()).unwrap();
         let f = reg.function("k", "axpb").unwrap();
         let mut x = DeviceBuffer::<u32>::zeroed(&s, 1).unwrap();
@@ -210,13 +210,13 @@ fn drop_in_every_order() {
 }
 
 fn a_device_side_while_loop() {
-    let reg = MetraleRegistry::load(0, [("kernels", CUBIN), ("cond", COND_CUBIN)]);
+    let reg = MetraleRegistry::load(0, &[("kernels", CUBIN), ("cond", COND_CUBIN)]);
     let reg = match reg {
         Ok(r) => r,
         Err(e) => {
             // The PTX variant, for a driver that wants to link it itself.
             eprintln!("    conditional cubin did not load ({e}); trying PTX");
-            MetraleRegistry::load(0, [("kernels", CUBIN), ("cond", COND_PTX)]).unwrap()
+            MetraleRegistry::load(0, &[("kernels", CUBIN), ("cond", COND_PTX)]).unwrap()
         }
     };
     let s = reg.stream();

@@ -41,7 +41,7 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
         return;
     }
     let (rows, cols) = (64usize, 96usize);
-    let tma = MetraleRegistry::load(0, [("tma", TMA_PTX)]).unwrap();
+    let tma = MetraleRegistry::load(0, &[("tma", TMA_PTX)]).unwrap();
     let f = tma.function("tma", "tma_copy_2d").unwrap();
     let s = reg.stream();
     let a = data(rows * cols, 7);

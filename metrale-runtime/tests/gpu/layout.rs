@@ -4,7 +4,7 @@ use crate::common::*;
 use crate::harness::Test;
 
 fn parameter_layouts_read_back() {
-    let reg = MetraleRegistry::load(0, [("ptx", PTX), ("cubin", CUBIN)]).unwrap();
+    let reg = MetraleRegistry::load(0, &[("ptx", PTX), ("cubin", CUBIN)]).unwrap();
     for module in ["ptx", "cubin"] {
         let f = reg.function(module, "layout_probe").unwrap();
         let params = f.params().expect("the driver reports parameter layouts");

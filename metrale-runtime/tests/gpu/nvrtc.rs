@@ -51,7 +51,7 @@ fn template_compiled_for_the_device_runs() {
         .compile_for(host.ctx())
         .unwrap();
     assert_eq!(out.target(), Target::Sm(device_arch(&host)), "{out:?}");
-    let reg = MetraleRegistry::load_into(host.clone(), [&out]).unwrap();
+    let reg = MetraleRegistry::load_into(host.clone(), &[&out]).unwrap();
     assert_eq!(reg.module_kind("scale_add.cu"), Some(BlobKind::Cubin));
     let s = reg.stream();
     let n = 10_000u32;
@@ -101,7 +101,7 @@ fn sm80_code_on_this_device() {
         .compile(Target::Sm(80))
         .unwrap();
     assert_eq!(cubin.cubin_arch(), Some(80));
-    let loaded = MetraleRegistry::load_into(host.clone(), [&cubin]);
+    let loaded = MetraleRegistry::load_into(host.clone(), &[&cubin]);
     if host.limits().compute_capability.0 == 8 {
         run_fill(&loaded.unwrap(), "fill80.cu");
     } else {
@@ -113,7 +113,7 @@ fn sm80_code_on_this_device() {
     let ptx = Program::new("fill80ptx.cu", src)
         .compile(Target::Compute(80))
         .unwrap();
-    let reg = MetraleRegistry::load_into(host, [&ptx]).unwrap();
+    let reg = MetraleRegistry::load_into(host, &[&ptx]).unwrap();
     assert_eq!(reg.module_kind("fill80ptx.cu"), Some(BlobKind::Ptx));
     run_fill(&reg, "fill80ptx.cu");
 }
@@ -159,7 +159,7 @@ fn lto_linked_kernel_runs() {
         .unwrap()
         .link()
         .unwrap();
-    let reg = MetraleRegistry::load_into(host, [("linked", linked.cubin())]).unwrap();
+    let reg = MetraleRegistry::load_into(host, &[("linked", linked.cubin())]).unwrap();
     let s = reg.stream();
     let k = reg.function("linked", "twice_all").unwrap();
     let n = 5000u32;
@@ -181,7 +181,7 @@ fn cached_output_loads() {
     let second = CompileCache::new().on_disk(&dir).unwrap();
     let out = second.compile_for(&p, host.ctx()).unwrap();
     assert_eq!(second.stats().disk_hits, 1);
-    let reg = MetraleRegistry::load_into(host, [&*out]).unwrap();
+    let reg = MetraleRegistry::load_into(host, &[&*out]).unwrap();
     let k = reg
         .function(
             "scale_add.cu",

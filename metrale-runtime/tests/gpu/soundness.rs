@@ -15,7 +15,7 @@ fn a_registry_dropped_inside_a_capture_keeps_the_graph_runnable() {
     let mut out = DeviceBuffer::<u32>::alloc(&h, 1024).unwrap();
     let graph = s
         .capture(|s| -> metrale_runtime::Result<()> {
-            let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+            let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
             let f = reg.function("kernels", "fill_index")?;
             let cfg = LaunchConfig::for_num_elems(1024, 256)?;
             // SAFETY: fill_index(unsigned* out, unsigned n, unsigned base) over 1024.

@@ -108,7 +108,7 @@ fn sleep_releases_memory_and_wake_restores_every_byte() {
     s.synchronize().unwrap();
     let p = buf.device_ptr();
     let (free_awake, _) = dev.memory_info().unwrap();
-    let asleep = buf.sleep(Some(s)).unwrap();
+    let asleep = buf.sleep(s).unwrap();
     let (free_asleep, _) = dev.memory_info().unwrap();
     assert!(
         free_asleep >= free_awake + 512 * MIB - 64 * MIB,
