@@ -109,7 +109,11 @@ struct call_slot {
     int fail_status;  /* 0: no failure armed */
     long fail_from;   /* 1-based call number from which to fail */
     long fail_times;  /* <0: for ever */
+    int pause_armed;  /* the next call waits in `enter` until resumed */
+    int paused;       /* a call is waiting there now */
 };
+/* Signalled when a call pauses and when a paused call is resumed. */
+static pthread_cond_t pause_cv = PTHREAD_COND_INITIALIZER;
 static struct call_slot slots[MAX_NAMES];
 static int shut_down;
 static int initialised;
@@ -132,6 +136,14 @@ static struct call_slot *slot(const char *name) {
 static CUresult enter(const char *name) {
     struct call_slot *s = slot(name);
     s->calls++;
+    if (s->pause_armed) {
+        /* A test's pause point: wait (the big lock released meanwhile, so other
+         * threads' calls go on) until fakecuda_resume. */
+        s->pause_armed = 0;
+        s->paused = 1;
+        pthread_cond_broadcast(&pause_cv);
+        while (s->paused) pthread_cond_wait(&pause_cv, &lock);
+    }
     if (shut_down) return DEINITIALIZED;
     if (s->fail_status && s->calls >= s->fail_from &&
         (s->fail_times < 0 || s->calls < s->fail_from + s->fail_times))
@@ -741,6 +753,39 @@ EXPORT void fakecuda_fail(const char *name, int status, long from_call, long tim
     s->fail_status = status;
     s->fail_from = s->calls + (from_call < 1 ? 1 : from_call);
     s->fail_times = times;
+    pthread_mutex_unlock(&lock);
+}
+/* Make the next call of `name` wait until fakecuda_resume(name). */
+EXPORT void fakecuda_pause_next(const char *name) {
+    pthread_mutex_lock(&lock);
+    slot(name)->pause_armed = 1;
+    pthread_mutex_unlock(&lock);
+}
+/* Wait up to `ms` milliseconds for a call of `name` to be paused; 1 if one is. */
+EXPORT int fakecuda_wait_paused(const char *name, long ms) {
+    pthread_mutex_lock(&lock);
+    struct call_slot *s = slot(name);
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    while (!s->paused)
+        if (pthread_cond_timedwait(&pause_cv, &lock, &t)) break;
+    int paused = s->paused;
+    pthread_mutex_unlock(&lock);
+    return paused;
+}
+/* Let the paused call of `name` (if any) go on; disarm a pause not yet met. */
+EXPORT void fakecuda_resume(const char *name) {
+    pthread_mutex_lock(&lock);
+    struct call_slot *s = slot(name);
+    s->pause_armed = 0;
+    s->paused = 0;
+    pthread_cond_broadcast(&pause_cv);
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_shutdown(int on) {

@@ -455,6 +455,12 @@ impl CudaStream {
         self.inner.capturing.swap(false, AtomicOrdering::SeqCst)
     }
 
+    /// Whether a capture metrale began on this stream is still in progress (its
+    /// bookkeeping not yet undone).
+    pub(crate) fn metrale_capturing(&self) -> bool {
+        self.inner.capturing.load(AtomicOrdering::SeqCst)
+    }
+
     /// Take back one mark of `mark_capture`.
     pub(crate) fn unmark_capture(&self) {
         self.inner
@@ -482,17 +488,31 @@ impl CudaStream {
 
     /// `cuStreamGetCaptureInfo_v3`'s status of the stream.
     pub(crate) fn capture_status_raw(&self) -> Result<sys::CUstreamCaptureStatus, CallError> {
+        self.capture_info_raw().map(|(status, _)| status)
+    }
+
+    /// The driver's id of the capture the stream is in (its own, or one it
+    /// joined); `None` when it is not capturing.
+    pub(crate) fn capture_id_raw(&self) -> Result<Option<u64>, CallError> {
+        let (status, id) = self.capture_info_raw()?;
+        Ok((status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id))
+    }
+
+    /// `cuStreamGetCaptureInfo_v3`'s status of the stream and its capture id.
+    pub(crate) fn capture_info_raw(&self) -> Result<(sys::CUstreamCaptureStatus, u64), CallError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: std::ffi::c_ulonglong = 0;
         let raw = self.inner.raw;
         self.inner.ctx.with(|d| {
-            // SAFETY: writes the status only; the other outputs are optional (null).
+            // SAFETY: writes the status and the id only; the other outputs are
+            // optional (null).
             unsafe {
                 cu!(
                     d,
                     cuStreamGetCaptureInfo_v3(
                         raw,
                         &mut status,
-                        std::ptr::null_mut(),
+                        &mut id,
                         std::ptr::null_mut(),
                         std::ptr::null_mut(),
                         std::ptr::null_mut(),
@@ -501,7 +521,7 @@ impl CudaStream {
                 )
             }
         })?;
-        Ok(status)
+        Ok((status, id))
     }
 
     /// Refuse, inside `section`, an operation that cannot be captured (a copy that

@@ -1,0 +1,149 @@
+//! Issue 29 (soundness, round 4): each test fails on the code before its fix.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use crate::common::*;
+use crate::harness::Test;
+
+fn finish() {
+    release(0);
+    release(1);
+    assert_eq!(fake().live(Live::DeviceMemory), 0, "device memory left");
+    assert_eq!(fake().live(Live::HostMemory), 0, "pinned memory left");
+    assert_eq!(fake().live(Live::Streams), 0, "streams left");
+    assert_eq!(fake().live(Live::Events), 0, "events left");
+    assert_eq!(fake().live(Live::Graphs), 0, "graphs left");
+    assert_eq!(fake().live(Live::Execs), 0, "executable graphs left");
+}
+
+/// Item 1: a capture ending on one thread releases only the repeatable host
+/// functions of its own capture, not the one another thread has just queued
+/// into a capture it began meanwhile. The end is paused (the stand-in's pause
+/// point) in the module unload it makes once no capture is left.
+fn ending_a_capture_keeps_the_host_function_of_another_capture() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let (s1, s2, plain) = (
+        CudaStream::new(&h).unwrap(),
+        CudaStream::new(&h).unwrap(),
+        CudaStream::new(&h).unwrap(),
+    );
+    let x = DeviceBuffer::<f32>::alloc(&h, 1).unwrap();
+    plain.synchronize().unwrap();
+    let (begun_tx, begun) = std::sync::mpsc::channel();
+    let (go, go_rx) = std::sync::mpsc::channel::<()>();
+    // Thread A begins a capture, then ends it when told.
+    let ender = std::thread::spawn(move || {
+        s1.begin_capture(CaptureMode::Relaxed).unwrap();
+        begun_tx.send(()).unwrap();
+        go_rx.recv().unwrap();
+        let g = s1.end_capture().unwrap();
+        drop(g);
+        s1
+    });
+    begun.recv().unwrap();
+    {
+        // A kernel queued on another stream while a capture is in progress is
+        // held for the captures: its module goes when the last capture ends.
+        let reg = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+        let f = reg.function("kernels", "empty").unwrap();
+        let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
+        // SAFETY: the stand-in only records the arguments.
+        unsafe { plain.launch(&f, cfg, (&x, 1u32, 1.0f32)) }.unwrap();
+    }
+    fake().pause_next("cuModuleUnload");
+    go.send(()).unwrap();
+    assert!(
+        fake().wait_paused("cuModuleUnload", 10_000),
+        "the capture end unloads the held module"
+    );
+    // Meanwhile: a capture begins on another thread's stream and queues a
+    // repeatable host function.
+    let token = Arc::new(());
+    let t = Arc::clone(&token);
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = Arc::clone(&runs);
+    let f: HostFn = Arc::new(move || {
+        let _ = &t;
+        r.fetch_add(1, Ordering::SeqCst);
+    });
+    s2.begin_capture(CaptureMode::Relaxed).unwrap();
+    s2.launch_host_fn_repeat(f).unwrap();
+    fake().resume("cuModuleUnload");
+    let s1 = ender.join().unwrap();
+    let graph = s2.end_capture().unwrap();
+    assert_eq!(
+        Arc::strong_count(&token),
+        2,
+        "the graph holds its host function (the other capture's end freed it)"
+    );
+    let exec = graph.instantiate().unwrap();
+    drop(graph);
+    // SAFETY: the graph runs a host function only.
+    unsafe { exec.launch(&s2) }.unwrap();
+    s2.synchronize().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1);
+    drop(exec);
+    assert_eq!(Arc::strong_count(&token), 1, "released with the graph");
+    drop((x, s1, s2, plain, h));
+    finish();
+}
+
+/// Item 9: a failed `cuStreamEndCapture` is retried by `capture`, which ends
+/// its capture and leaves the stream and this thread's capture count as they
+/// were; when the driver never ends it, the error says the stream is still
+/// capturing, and a later `end_capture` ends it.
+fn capture_retries_a_failed_end() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    let mut x = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    s.synchronize().unwrap();
+    fake().fail("cuStreamEndCapture", 999, 1, Some(1));
+    let graph = s
+        .capture(|s| -> metrale_runtime::Result<()> { s.launch_host_fn_repeat(Arc::new(|| {})) })
+        .unwrap();
+    assert!(!s.is_capturing().unwrap(), "the capture ended");
+    assert_eq!(graph.nodes().unwrap().len(), 1);
+    drop(graph);
+    // The stream and this thread work normally: a borrowed-host copy, a free.
+    s.copy_h2d(&[1, 2, 3, 4], &mut x).unwrap();
+    drop(x);
+    assert_eq!(
+        deferred_frees(),
+        0,
+        "this thread is not counted as capturing"
+    );
+
+    // A driver that never ends it: the error says so, the state stays true.
+    fake().fail("cuStreamEndCapture", 999, 1, None);
+    let e = s
+        .capture(|_| -> metrale_runtime::Result<()> { Ok(()) })
+        .unwrap_err();
+    assert!(e.to_string().contains("cuStreamEndCapture"), "{e}");
+    assert!(e.to_string().contains("still capturing"), "{e}");
+    assert!(s.is_capturing().unwrap());
+    fake().fail("cuStreamEndCapture", 999, 1, Some(0));
+    drop(s.end_capture().unwrap());
+    assert!(!s.is_capturing().unwrap());
+    let y = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    s.synchronize().unwrap();
+    drop(y);
+    assert_eq!(deferred_frees(), 0);
+    drop((s, h));
+    finish();
+}
+
+pub fn tests() -> Vec<Test> {
+    vec![
+        Test {
+            name: "round4::ending_a_capture_keeps_the_host_function_of_another_capture",
+            run: ending_a_capture_keeps_the_host_function_of_another_capture,
+        },
+        Test {
+            name: "round4::capture_retries_a_failed_end",
+            run: capture_retries_a_failed_end,
+        },
+    ]
+}
