@@ -456,7 +456,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         let mut failed = queued.err();
         if failed.is_none() {
             for &(first, end, ev) in &groups {
-                if let Err(e) = stream.wait_done(ev) {
+                if let Err(e) = stream.wait_event(ev) {
                     failed = Some(e);
                     break;
                 }

@@ -135,6 +135,64 @@ fn capture_retries_a_failed_end() {
     finish();
 }
 
+/// Item 3: each pending copy waits on its own completion event. With a wait on
+/// a mapped word queued after the first copy and another pending copy after
+/// that, the first is done and dropping it returns (it used to wait on the
+/// stream's one event, recorded again after the wait: for ever, as the word is
+/// written only after the drop).
+fn a_pending_copy_waits_for_its_own_copy_only() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let src = DeviceBuffer::<u32>::zeroed(&s, 4).unwrap();
+    s.synchronize().unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&go, 0).unwrap();
+    let first = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 4).unwrap())
+        .unwrap();
+    s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+    let second = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 4).unwrap())
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        let done = first.is_done().unwrap();
+        drop(first);
+        tx.send(done).unwrap();
+    });
+    let first_done = rx.recv_timeout(std::time::Duration::from_secs(5));
+    // Release the wait in any case, so a failing run ends.
+    go.atomic(0).unwrap().store(1, Ordering::SeqCst);
+    dropper.join().unwrap();
+    assert_eq!(
+        first_done,
+        Ok(true),
+        "the first copy is done and dropping it returns before the word is written"
+    );
+    assert_eq!(second.wait().unwrap().len(), 4);
+
+    // More copies in flight than the stream's pool has slots: each has its
+    // own event all the same, and every event is given back or destroyed.
+    let pending: Vec<_> = (0..40)
+        .map(|_| {
+            s.copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 4).unwrap())
+                .unwrap()
+        })
+        .collect();
+    for p in pending {
+        assert!(p.wait().is_ok());
+    }
+    let events = fake().live(Live::Events);
+    for _ in 0..100 {
+        drop(s.to_vec(&src).unwrap());
+    }
+    assert_eq!(fake().live(Live::Events), events, "events are recycled");
+    s.synchronize().unwrap();
+    drop(word);
+    drop((go, src, s));
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -144,6 +202,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "round4::capture_retries_a_failed_end",
             run: capture_retries_a_failed_end,
+        },
+        Test {
+            name: "round4::a_pending_copy_waits_for_its_own_copy_only",
+            run: a_pending_copy_waits_for_its_own_copy_only,
         },
     ]
 }
