@@ -200,14 +200,41 @@ pub struct CudaContext {
     /// context's streams that a host function after them has not yet seen passed
     /// (see [`CudaContext::pending_waits`]); shared with those host functions.
     pending_waits: Arc<AtomicUsize>,
+    /// Waits counted in `pending_waits` whose host function could not be
+    /// queued: each is counted down (its host function's work done here) once
+    /// its completion event, or its stream, says it passed (see
+    /// `CudaContext::note_unseen_wait`).
+    unseen_waits: Mutex<Vec<UnseenWait>>,
+    /// Whether `unseen_waits` may hold anything (one load on the paths that
+    /// read `pending_waits`).
+    unseen_any: AtomicBool,
 }
+
+/// A wait on mapped words whose host function was refused: what tells that it
+/// passed, and what that host function would have done.
+struct UnseenWait {
+    /// An event recorded right after the wait (destroyed here), or null when
+    /// none could be: then the stream's idleness says.
+    event: sys::CUevent,
+    /// The stream the wait was queued on, held alive by `finish`.
+    stream: sys::CUstream,
+    /// The context generation the event was made in.
+    made: Generation,
+    /// The host function's work: counts the waits passed and hands on the
+    /// words it held (run here, outside any host function).
+    finish: Box<dyn FnOnce() + Send>,
+}
+
+// SAFETY: the event and stream are opaque handles the driver lets any thread
+// query (the stream is kept alive by `finish`); `finish` is Send.
+unsafe impl Send for UnseenWait {}
 
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
 // afterwards; the driver API is thread-safe for them (any thread may make the context
 // current). `&'static Driver` is Sync.
 unsafe impl Send for CudaContext {}
-// SAFETY: as for Send; the only mutable state is atomics (`reset_reported`,
-// `pending_waits`).
+// SAFETY: as for Send; the mutable state is atomics (`reset_reported`,
+// `pending_waits`, `unseen_any`) and a Mutex (`unseen_waits`).
 unsafe impl Sync for CudaContext {}
 
 impl fmt::Debug for CudaContext {
@@ -290,6 +317,8 @@ impl CudaContext {
             limits,
             reset_reported: AtomicBool::new(false),
             pending_waits: Arc::new(AtomicUsize::new(0)),
+            unseen_waits: Mutex::new(Vec::new()),
+            unseen_any: AtomicBool::new(false),
         })
     }
 
@@ -526,6 +555,7 @@ impl CudaContext {
             // SAFETY: no arguments; the context is current.
             |d| unsafe { cu!(d, cuCtxSynchronize()) },
         );
+        self.triage_unseen_waits();
         drain_dropped_later();
         done
     }
@@ -533,7 +563,11 @@ impl CudaContext {
     /// GPU-side waits on mapped (host) words metrale queued on this context's
     /// streams ([`CudaStream::wait_value32`](crate::CudaStream::wait_value32)
     /// and the others, outside captures) that the stream has not yet passed: the
-    /// host passes them, and may not. While this is non-zero, a wait for the
+    /// host passes them, and may not. A wait is counted until the host function
+    /// queued after it has run, or, when that host function could not be
+    /// queued, until an event recorded after the wait (or its stream, idle)
+    /// says it passed: whatever happened to the host function, a wait is
+    /// counted down once its completion is known. While this is non-zero, a wait for the
     /// whole context (`cuCtxSynchronize`) could block for ever, so freeing
     /// virtual memory or closing an IPC buffer leaks it (one line on stderr), a
     /// `cuMemFree` is deferred until they have passed (retried at the next
@@ -542,7 +576,102 @@ impl CudaContext {
     /// the context as an endless kernel does. A wait whose stream faulted (its
     /// host functions never run) stays counted for good.
     pub fn pending_waits(&self) -> usize {
+        if self.unseen_any.load(Ordering::Acquire) {
+            self.triage_unseen_waits();
+        }
         self.pending_waits.load(Ordering::Acquire)
+    }
+
+    /// Note a counted wait whose host function could not be queued: `event`
+    /// (recorded right after it, or null) or, without one, `stream`'s
+    /// idleness says when it passed; then `finish` (the host function's work)
+    /// runs, outside any host function. `finish` keeps the stream alive.
+    pub(crate) fn note_unseen_wait(
+        &self,
+        event: sys::CUevent,
+        stream: sys::CUstream,
+        finish: Box<dyn FnOnce() + Send>,
+    ) {
+        self.unseen_waits
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(UnseenWait {
+                event,
+                stream,
+                made: self.generation(),
+                finish,
+            });
+        self.unseen_any.store(true, Ordering::Release);
+    }
+
+    /// Count down the unseen waits that have passed (see `note_unseen_wait`):
+    /// their event (or stream) is complete, or the context will run nothing
+    /// more. Not inside a host function (no driver call there).
+    pub(crate) fn triage_unseen_waits(&self) {
+        if !self.unseen_any.load(Ordering::Acquire) || in_host_function() {
+            return;
+        }
+        let passed: Vec<UnseenWait> = {
+            let mut list = self
+                .unseen_waits
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if self.bind_fast().is_err() {
+                return;
+            }
+            let d = self.driver;
+            let mut passed = Vec::new();
+            let mut i = 0;
+            while i < list.len() {
+                let (ev, st) = match list.get(i) {
+                    Some(w) => (w.event, w.stream),
+                    None => break,
+                };
+                let status = if ev.is_null() {
+                    // SAFETY: a live stream (kept alive by the entry's `finish`)
+                    // of this, bound, context; only the status is read.
+                    unsafe { cu!(d, cuStreamQuery(st)) }
+                } else {
+                    // SAFETY: a live event made for this entry; only the status
+                    // is read.
+                    unsafe { cu!(d, cuEventQuery(ev)) }
+                };
+                let done = match status {
+                    Ok(()) => true,
+                    Err(CallError::Status { status, .. }) => crate::stream::work_abandoned(status),
+                    Err(_) => false,
+                };
+                if done {
+                    passed.push(list.swap_remove(i));
+                } else {
+                    i += 1;
+                }
+            }
+            self.unseen_any.store(!list.is_empty(), Ordering::Release);
+            passed
+        };
+        // Outside the lock: destroying the events and the host functions' work
+        // (which drops a stream handle) call the driver.
+        for w in passed {
+            if !w.event.is_null() {
+                let ev = w.event;
+                self.release_with(
+                    w.made,
+                    format_args!(
+                        "destroying the event after a wait on device {}",
+                        self.ordinal
+                    ),
+                    |d, failures| {
+                        // SAFETY: the event made for this entry, destroyed once.
+                        if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                            failures.push(e);
+                        }
+                    },
+                );
+            }
+            // Counts the waits down; what it held goes at the next drain.
+            (w.finish)();
+        }
     }
 
     /// The shared counter behind [`CudaContext::pending_waits`], for the host

@@ -11,13 +11,18 @@
 //!   free pinned memory where the driver may not be called): it moves it to the
 //!   process's drop-later list, emptied by the next `CudaStream::synchronize`,
 //!   `CudaContext::synchronize` or `MappedWords::new`. When the holder cannot be
-//!   queued, the words are leaked (reported), never freed under the operation.
+//!   queued, an event recorded after the operation stands in for it: the
+//!   context keeps the words until that event (or, without one, the stream,
+//!   idle) says the operation passed, and then does the holder's work, so the
+//!   words are never freed under the operation, nor kept for ever.
 //! - Mapped words are refused on a stream being captured through metrale,
 //!   before anything is queued: a graph would replay the operation after the
 //!   words may be gone.
 //! - Every wait on mapped words queued outside a capture (the host passes it,
 //!   and may never) is counted on its context until the host function that holds
-//!   the words runs ([`CudaContext::pending_waits`]): meanwhile, frees and unmaps
+//!   the words runs, or, when it could not be queued, until the event after the
+//!   wait says it passed, whatever happened to the host function
+//!   ([`CudaContext::pending_waits`]): meanwhile, frees and unmaps
 //!   that would wait for the whole context refuse (or leak) instead of blocking
 //!   for ever on a word nobody writes. Operations on device words only queue no
 //!   host function (their submit is the driver's call alone): a wait on a device
@@ -580,9 +585,12 @@ impl CudaStream {
     /// begins between the check and the queueing.
     ///
     /// Mapped words on a capturing stream are refused before anything is queued.
-    /// Their waits are counted on the context before they are queued. When the host function cannot be queued, the
-    /// operations are already: the words are leaked and the waits stay counted
-    /// (reported on stderr), never freed under the operations.
+    /// Their waits are counted on the context before they are queued. When the
+    /// host function cannot be queued, the operations are already: an event
+    /// recorded after them stands in for it, and the context counts the waits
+    /// down and hands the words on once it says they passed (see
+    /// `CudaContext::note_unseen_wait`), never freeing them under the
+    /// operations.
     fn queue_mem_ops(
         &self,
         what: &'static str,
@@ -637,19 +645,67 @@ impl CudaStream {
                 Err(e)
             }
             Err((e, Some(keeper))) => {
+                // The operations are queued: their words stay held and their
+                // waits counted until an event recorded after them (still in the
+                // section: not captured) or, without one, the stream, idle,
+                // says they passed; then the context does the keeper's work.
+                let event = self.event_after_ops();
                 drop(section);
-                // The operations are queued: leak their words rather than free
-                // them under the operations; their waits stay counted.
-                std::mem::forget(keeper);
+                let stream = self.clone();
+                self.context().note_unseen_wait(
+                    event,
+                    self.raw(),
+                    Box::new(move || {
+                        keeper();
+                        drop(stream);
+                    }),
+                );
                 report_line(format_args!(
                     "{}: the operation is queued, but the host function holding its \
-                     mapped words could not be: they are leaked, and its {counted} \
-                     wait(s) stay counted as pending: {e}",
+                     mapped words could not be: the words stay held and its \
+                     {counted} wait(s) counted until an event after it says it \
+                     passed: {e}",
                     self.subject(what)
                 ));
                 Err(e)
             }
         }
+    }
+
+    /// An event recorded now at the end of the stream's queue (outside any
+    /// capture: the caller's section), or null when none could be made or
+    /// recorded (one made but not recorded is destroyed under the release rule).
+    #[cold]
+    fn event_after_ops(&self) -> sys::CUevent {
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        let made = self.call("creating an event after memory operations", |d, _| {
+            // SAFETY: writes one event handle; the context is current.
+            unsafe { cu!(d, cuEventCreate(&mut ev, flags as std::ffi::c_uint)) }
+        });
+        if made.is_err() {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: a live event and stream of the bound context.
+        let recorded = self.call(
+            "recording an event after memory operations",
+            |d, s| unsafe { cu!(d, cuEventRecord(ev, s)) },
+        );
+        if recorded.is_ok() {
+            return ev;
+        }
+        let ctx = self.context();
+        ctx.release_with(
+            ctx.generation(),
+            format_args!("destroying an unrecorded event on device {}", ctx.ordinal()),
+            |d, failures| {
+                // SAFETY: the event made above, never recorded, destroyed once.
+                if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                    failures.push(e);
+                }
+            },
+        );
+        std::ptr::null_mut()
     }
 
     fn wait_checks<T: SignalValue>(

@@ -193,6 +193,35 @@ fn a_pending_copy_waits_for_its_own_copy_only() {
     done(reg);
 }
 
+/// Item 4: a wait on a mapped word whose holding host function is refused is
+/// counted down once an event after it says it passed: frees are not deferred
+/// for ever and the words are freed, not leaked.
+fn a_refused_keeper_leaves_no_wait_counted_for_ever() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&go, 0).unwrap();
+    fake().fail("cuLaunchHostFunc", 999, 1, None);
+    let e = s.wait_value32(&word, 1, WaitFlags::EQ).unwrap_err();
+    assert!(e.to_string().contains("cuLaunchHostFunc"), "{e}");
+    fake().fail("cuLaunchHostFunc", 999, 1, Some(0));
+    assert_eq!(reg.ctx().pending_waits(), 1, "counted until it passes");
+    assert!(Arc::strong_count(&go) > 1, "the words are held meanwhile");
+    go.atomic(0).unwrap().store(1, Ordering::SeqCst);
+    s.synchronize().unwrap();
+    reg.ctx().synchronize().unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 0, "counted down once passed");
+    // Frees are not deferred behind it.
+    let frees = fake().calls("cuMemFree_v2");
+    drop(DeviceBuffer::<u32>::alloc(reg.ctx(), 4).unwrap());
+    assert_eq!(fake().calls("cuMemFree_v2"), frees + 1, "freed at once");
+    drop(word);
+    reg.ctx().synchronize().unwrap();
+    assert_eq!(Arc::strong_count(&go), 1, "the words are handed back");
+    drop((go, s));
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -206,6 +235,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "round4::a_pending_copy_waits_for_its_own_copy_only",
             run: a_pending_copy_waits_for_its_own_copy_only,
+        },
+        Test {
+            name: "round4::a_refused_keeper_leaves_no_wait_counted_for_ever",
+            run: a_refused_keeper_leaves_no_wait_counted_for_ever,
         },
     ]
 }
