@@ -92,6 +92,7 @@ fn main() -> ExitCode {
             .chain(tensor_map::children())
             .chain(green::children())
             .chain(vmm::children())
+            .chain(round4::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crate::common::*;
-use crate::harness::Test;
+use crate::harness::{run_child, Child, Test};
 
 fn finish() {
     release(0);
@@ -222,6 +222,38 @@ fn a_refused_keeper_leaves_no_wait_counted_for_ever() {
     done(reg);
 }
 
+/// Item 10 (child): a saving sleep whose event destroy fails.
+fn child_sleep_event_destroy_fails() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut buf = GrowableBuffer::<u32>::new(s, 4 << 20).unwrap();
+    buf.grow_to(1024).unwrap();
+    s.synchronize().unwrap();
+    fake().fail("cuEventDestroy_v2", 999, 1, Some(1));
+    let asleep = buf.sleep(Some(s)).unwrap();
+    assert!(asleep.is_saved());
+    drop(asleep);
+}
+
+/// Item 10: the events of a saving sleep go through the release rule: a failed
+/// destroy is one line on stderr naming the call (it was discarded).
+fn a_saving_sleeps_failed_event_destroy_is_reported() {
+    let out = run_child("sleep_event_destroy_fails", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "child failed: {stderr}");
+    assert!(
+        stderr.contains("event(s) of a saving sleep on device 0: cuEventDestroy_v2 failed: CUDA_ERROR_UNKNOWN (999)"),
+        "{stderr}"
+    );
+}
+
+pub fn children() -> Vec<Child> {
+    vec![Child {
+        name: "sleep_event_destroy_fails",
+        run: child_sleep_event_destroy_fails,
+    }]
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -239,6 +271,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "round4::a_refused_keeper_leaves_no_wait_counted_for_ever",
             run: a_refused_keeper_leaves_no_wait_counted_for_ever,
+        },
+        Test {
+            name: "round4::a_saving_sleeps_failed_event_destroy_is_reported",
+            run: a_saving_sleeps_failed_event_destroy_is_reported,
         },
     ]
 }
