@@ -3082,7 +3082,8 @@ static CUresult mem_op_here(void *s, int type, CUdeviceptr addr, unsigned long l
     NEED_CTX();
     if (!addr || addr % (wide ? 8 : 4)) return INVALID_VALUE;
     if (type == JOB_WAIT_VALUE && (flags & ~(3u | (1u << 30)))) return INVALID_VALUE;
-    if (type == JOB_WRITE_VALUE && (flags & ~1u)) return INVALID_VALUE;
+    /* The v2 write refuses NO_MEMORY_BARRIER (1) too (seen on driver 580). */
+    if (type == JOB_WRITE_VALUE && flags) return INVALID_VALUE;
     struct job j = {.type = type, .addr = addr, .value = value, .flags = flags, .wide = wide};
     return queue_job(s, &j, NODE_MEM_OP);
 }
@@ -3119,14 +3120,20 @@ struct batch_op {
 };
 static CUresult do_batch(void *s, unsigned count, const struct batch_op *ops, unsigned flags) {
     NEED_CTX();
-    if (flags || (count && !ops) || count > 256) return INVALID_VALUE;
+    /* As the driver (seen on driver 580): at most 255 operations per batch, and
+     * no write flag (NO_MEMORY_BARRIER is refused by the v2 entry point). */
+    if (flags || (count && !ops) || count > 255) return INVALID_VALUE;
     CUresult r = stream_ok(s);
     if (r) return r;
     /* Check every operation before queueing any, as the driver does. */
     for (unsigned i = 0; i < count; i++) {
         switch (ops[i].operation) {
-        case 1: case 2: if (!ops[i].address || ops[i].address % 4) return INVALID_VALUE; break;
-        case 4: case 5: if (!ops[i].address || ops[i].address % 8) return INVALID_VALUE; break;
+        case 1: case 2: if (!ops[i].address || ops[i].address % 4) return INVALID_VALUE;
+            if (ops[i].operation == 2 && ops[i].flags) return INVALID_VALUE;
+            break;
+        case 4: case 5: if (!ops[i].address || ops[i].address % 8) return INVALID_VALUE;
+            if (ops[i].operation == 5 && ops[i].flags) return INVALID_VALUE;
+            break;
         case 3: case 6: break;
         default: return INVALID_VALUE;
         }

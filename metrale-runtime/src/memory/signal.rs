@@ -117,8 +117,11 @@ impl WaitFlags {
 #[non_exhaustive]
 pub struct WriteFlags {
     /// Skip the memory barrier before the write
-    /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`): earlier writes of the stream
-    /// may become visible after this one. Default: off.
+    /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`). **Always refused**: the
+    /// `_v2` entry points metrale calls (`cuStreamWriteValue32_v2`,
+    /// `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`) do not support it
+    /// (driver 580 answers `CUDA_ERROR_INVALID_VALUE`), so every write with it
+    /// is refused with `InvalidArgument` before the driver. Default: off.
     pub no_memory_barrier: bool,
 }
 
@@ -127,17 +130,27 @@ impl WriteFlags {
     pub const DEFAULT: WriteFlags = WriteFlags {
         no_memory_barrier: false,
     };
-    /// A write without the memory barrier before it.
+    /// A write without the memory barrier before it: **always refused** (see
+    /// [`WriteFlags::no_memory_barrier`]); kept so that code naming it gets a
+    /// clear error rather than a bare driver status.
     pub const NO_MEMORY_BARRIER: WriteFlags = WriteFlags {
         no_memory_barrier: true,
     };
 
-    fn to_driver(self) -> u32 {
+    /// The driver's flags, or the refusal of `NO_MEMORY_BARRIER` (which no
+    /// `_v2` entry point supports) naming `what` on `stream`.
+    fn to_driver(self, stream: &CudaStream, what: &str) -> Result<u32> {
         if self.no_memory_barrier {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
-        } else {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0
+            return Err(invalid_arg(format!(
+                "{}: WriteFlags::NO_MEMORY_BARRIER is refused: the driver's \
+                 cuStreamWriteValue32_v2 / cuStreamWriteValue64_v2 / \
+                 cuStreamBatchMemOp_v2 do not support \
+                 CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (CUDA_ERROR_INVALID_VALUE); \
+                 use WriteFlags::DEFAULT",
+                stream.subject(what)
+            )));
         }
+        Ok(sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0)
     }
 }
 
@@ -390,6 +403,10 @@ fn require(
     Ok(())
 }
 
+/// The most operations one [`CudaStream::batch_mem_ops`] batch takes: the
+/// driver refuses 256 and more (measured on driver 580: 255 succeed, 256 fail).
+pub const MAX_BATCH_MEM_OPS: usize = 255;
+
 /// One operation of a [`CudaStream::batch_mem_ops`] batch.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -462,8 +479,9 @@ impl CudaStream {
         value: u32,
         flags: WriteFlags,
     ) -> Result<()> {
+        let f = flags.to_driver(self, "write_value32")?;
         word.prepare(self, "write_value32")?;
-        let (a, f) = (word.addr, flags.to_driver());
+        let a = word.addr;
         // SAFETY: as for wait_value32.
         self.queue_word_op("write_value32", word, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
@@ -482,8 +500,9 @@ impl CudaStream {
         value: u64,
         flags: WriteFlags,
     ) -> Result<()> {
+        let f = flags.to_driver(self, "write_value64")?;
         word.prepare(self, "write_value64")?;
-        let (a, f) = (word.addr, flags.to_driver());
+        let a = word.addr;
         // SAFETY: as for wait_value64.
         self.queue_word_op("write_value64", word, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
@@ -494,11 +513,13 @@ impl CudaStream {
     /// order. Every word is checked before the driver sees any.
     ///
     /// # Errors
-    /// As the single operations; `InvalidArgument` for more than 256 operations.
+    /// As the single operations; `InvalidArgument` for more than
+    /// [`MAX_BATCH_MEM_OPS`] (255) operations, before the driver.
     pub fn batch_mem_ops(&self, ops: &[MemOp<'_, '_>]) -> Result<()> {
-        if ops.len() > 256 {
+        if ops.len() > MAX_BATCH_MEM_OPS {
             return Err(invalid_arg(format!(
-                "{}: a batch of {} memory operations (at most 256)",
+                "{}: a batch of {} memory operations (at most {MAX_BATCH_MEM_OPS}: the \
+                 driver refuses more)",
                 self.subject("batch_mem_ops"),
                 ops.len()
             )));
@@ -537,7 +558,7 @@ impl CudaStream {
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_32;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value = v;
-                    p.writeValue.flags = f.to_driver();
+                    p.writeValue.flags = f.to_driver(self, "batch_mem_ops")?;
                 }
                 MemOp::Write64(w, v, f) => {
                     w.prepare(self, "batch_mem_ops")?;
@@ -545,7 +566,7 @@ impl CudaStream {
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_64;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value64 = v;
-                    p.writeValue.flags = f.to_driver();
+                    p.writeValue.flags = f.to_driver(self, "batch_mem_ops")?;
                 }
             }
             params.push(p);
