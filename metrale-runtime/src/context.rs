@@ -200,19 +200,24 @@ pub struct CudaContext {
     /// context's streams that a host function after them has not yet seen passed
     /// (see [`CudaContext::pending_waits`]); shared with those host functions.
     pending_waits: Arc<AtomicUsize>,
-    /// Waits counted in `pending_waits` whose host function could not be
-    /// queued: each is counted down (its host function's work done here) once
-    /// its completion event, or its stream, says it passed (see
-    /// `CudaContext::note_unseen_wait`).
-    unseen_waits: Mutex<Vec<UnseenWait>>,
-    /// Whether `unseen_waits` may hold anything (one load on the paths that
-    /// read `pending_waits`).
-    unseen_any: AtomicBool,
 }
+
+/// Waits counted in a context's `pending_waits` whose host function could not
+/// be queued: each is counted down (its host function's work done here) once
+/// its completion event, or its stream, says it passed (see
+/// `CudaContext::note_unseen_wait`). Process-wide, like the drop-later list,
+/// so that an entry (which holds its stream and words, and so the context)
+/// is not held by the context itself.
+static UNSEEN_WAITS: Mutex<Vec<UnseenWait>> = Mutex::new(Vec::new());
+/// Whether `UNSEEN_WAITS` may hold anything (one load on the paths that read
+/// `pending_waits` and at each drain).
+static UNSEEN_ANY: AtomicBool = AtomicBool::new(false);
 
 /// A wait on mapped words whose host function was refused: what tells that it
 /// passed, and what that host function would have done.
 struct UnseenWait {
+    /// The context of the event and stream.
+    ctx: Arc<CudaContext>,
     /// An event recorded right after the wait (destroyed here), or null when
     /// none could be: then the stream's idleness says.
     event: sys::CUevent,
@@ -226,15 +231,16 @@ struct UnseenWait {
 }
 
 // SAFETY: the event and stream are opaque handles the driver lets any thread
-// query (the stream is kept alive by `finish`); `finish` is Send.
+// query once their context is bound (the stream is kept alive by `finish`);
+// the context and `finish` are Send.
 unsafe impl Send for UnseenWait {}
 
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
 // afterwards; the driver API is thread-safe for them (any thread may make the context
 // current). `&'static Driver` is Sync.
 unsafe impl Send for CudaContext {}
-// SAFETY: as for Send; the mutable state is atomics (`reset_reported`,
-// `pending_waits`, `unseen_any`) and a Mutex (`unseen_waits`).
+// SAFETY: as for Send; the only mutable state is atomics (`reset_reported`,
+// `pending_waits`).
 unsafe impl Sync for CudaContext {}
 
 impl fmt::Debug for CudaContext {
@@ -317,8 +323,6 @@ impl CudaContext {
             limits,
             reset_reported: AtomicBool::new(false),
             pending_waits: Arc::new(AtomicUsize::new(0)),
-            unseen_waits: Mutex::new(Vec::new()),
-            unseen_any: AtomicBool::new(false),
         })
     }
 
@@ -555,7 +559,6 @@ impl CudaContext {
             // SAFETY: no arguments; the context is current.
             |d| unsafe { cu!(d, cuCtxSynchronize()) },
         );
-        self.triage_unseen_waits();
         drain_dropped_later();
         done
     }
@@ -576,9 +579,7 @@ impl CudaContext {
     /// the context as an endless kernel does. A wait whose stream faulted (its
     /// host functions never run) stays counted for good.
     pub fn pending_waits(&self) -> usize {
-        if self.unseen_any.load(Ordering::Acquire) {
-            self.triage_unseen_waits();
-        }
+        triage_unseen_waits();
         self.pending_waits.load(Ordering::Acquire)
     }
 
@@ -587,91 +588,22 @@ impl CudaContext {
     /// idleness says when it passed; then `finish` (the host function's work)
     /// runs, outside any host function. `finish` keeps the stream alive.
     pub(crate) fn note_unseen_wait(
-        &self,
+        self: &Arc<Self>,
         event: sys::CUevent,
         stream: sys::CUstream,
         finish: Box<dyn FnOnce() + Send>,
     ) {
-        self.unseen_waits
+        UNSEEN_WAITS
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(UnseenWait {
+                ctx: Arc::clone(self),
                 event,
                 stream,
                 made: self.generation(),
                 finish,
             });
-        self.unseen_any.store(true, Ordering::Release);
-    }
-
-    /// Count down the unseen waits that have passed (see `note_unseen_wait`):
-    /// their event (or stream) is complete, or the context will run nothing
-    /// more. Not inside a host function (no driver call there).
-    pub(crate) fn triage_unseen_waits(&self) {
-        if !self.unseen_any.load(Ordering::Acquire) || in_host_function() {
-            return;
-        }
-        let passed: Vec<UnseenWait> = {
-            let mut list = self
-                .unseen_waits
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner);
-            if self.bind_fast().is_err() {
-                return;
-            }
-            let d = self.driver;
-            let mut passed = Vec::new();
-            let mut i = 0;
-            while i < list.len() {
-                let (ev, st) = match list.get(i) {
-                    Some(w) => (w.event, w.stream),
-                    None => break,
-                };
-                let status = if ev.is_null() {
-                    // SAFETY: a live stream (kept alive by the entry's `finish`)
-                    // of this, bound, context; only the status is read.
-                    unsafe { cu!(d, cuStreamQuery(st)) }
-                } else {
-                    // SAFETY: a live event made for this entry; only the status
-                    // is read.
-                    unsafe { cu!(d, cuEventQuery(ev)) }
-                };
-                let done = match status {
-                    Ok(()) => true,
-                    Err(CallError::Status { status, .. }) => crate::stream::work_abandoned(status),
-                    Err(_) => false,
-                };
-                if done {
-                    passed.push(list.swap_remove(i));
-                } else {
-                    i += 1;
-                }
-            }
-            self.unseen_any.store(!list.is_empty(), Ordering::Release);
-            passed
-        };
-        // Outside the lock: destroying the events and the host functions' work
-        // (which drops a stream handle) call the driver.
-        for w in passed {
-            if !w.event.is_null() {
-                let ev = w.event;
-                self.release_with(
-                    w.made,
-                    format_args!(
-                        "destroying the event after a wait on device {}",
-                        self.ordinal
-                    ),
-                    |d, failures| {
-                        // SAFETY: the event made for this entry, destroyed once.
-                        if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
-                            failures.push(e);
-                        }
-                    },
-                );
-            }
-            // Counts the waits down; what it held goes at the next drain.
-            (w.finish)();
-        }
+        UNSEEN_ANY.store(true, Ordering::Release);
     }
 
     /// The shared counter behind [`CudaContext::pending_waits`], for the host
@@ -907,10 +839,78 @@ pub(crate) fn drop_later(value: Box<dyn Send>) {
     DROP_LATER_ANY.store(true, Ordering::Release);
 }
 
+/// Count down the unseen waits that have passed (see
+/// `CudaContext::note_unseen_wait`): their event (or stream) is complete, or
+/// their context will run nothing more. One load while there is none; not
+/// inside a host function (no driver call there). Run where `pending_waits`
+/// is read and at each drain.
+pub(crate) fn triage_unseen_waits() {
+    if !UNSEEN_ANY.load(Ordering::Acquire) || in_host_function() {
+        return;
+    }
+    let passed: Vec<UnseenWait> = {
+        let mut list = UNSEEN_WAITS.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut passed = Vec::new();
+        let mut i = 0;
+        while i < list.len() {
+            let Some(w) = list.get(i) else { break };
+            let (ev, st) = (w.event, w.stream);
+            let status = w.ctx.with(|d| {
+                if ev.is_null() {
+                    // SAFETY: a live stream (kept alive by the entry's `finish`)
+                    // of this, bound, context; only the status is read.
+                    unsafe { cu!(d, cuStreamQuery(st)) }
+                } else {
+                    // SAFETY: a live event made for this entry; only the status
+                    // is read.
+                    unsafe { cu!(d, cuEventQuery(ev)) }
+                }
+            });
+            let done = match status {
+                Ok(()) => true,
+                Err(CallError::Status { status, .. }) => crate::stream::work_abandoned(status),
+                Err(_) => false,
+            };
+            if done {
+                passed.push(list.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        UNSEEN_ANY.store(!list.is_empty(), Ordering::Release);
+        passed
+    };
+    // Outside the lock: destroying the events and the host functions' work
+    // (which drops a stream handle) call the driver.
+    for w in passed {
+        if !w.event.is_null() {
+            let ev = w.event;
+            w.ctx.release_with(
+                w.made,
+                format_args!(
+                    "destroying the event after a wait on device {}",
+                    w.ctx.ordinal()
+                ),
+                |d, failures| {
+                    // SAFETY: the event made for this entry, destroyed once.
+                    if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                        failures.push(e);
+                    }
+                },
+            );
+        }
+        // Counts the waits down; what it held goes to the drop-later list.
+        (w.finish)();
+    }
+}
+
 /// Drop what host functions left in [`drop_later`], outside any host function.
 /// Called by [`CudaContext::synchronize`], [`CudaStream::synchronize`]
 /// (crate::CudaStream::synchronize) and [`MappedWords::new`](crate::MappedWords::new).
 pub(crate) fn drain_dropped_later() {
+    // Waits whose host function was refused hand their words on here once
+    // passed.
+    triage_unseen_waits();
     if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
         return;
     }

@@ -905,10 +905,9 @@ impl CudaStream {
         let done = self.call("synchronize", |d, s| unsafe {
             cu!(d, cuStreamSynchronize(s))
         });
-        // Waits whose host function could not be queued are counted down once
-        // passed; what this stream's host functions could not drop (mapped
-        // signal words whose last holder they were) is dropped here.
-        self.inner.ctx.triage_unseen_waits();
+        // What this stream's host functions could not drop (mapped signal words
+        // whose last holder they were) is dropped here, and waits whose host
+        // function could not be queued are counted down once passed.
         crate::context::drain_dropped_later();
         done
     }

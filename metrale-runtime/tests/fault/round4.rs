@@ -187,6 +187,14 @@ fn a_pending_copy_waits_for_its_own_copy_only() {
         drop(s.to_vec(&src).unwrap());
     }
     assert_eq!(fake().live(Live::Events), events, "events are recycled");
+    // No heap allocation per copy once the pool's events are made.
+    let mut back = [0u32; 4];
+    s.copy_d2h(&src, &mut back).unwrap();
+    let before = allocations();
+    for _ in 0..100 {
+        s.copy_d2h(&src, &mut back).unwrap();
+    }
+    assert_eq!(allocations(), before, "a copy allocates nothing");
     s.synchronize().unwrap();
     drop(word);
     drop((go, src, s));
