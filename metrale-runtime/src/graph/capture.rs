@@ -66,7 +66,10 @@ impl CudaStream {
         });
         match &begun {
             Ok(()) => {
-                self.set_capturing();
+                // Its id, for its end to release exactly what it took (0 when
+                // the query fails: the end asks again).
+                let id = self.capture_id_raw().ok().flatten().unwrap_or(0);
+                self.set_capturing(id);
                 crate::stream::capture_depth_add(1);
             }
             Err(_) => {
@@ -125,6 +128,14 @@ impl CudaStream {
                 None,
             ),
         };
+        // The id noted when metrale began the capture, should the query fail
+        // (a capture this stream only joined has none noted: the end then
+        // fails, as the driver ends a capture from its origin stream only).
+        let id = id.or_else(|| {
+            self.metrale_capturing()
+                .then(|| self.noted_capture_id())
+                .flatten()
+        });
         let mut raw: CUgraph = std::ptr::null_mut();
         let ended = self.context().with(|d| {
             // SAFETY: writes one graph handle (null when the capture failed).

@@ -23,7 +23,7 @@
 use std::ffi::{c_int, c_uint};
 use std::fmt;
 use std::sync::atomic::{
-    AtomicBool, AtomicPtr, AtomicU32, AtomicUsize, Ordering as AtomicOrdering,
+    AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering as AtomicOrdering,
 };
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -101,6 +101,10 @@ struct StreamInner {
     /// Whether a capture begun by metrale on this stream is in progress (its
     /// bookkeeping is undone exactly once, when it ends).
     pub(crate) capturing: AtomicBool,
+    /// The driver's id of that capture, asked right after it began (0: not
+    /// known), for its end to release what it took should the end's own
+    /// status query fail.
+    capture_id: AtomicU64,
     /// Held across a metrale capture's start (mark, drain, begin) or a
     /// capture-joining wait, and by sections that find the stream marked, so the
     /// driver's answer "not capturing" stays true for the whole section.
@@ -447,6 +451,7 @@ impl CudaStream {
                 in_flight: AtomicU32::new(0),
                 done: DonePool::new(),
                 capturing: AtomicBool::new(false),
+                capture_id: AtomicU64::new(0),
                 capture_lock: Mutex::new(()),
                 green,
             }),
@@ -525,9 +530,20 @@ impl CudaStream {
         locked
     }
 
-    /// Note that a metrale capture began on this stream.
-    pub(crate) fn set_capturing(&self) {
+    /// Note that a metrale capture began on this stream, with the driver's
+    /// capture id when known (0 otherwise).
+    pub(crate) fn set_capturing(&self, id: u64) {
+        self.inner.capture_id.store(id, AtomicOrdering::SeqCst);
         self.inner.capturing.store(true, AtomicOrdering::SeqCst);
+    }
+
+    /// The driver's id of this stream's metrale capture, as noted when it
+    /// began; `None` when not known.
+    pub(crate) fn noted_capture_id(&self) -> Option<u64> {
+        match self.inner.capture_id.load(AtomicOrdering::SeqCst) {
+            0 => None,
+            id => Some(id),
+        }
     }
 
     /// Whether a metrale capture was in progress here; clears the note (true once

@@ -131,6 +131,27 @@ fn capture_retries_a_failed_end() {
     s.synchronize().unwrap();
     drop(y);
     assert_eq!(deferred_frees(), 0);
+
+    // The end's own status query fails: it still releases what its capture
+    // took (the id noted when the capture began), no more, no less.
+    let token = Arc::new(());
+    let t = Arc::clone(&token);
+    let graph = s
+        .capture(|s| -> metrale_runtime::Result<()> {
+            s.launch_host_fn_repeat(Arc::new(move || {
+                let _ = &t;
+            }))?;
+            fake().fail("cuStreamGetCaptureInfo_v3", 999, 1, Some(1));
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(Arc::strong_count(&token), 2, "the graph holds it");
+    drop(graph);
+    assert_eq!(
+        Arc::strong_count(&token),
+        1,
+        "released with the graph, not kept by the capture list"
+    );
     drop((s, h));
     finish();
 }
