@@ -729,6 +729,7 @@ static int stream_ctx_strict;
 EXPORT void fakecuda_reset(void) {
     pthread_mutex_lock(&lock);
     memset(slots, 0, sizeof slots);
+    pthread_cond_broadcast(&pause_cv); /* a call paused there goes on */
     shut_down = 0;
     no_error_strings = 0;
     driver_version = 13000;

@@ -121,9 +121,59 @@ fn batches_take_255_operations_and_no_memory_barrier_is_refused() {
     finish_batches(reg);
 }
 
+/// Item 3: each pending copy waits on its own completion event. A pending
+/// copy, then a wait on a mapped word the host writes only after the first
+/// copy's drop, then another pending copy: dropping the first returns (it used
+/// to wait on the stream's one event, recorded again after the wait).
+fn a_pending_copy_waits_for_its_own_copy_only() {
+    let reg = registry();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let src = DeviceBuffer::from_host(&s, &[1u32, 2, 3, 4]).unwrap();
+    s.synchronize().unwrap();
+    let go = std::sync::Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&go, 0).unwrap();
+    let first = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 4).unwrap())
+        .unwrap();
+    s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+    let second = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 4).unwrap())
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let back = first.wait().map(|b| b.to_vec());
+        tx.send(back).unwrap();
+    });
+    let first_back = rx.recv_timeout(std::time::Duration::from_secs(10));
+    assert!(
+        !second.is_done().unwrap(),
+        "the second copy waits on the word"
+    );
+    // Release the wait in any case, so a failing run ends.
+    go.atomic(0)
+        .unwrap()
+        .store(1, std::sync::atomic::Ordering::SeqCst);
+    waiter.join().unwrap();
+    assert_eq!(
+        first_back.map(|r| r.unwrap()),
+        Ok(vec![1, 2, 3, 4]),
+        "the first copy's wait returns before the word is written"
+    );
+    assert_eq!(second.wait().unwrap().to_vec(), [1, 2, 3, 4]);
+    s.synchronize().unwrap();
+    drop(word);
+    drop((go, src, s, reg));
+}
+
 pub fn tests() -> Vec<Test> {
-    vec![Test {
-        name: "round4::batches_take_255_operations_and_no_memory_barrier_is_refused",
-        run: batches_take_255_operations_and_no_memory_barrier_is_refused,
-    }]
+    vec![
+        Test {
+            name: "round4::batches_take_255_operations_and_no_memory_barrier_is_refused",
+            run: batches_take_255_operations_and_no_memory_barrier_is_refused,
+        },
+        Test {
+            name: "round4::a_pending_copy_waits_for_its_own_copy_only",
+            run: a_pending_copy_waits_for_its_own_copy_only,
+        },
+    ]
 }
