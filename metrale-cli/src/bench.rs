@@ -75,7 +75,7 @@ struct Measured {
 
 fn measure(options: Options) -> Result<Measured, MetraleError> {
     let d = sys::driver().map_err(|e| MetraleError::from(e.clone()))?;
-    let reg = MetraleRegistry::load(0, [("kernels", PTX)])?;
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)])?;
     let stream = reg.stream();
     let raw_stream = stream.raw();
     static EMPTY: OnceLock<RawCudaFunc> = OnceLock::new();

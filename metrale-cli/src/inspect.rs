@@ -387,7 +387,7 @@ fn on_devices(
             ),
             Err(e) => (format!("? ({e})"), (0, 0)),
         };
-        let loaded = MetraleRegistry::load(ordinal, [(module, data)])
+        let loaded = MetraleRegistry::load(ordinal, &[(module, data)])
             .map_err(|e| e.to_string())
             .map(|reg| {
                 let names = reg

@@ -109,7 +109,11 @@ struct call_slot {
     int fail_status;  /* 0: no failure armed */
     long fail_from;   /* 1-based call number from which to fail */
     long fail_times;  /* <0: for ever */
+    int pause_armed;  /* the next call waits in `enter` until resumed */
+    int paused;       /* a call is waiting there now */
 };
+/* Signalled when a call pauses and when a paused call is resumed. */
+static pthread_cond_t pause_cv = PTHREAD_COND_INITIALIZER;
 static struct call_slot slots[MAX_NAMES];
 static int shut_down;
 static int initialised;
@@ -132,6 +136,14 @@ static struct call_slot *slot(const char *name) {
 static CUresult enter(const char *name) {
     struct call_slot *s = slot(name);
     s->calls++;
+    if (s->pause_armed) {
+        /* A test's pause point: wait (the big lock released meanwhile, so other
+         * threads' calls go on) until fakecuda_resume. */
+        s->pause_armed = 0;
+        s->paused = 1;
+        pthread_cond_broadcast(&pause_cv);
+        while (s->paused) pthread_cond_wait(&pause_cv, &lock);
+    }
     if (shut_down) return DEINITIALIZED;
     if (s->fail_status && s->calls >= s->fail_from &&
         (s->fail_times < 0 || s->calls < s->fail_from + s->fail_times))
@@ -717,6 +729,7 @@ static int stream_ctx_strict;
 EXPORT void fakecuda_reset(void) {
     pthread_mutex_lock(&lock);
     memset(slots, 0, sizeof slots);
+    pthread_cond_broadcast(&pause_cv); /* a call paused there goes on */
     shut_down = 0;
     no_error_strings = 0;
     driver_version = 13000;
@@ -741,6 +754,39 @@ EXPORT void fakecuda_fail(const char *name, int status, long from_call, long tim
     s->fail_status = status;
     s->fail_from = s->calls + (from_call < 1 ? 1 : from_call);
     s->fail_times = times;
+    pthread_mutex_unlock(&lock);
+}
+/* Make the next call of `name` wait until fakecuda_resume(name). */
+EXPORT void fakecuda_pause_next(const char *name) {
+    pthread_mutex_lock(&lock);
+    slot(name)->pause_armed = 1;
+    pthread_mutex_unlock(&lock);
+}
+/* Wait up to `ms` milliseconds for a call of `name` to be paused; 1 if one is. */
+EXPORT int fakecuda_wait_paused(const char *name, long ms) {
+    pthread_mutex_lock(&lock);
+    struct call_slot *s = slot(name);
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_sec += ms / 1000;
+    t.tv_nsec += (ms % 1000) * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    while (!s->paused)
+        if (pthread_cond_timedwait(&pause_cv, &lock, &t)) break;
+    int paused = s->paused;
+    pthread_mutex_unlock(&lock);
+    return paused;
+}
+/* Let the paused call of `name` (if any) go on; disarm a pause not yet met. */
+EXPORT void fakecuda_resume(const char *name) {
+    pthread_mutex_lock(&lock);
+    struct call_slot *s = slot(name);
+    s->pause_armed = 0;
+    s->paused = 0;
+    pthread_cond_broadcast(&pause_cv);
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_shutdown(int on) {
@@ -3042,7 +3088,8 @@ static CUresult mem_op_here(void *s, int type, CUdeviceptr addr, unsigned long l
     NEED_CTX();
     if (!addr || addr % (wide ? 8 : 4)) return INVALID_VALUE;
     if (type == JOB_WAIT_VALUE && (flags & ~(3u | (1u << 30)))) return INVALID_VALUE;
-    if (type == JOB_WRITE_VALUE && (flags & ~1u)) return INVALID_VALUE;
+    /* The v2 write refuses NO_MEMORY_BARRIER (1) too (seen on driver 580). */
+    if (type == JOB_WRITE_VALUE && flags) return INVALID_VALUE;
     struct job j = {.type = type, .addr = addr, .value = value, .flags = flags, .wide = wide};
     return queue_job(s, &j, NODE_MEM_OP);
 }
@@ -3079,14 +3126,20 @@ struct batch_op {
 };
 static CUresult do_batch(void *s, unsigned count, const struct batch_op *ops, unsigned flags) {
     NEED_CTX();
-    if (flags || (count && !ops) || count > 256) return INVALID_VALUE;
+    /* As the driver (seen on driver 580): at most 255 operations per batch, and
+     * no write flag (NO_MEMORY_BARRIER is refused by the v2 entry point). */
+    if (flags || (count && !ops) || count > 255) return INVALID_VALUE;
     CUresult r = stream_ok(s);
     if (r) return r;
     /* Check every operation before queueing any, as the driver does. */
     for (unsigned i = 0; i < count; i++) {
         switch (ops[i].operation) {
-        case 1: case 2: if (!ops[i].address || ops[i].address % 4) return INVALID_VALUE; break;
-        case 4: case 5: if (!ops[i].address || ops[i].address % 8) return INVALID_VALUE; break;
+        case 1: case 2: if (!ops[i].address || ops[i].address % 4) return INVALID_VALUE;
+            if (ops[i].operation == 2 && ops[i].flags) return INVALID_VALUE;
+            break;
+        case 4: case 5: if (!ops[i].address || ops[i].address % 8) return INVALID_VALUE;
+            if (ops[i].operation == 5 && ops[i].flags) return INVALID_VALUE;
+            break;
         case 3: case 6: break;
         default: return INVALID_VALUE;
         }

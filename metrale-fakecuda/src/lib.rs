@@ -144,6 +144,43 @@ impl Fake {
         );
     }
 
+    /// Make the next call of `call` wait inside the stand-in (its lock released,
+    /// so other threads' calls go on) until [`Fake::resume`]: a test's pause
+    /// point between two steps of the runtime.
+    pub fn pause_next(&self, call: &str) {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakecuda_pause_next",
+            unsafe extern "C" fn(*const c_char),
+            name.as_ptr()
+        );
+    }
+
+    /// Wait up to `ms` milliseconds for a call of `call` to be paused there;
+    /// whether one is.
+    pub fn wait_paused(&self, call: &str, ms: i64) -> bool {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakecuda_wait_paused",
+            unsafe extern "C" fn(*const c_char, c_long) -> c_int,
+            name.as_ptr(),
+            ms as c_long
+        ) != 0
+    }
+
+    /// Let the paused call of `call` go on (and disarm a pause not yet met).
+    pub fn resume(&self, call: &str) {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakecuda_resume",
+            unsafe extern "C" fn(*const c_char),
+            name.as_ptr()
+        );
+    }
+
     /// Switch "driver shut down" on or off: while on, every call returns
     /// `CUDA_ERROR_DEINITIALIZED`.
     pub fn shutdown(&self, on: bool) {

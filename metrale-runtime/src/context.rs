@@ -202,6 +202,39 @@ pub struct CudaContext {
     pending_waits: Arc<AtomicUsize>,
 }
 
+/// Waits counted in a context's `pending_waits` whose host function could not
+/// be queued: each is counted down (its host function's work done here) once
+/// its completion event, or its stream, says it passed (see
+/// `CudaContext::note_unseen_wait`). Process-wide, like the drop-later list,
+/// so that an entry (which holds its stream and words, and so the context)
+/// is not held by the context itself.
+static UNSEEN_WAITS: Mutex<Vec<UnseenWait>> = Mutex::new(Vec::new());
+/// Whether `UNSEEN_WAITS` may hold anything (one load on the paths that read
+/// `pending_waits` and at each drain).
+static UNSEEN_ANY: AtomicBool = AtomicBool::new(false);
+
+/// A wait on mapped words whose host function was refused: what tells that it
+/// passed, and what that host function would have done.
+struct UnseenWait {
+    /// The context of the event and stream.
+    ctx: Arc<CudaContext>,
+    /// An event recorded right after the wait (destroyed here), or null when
+    /// none could be: then the stream's idleness says.
+    event: sys::CUevent,
+    /// The stream the wait was queued on, held alive by `finish`.
+    stream: sys::CUstream,
+    /// The context generation the event was made in.
+    made: Generation,
+    /// The host function's work: counts the waits passed and hands on the
+    /// words it held (run here, outside any host function).
+    finish: Box<dyn FnOnce() + Send>,
+}
+
+// SAFETY: the event and stream are opaque handles the driver lets any thread
+// query once their context is bound (the stream is kept alive by `finish`);
+// the context and `finish` are Send.
+unsafe impl Send for UnseenWait {}
+
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
 // afterwards; the driver API is thread-safe for them (any thread may make the context
 // current). `&'static Driver` is Sync.
@@ -533,7 +566,11 @@ impl CudaContext {
     /// GPU-side waits on mapped (host) words metrale queued on this context's
     /// streams ([`CudaStream::wait_value32`](crate::CudaStream::wait_value32)
     /// and the others, outside captures) that the stream has not yet passed: the
-    /// host passes them, and may not. While this is non-zero, a wait for the
+    /// host passes them, and may not. A wait is counted until the host function
+    /// queued after it has run, or, when that host function could not be
+    /// queued, until an event recorded after the wait (or its stream, idle)
+    /// says it passed: whatever happened to the host function, a wait is
+    /// counted down once its completion is known. While this is non-zero, a wait for the
     /// whole context (`cuCtxSynchronize`) could block for ever, so freeing
     /// virtual memory or closing an IPC buffer leaks it (one line on stderr), a
     /// `cuMemFree` is deferred until they have passed (retried at the next
@@ -542,7 +579,31 @@ impl CudaContext {
     /// the context as an endless kernel does. A wait whose stream faulted (its
     /// host functions never run) stays counted for good.
     pub fn pending_waits(&self) -> usize {
+        triage_unseen_waits();
         self.pending_waits.load(Ordering::Acquire)
+    }
+
+    /// Note a counted wait whose host function could not be queued: `event`
+    /// (recorded right after it, or null) or, without one, `stream`'s
+    /// idleness says when it passed; then `finish` (the host function's work)
+    /// runs, outside any host function. `finish` keeps the stream alive.
+    pub(crate) fn note_unseen_wait(
+        self: &Arc<Self>,
+        event: sys::CUevent,
+        stream: sys::CUstream,
+        finish: Box<dyn FnOnce() + Send>,
+    ) {
+        UNSEEN_WAITS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(UnseenWait {
+                ctx: Arc::clone(self),
+                event,
+                stream,
+                made: self.generation(),
+                finish,
+            });
+        UNSEEN_ANY.store(true, Ordering::Release);
     }
 
     /// The shared counter behind [`CudaContext::pending_waits`], for the host
@@ -778,10 +839,78 @@ pub(crate) fn drop_later(value: Box<dyn Send>) {
     DROP_LATER_ANY.store(true, Ordering::Release);
 }
 
+/// Count down the unseen waits that have passed (see
+/// `CudaContext::note_unseen_wait`): their event (or stream) is complete, or
+/// their context will run nothing more. One load while there is none; not
+/// inside a host function (no driver call there). Run where `pending_waits`
+/// is read and at each drain.
+pub(crate) fn triage_unseen_waits() {
+    if !UNSEEN_ANY.load(Ordering::Acquire) || in_host_function() {
+        return;
+    }
+    let passed: Vec<UnseenWait> = {
+        let mut list = UNSEEN_WAITS.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut passed = Vec::new();
+        let mut i = 0;
+        while i < list.len() {
+            let Some(w) = list.get(i) else { break };
+            let (ev, st) = (w.event, w.stream);
+            let status = w.ctx.with(|d| {
+                if ev.is_null() {
+                    // SAFETY: a live stream (kept alive by the entry's `finish`)
+                    // of this, bound, context; only the status is read.
+                    unsafe { cu!(d, cuStreamQuery(st)) }
+                } else {
+                    // SAFETY: a live event made for this entry; only the status
+                    // is read.
+                    unsafe { cu!(d, cuEventQuery(ev)) }
+                }
+            });
+            let done = match status {
+                Ok(()) => true,
+                Err(CallError::Status { status, .. }) => crate::stream::work_abandoned(status),
+                Err(_) => false,
+            };
+            if done {
+                passed.push(list.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        UNSEEN_ANY.store(!list.is_empty(), Ordering::Release);
+        passed
+    };
+    // Outside the lock: destroying the events and the host functions' work
+    // (which drops a stream handle) call the driver.
+    for w in passed {
+        if !w.event.is_null() {
+            let ev = w.event;
+            w.ctx.release_with(
+                w.made,
+                format_args!(
+                    "destroying the event after a wait on device {}",
+                    w.ctx.ordinal()
+                ),
+                |d, failures| {
+                    // SAFETY: the event made for this entry, destroyed once.
+                    if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                        failures.push(e);
+                    }
+                },
+            );
+        }
+        // Counts the waits down; what it held goes to the drop-later list.
+        (w.finish)();
+    }
+}
+
 /// Drop what host functions left in [`drop_later`], outside any host function.
 /// Called by [`CudaContext::synchronize`], [`CudaStream::synchronize`]
 /// (crate::CudaStream::synchronize) and [`MappedWords::new`](crate::MappedWords::new).
 pub(crate) fn drain_dropped_later() {
+    // Waits whose host function was refused hand their words on here once
+    // passed.
+    triage_unseen_waits();
     if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
         return;
     }

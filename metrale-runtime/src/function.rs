@@ -168,7 +168,8 @@ pub(crate) fn capture_finished() {
             let released = std::mem::take(&mut *held);
             drop(held);
             drop(released);
-            crate::stream::release_captured_host_fns();
+            // Host functions are not released here: each capture's end releases
+            // the ones it took (see `CudaStream::end_capture`).
         }
     }
 }

@@ -129,7 +129,7 @@ pub use memory::{
     DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
     HandleTypes, ManagedBuffer, MappedWords, MemOp, MemPool, PendingCopy, PhysicalMemory,
     PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
-    VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags,
+    VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags, MAX_BATCH_MEM_OPS,
 };
 #[cfg(unix)]
 pub use memory::{recv_fd, send_fd, IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};

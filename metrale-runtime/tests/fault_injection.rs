@@ -27,6 +27,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/round4.rs"]
+mod round4;
 #[path = "fault/signals.rs"]
 mod signals;
 #[path = "fault/soundness.rs"]
@@ -69,6 +71,7 @@ fn main() -> ExitCode {
         teardown::tests(),
         soundness::tests(),
         vmm::tests(),
+        round4::tests(),
     ]
     .into_iter()
     .flatten()
@@ -89,6 +92,7 @@ fn main() -> ExitCode {
             .chain(tensor_map::children())
             .chain(green::children())
             .chain(vmm::children())
+            .chain(round4::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -29,6 +29,8 @@ mod nccl;
 #[cfg(feature = "nvrtc")]
 #[path = "gpu/nvrtc.rs"]
 mod nvrtc;
+#[path = "gpu/round4.rs"]
+mod round4;
 #[path = "gpu/soundness.rs"]
 mod soundness;
 #[path = "gpu/streams.rs"]
@@ -62,6 +64,7 @@ fn main() -> ExitCode {
         layout::tests(),
         soundness::tests(),
         vmm::tests(),
+        round4::tests(),
         #[cfg(feature = "nvrtc")]
         nvrtc::tests(),
         #[cfg(feature = "nccl")]

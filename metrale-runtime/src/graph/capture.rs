@@ -66,7 +66,10 @@ impl CudaStream {
         });
         match &begun {
             Ok(()) => {
-                self.set_capturing();
+                // Its id, for its end to release exactly what it took (0 when
+                // the query fails: the end asks again).
+                let id = self.capture_id_raw().ok().flatten().unwrap_or(0);
+                self.set_capturing(id);
                 crate::stream::capture_depth_add(1);
             }
             Err(_) => {
@@ -105,16 +108,34 @@ impl CudaStream {
     }
 
     /// End the capture begun on this stream and return the graph. The stream runs
-    /// work normally again afterwards, also when the capture failed.
+    /// work normally again afterwards, also when the capture failed. A failure
+    /// that leaves the capture in progress (the context could not be bound, a
+    /// transient refusal) leaves the stream capturing, as the driver has it:
+    /// call `end_capture` again ([`CudaStream::capture`] retries by itself).
     ///
     /// # Errors
     /// A capture the driver invalidated (a synchronisation inside it, ...) names the
     /// capture status: `... (capture status: invalidated): cuStreamEndCapture
     /// failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901) ...`.
     pub fn end_capture(&self) -> Result<CudaGraph> {
-        let status = self
-            .capture_status()
-            .unwrap_or(sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED);
+        let (status, id) = match self.capture_info_raw() {
+            Ok((status, id)) => (
+                status,
+                (status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id),
+            ),
+            Err(_) => (
+                sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_INVALIDATED,
+                None,
+            ),
+        };
+        // The id noted when metrale began the capture, should the query fail
+        // (a capture this stream only joined has none noted: the end then
+        // fails, as the driver ends a capture from its origin stream only).
+        let id = id.or_else(|| {
+            self.metrale_capturing()
+                .then(|| self.noted_capture_id())
+                .flatten()
+        });
         let mut raw: CUgraph = std::ptr::null_mut();
         let ended = self.context().with(|d| {
             // SAFETY: writes one graph handle (null when the capture failed).
@@ -124,9 +145,13 @@ impl CudaStream {
             if !raw.is_null() {
                 drop(CudaGraph::adopt(raw, self.context()));
             }
-            // A capture the driver ended (invalidated, ...) is over; one it kept
-            // (ended from the wrong thread) still counts.
+            // A capture the driver ended (invalidated, ...) is over: what it
+            // took goes. One it kept (ended from the wrong thread, a failed
+            // bind) still counts.
             if !self.is_capturing().unwrap_or(true) {
+                if let Some(id) = id {
+                    crate::stream::release_captured_host_fns(id);
+                }
                 self.capture_over();
             }
             return Err(e.about(self.subject(&format!(
@@ -135,12 +160,50 @@ impl CudaStream {
             ))));
         }
         let mut graph = CudaGraph::adopt(raw, self.context());
-        // The kernels' code is still held for the capture: take it into the graph
-        // before letting go.
+        // The kernels' code and the host functions are still held for the
+        // capture: take them into the graph before letting go of this capture's.
         let kept = graph.keep_kernel_code();
+        if let Some(id) = id {
+            crate::stream::release_captured_host_fns(id);
+        }
         self.capture_over();
         kept?;
         Ok(graph)
+    }
+
+    /// End this stream's metrale capture, retrying while the driver leaves it in
+    /// progress (a failed bind or end that did not end it), a few times.
+    fn end_capture_retrying(&self) -> Result<CudaGraph> {
+        let mut tries = 0;
+        loop {
+            match self.end_capture() {
+                Ok(graph) => return Ok(graph),
+                Err(_) if tries < 3 && self.metrale_capturing() => tries += 1,
+                Err(e) => {
+                    if !self.metrale_capturing() {
+                        return Err(e);
+                    }
+                    // The capture is still in progress: say so in the error.
+                    return Err(match e.into_kind() {
+                        crate::ErrorKind::Driver {
+                            call,
+                            status,
+                            subject,
+                        } => crate::ErrorKind::Driver {
+                            call,
+                            status,
+                            subject: format!(
+                                "{subject}; the driver did not end the capture after 4 \
+                                 tries: the stream is still capturing (and counted on \
+                                 this thread), call end_capture() to end it"
+                            ),
+                        }
+                        .into(),
+                        other => other.into(),
+                    });
+                }
+            }
+        }
     }
 
     /// Capture the work `f` queues on this stream into a graph, in the default
@@ -224,7 +287,7 @@ impl CudaStream {
         struct EndOnUnwind<'a>(&'a CudaStream);
         impl Drop for EndOnUnwind<'_> {
             fn drop(&mut self) {
-                if let Err(e) = self.0.end_capture() {
+                if let Err(e) = self.0.end_capture_retrying() {
                     crate::error::report_line(format_args!("ending a capture after a panic: {e}"));
                 }
             }
@@ -233,7 +296,7 @@ impl CudaStream {
         let guard = EndOnUnwind(self);
         let queued = f(self);
         std::mem::forget(guard);
-        let ended = self.end_capture();
+        let ended = self.end_capture_retrying();
         queued?;
         Ok(ended?)
     }

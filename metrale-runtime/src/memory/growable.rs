@@ -16,7 +16,7 @@ use super::device::bounds;
 use super::vmm::{granularity, round_up, Access, HandleTypes, PhysicalMemory, VirtualRange};
 use super::{byte_len, sealed, DeviceMemory, DeviceMemoryMut, DeviceRepr, Uses};
 use super::{DeviceSlice, DeviceSliceMut, PinnedBuffer};
-use crate::context::{AsContext, CudaContext};
+use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, MetraleError, Result};
 use crate::stream::{AsStream, CudaStream};
 
@@ -479,6 +479,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         const GROUP: usize = 64 << 20;
         let mut events = RawEvents {
             ctx: &ctx,
+            made: ctx.generation(),
             list: Vec::new(),
         };
         let section = stream.section();
@@ -526,7 +527,7 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         let mut failed = queued.err();
         if failed.is_none() {
             for &(first, end, ev) in &groups {
-                if let Err(e) = stream.wait_done(ev) {
+                if let Err(e) = stream.wait_event(ev) {
                     failed = Some(e);
                     break;
                 }
@@ -575,9 +576,12 @@ struct Unsaved {
     host: Option<PinnedBuffer<u8>>,
 }
 
-/// Events a sleep records between its copies, destroyed on every path.
+/// Events a sleep records between its copies, destroyed on every path under
+/// the release rule (a failed destroy or bind is reported, never silent).
 struct RawEvents<'a> {
     ctx: &'a CudaContext,
+    /// The context generation the events are made in.
+    made: Generation,
     list: Vec<CUevent>,
 }
 
@@ -601,11 +605,28 @@ impl RawEvents<'_> {
 
 impl Drop for RawEvents<'_> {
     fn drop(&mut self) {
-        for &ev in &self.list {
-            // SAFETY: an event made by `record`, destroyed once here (the driver
-            // lets a pending event be destroyed: it is freed once complete).
-            let _ = self.ctx.with(|d| unsafe { cu!(d, cuEventDestroy_v2(ev)) });
+        if self.list.is_empty() {
+            return;
         }
+        let list = &self.list;
+        self.ctx.release_with(
+            self.made,
+            format_args!(
+                "destroying {} event(s) of a saving sleep on device {}",
+                list.len(),
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                for &ev in list {
+                    // SAFETY: an event made by `record`, destroyed once here (the
+                    // driver lets a pending event be destroyed: it is freed once
+                    // complete).
+                    if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                        failures.push(e);
+                    }
+                }
+            },
+        );
     }
 }
 

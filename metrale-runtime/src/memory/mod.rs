@@ -74,6 +74,7 @@ pub use pinned::{PendingCopy, PinnedBuffer};
 pub use pool::MemPool;
 pub use signal::{
     MappedWords, MemOp, SignalValue, SignalWord, WaitCondition, WaitFlags, WriteFlags,
+    MAX_BATCH_MEM_OPS,
 };
 pub use symbol::DeviceSymbol;
 pub use vmm::{granularity, Access, Granularity, HandleTypes, PhysicalMemory, VirtualRange};

@@ -5,12 +5,12 @@ use std::ffi::c_void;
 use std::fmt;
 use std::sync::Arc;
 
-use metrale_cuda_sys::{self as sys, CUdeviceptr, CUevent};
+use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
 use super::{byte_len, DevicePod};
 use crate::context::{device_attribute, AsContext, CudaContext, Generation};
 use crate::error::{cu, invalid_arg, report_line, ErrorKind, Result};
-use crate::stream::CudaStream;
+use crate::stream::{CudaStream, DoneEvent};
 
 /// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
 /// allocation, freed on drop. Dereferences to a slice. Copies from and to pinned
@@ -250,14 +250,17 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
 /// An async copy in flight between device memory and a [`PinnedBuffer`], which it
 /// owns until the copy is done: [`PendingCopy::wait`] hands the buffer back.
 ///
-/// Dropping it waits for the copy (then frees the buffer); forgetting it
-/// (`mem::forget`) leaks the buffer, so the copy engine never writes freed memory.
+/// Dropping it waits for the copy and the work queued before it on the stream,
+/// never for work queued after it (each copy has its own completion event),
+/// then frees the buffer; forgetting it (`mem::forget`) leaks the buffer, so the
+/// copy engine never writes freed memory.
 #[must_use = "dropping a pending copy waits for it; call wait() to get the buffer back"]
 pub struct PendingCopy<T: DevicePod> {
     buffer: Option<PinnedBuffer<T>>,
     stream: CudaStream,
-    /// Recorded right after the copy, outside any capture: done means the copy is.
-    done: CUevent,
+    /// This copy's own completion event, recorded right after it, outside any
+    /// capture: done means the copy is (`None` once handed back).
+    done: Option<DoneEvent>,
 }
 
 // SAFETY: the buffer is Send; the event is an opaque handle of the stream (which
@@ -270,36 +273,46 @@ impl<T: DevicePod> PendingCopy<T> {
     pub(crate) fn new(
         buffer: PinnedBuffer<T>,
         stream: &CudaStream,
-        done: CUevent,
+        done: DoneEvent,
     ) -> PendingCopy<T> {
         PendingCopy {
             buffer: Some(buffer),
             stream: stream.clone(),
-            done,
+            done: Some(done),
         }
     }
 
-    /// Wait for the copy (and everything queued before it on the stream) and take
-    /// the buffer back.
+    /// Wait for the copy (once; afterwards `Ok`) and hand its event back.
+    fn wait_copy(&mut self) -> Result<()> {
+        match self.done.take() {
+            Some(done) => self.stream.wait_done(done),
+            None => Ok(()),
+        }
+    }
+
+    /// Wait for the copy (and everything queued before it on the stream, nothing
+    /// queued after it) and take the buffer back.
     ///
     /// # Errors
     /// The stream's failure; the buffer is freed (once the copy can no longer
     /// touch it).
     pub fn wait(mut self) -> Result<PinnedBuffer<T>> {
-        let waited = self.stream.wait_done(self.done);
+        let waited = self.wait_copy();
         let buffer = self.buffer.take();
         waited?;
         buffer.ok_or_else(|| invalid_arg("pending copy already taken"))
     }
 
-    /// Whether the copy has finished. It may answer `false` a little longer than
-    /// needed: the stream's completion event it watches is also recorded by later
-    /// copies on the stream, never earlier than this one.
+    /// Whether the copy (and the work queued before it on the stream) has
+    /// finished; its own completion event says.
     ///
     /// # Errors
     /// `cuEventQuery`'s failure.
     pub fn is_done(&self) -> Result<bool> {
-        self.stream.event_done(self.done)
+        match &self.done {
+            Some(done) => self.stream.event_done(done.raw()),
+            None => Ok(true),
+        }
     }
 
     /// The stream the copy was queued on.
@@ -310,10 +323,8 @@ impl<T: DevicePod> PendingCopy<T> {
 
 impl<T: DevicePod> Drop for PendingCopy<T> {
     fn drop(&mut self) {
-        if self.buffer.is_some() {
-            if let Err(e) = self.stream.wait_done(self.done) {
-                report_line(format_args!("dropping a pending copy: {e}"));
-            }
+        if let Err(e) = self.wait_copy() {
+            report_line(format_args!("dropping a pending copy: {e}"));
         }
     }
 }

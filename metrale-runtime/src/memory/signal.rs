@@ -11,13 +11,18 @@
 //!   free pinned memory where the driver may not be called): it moves it to the
 //!   process's drop-later list, emptied by the next `CudaStream::synchronize`,
 //!   `CudaContext::synchronize` or `MappedWords::new`. When the holder cannot be
-//!   queued, the words are leaked (reported), never freed under the operation.
+//!   queued, an event recorded after the operation stands in for it: the
+//!   context keeps the words until that event (or, without one, the stream,
+//!   idle) says the operation passed, and then does the holder's work, so the
+//!   words are never freed under the operation, nor kept for ever.
 //! - Mapped words are refused on a stream being captured through metrale,
 //!   before anything is queued: a graph would replay the operation after the
 //!   words may be gone.
 //! - Every wait on mapped words queued outside a capture (the host passes it,
 //!   and may never) is counted on its context until the host function that holds
-//!   the words runs ([`CudaContext::pending_waits`]): meanwhile, frees and unmaps
+//!   the words runs, or, when it could not be queued, until the event after the
+//!   wait says it passed, whatever happened to the host function
+//!   ([`CudaContext::pending_waits`]): meanwhile, frees and unmaps
 //!   that would wait for the whole context refuse (or leak) instead of blocking
 //!   for ever on a word nobody writes. Operations on device words only queue no
 //!   host function (their submit is the driver's call alone): a wait on a device
@@ -112,8 +117,11 @@ impl WaitFlags {
 #[non_exhaustive]
 pub struct WriteFlags {
     /// Skip the memory barrier before the write
-    /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`): earlier writes of the stream
-    /// may become visible after this one. Default: off.
+    /// (`CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER`). **Always refused**: the
+    /// `_v2` entry points metrale calls (`cuStreamWriteValue32_v2`,
+    /// `cuStreamWriteValue64_v2`, `cuStreamBatchMemOp_v2`) do not support it
+    /// (driver 580 answers `CUDA_ERROR_INVALID_VALUE`), so every write with it
+    /// is refused with `InvalidArgument` before the driver. Default: off.
     pub no_memory_barrier: bool,
 }
 
@@ -122,17 +130,27 @@ impl WriteFlags {
     pub const DEFAULT: WriteFlags = WriteFlags {
         no_memory_barrier: false,
     };
-    /// A write without the memory barrier before it.
+    /// A write without the memory barrier before it: **always refused** (see
+    /// [`WriteFlags::no_memory_barrier`]); kept so that code naming it gets a
+    /// clear error rather than a bare driver status.
     pub const NO_MEMORY_BARRIER: WriteFlags = WriteFlags {
         no_memory_barrier: true,
     };
 
-    fn to_driver(self) -> u32 {
+    /// The driver's flags, or the refusal of `NO_MEMORY_BARRIER` (which no
+    /// `_v2` entry point supports) naming `what` on `stream`.
+    fn to_driver(self, stream: &CudaStream, what: &str) -> Result<u32> {
         if self.no_memory_barrier {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER.0
-        } else {
-            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0
+            return Err(invalid_arg(format!(
+                "{}: WriteFlags::NO_MEMORY_BARRIER is refused: the driver's \
+                 cuStreamWriteValue32_v2 / cuStreamWriteValue64_v2 / \
+                 cuStreamBatchMemOp_v2 do not support \
+                 CU_STREAM_WRITE_VALUE_NO_MEMORY_BARRIER (CUDA_ERROR_INVALID_VALUE); \
+                 use WriteFlags::DEFAULT",
+                stream.subject(what)
+            )));
         }
+        Ok(sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT.0)
     }
 }
 
@@ -392,6 +410,10 @@ fn require(
     Ok(())
 }
 
+/// The most operations one [`CudaStream::batch_mem_ops`] batch takes: the
+/// driver refuses 256 and more (measured on driver 580: 255 succeed, 256 fail).
+pub const MAX_BATCH_MEM_OPS: usize = 255;
+
 /// One operation of a [`CudaStream::batch_mem_ops`] batch.
 #[derive(Debug)]
 #[non_exhaustive]
@@ -464,8 +486,9 @@ impl CudaStream {
         value: u32,
         flags: WriteFlags,
     ) -> Result<()> {
+        let f = flags.to_driver(self, "write_value32")?;
         word.prepare(self, "write_value32")?;
-        let (a, f) = (word.addr, flags.to_driver());
+        let a = word.addr;
         // SAFETY: as for wait_value32.
         self.queue_word_op("write_value32", word, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue32_v2(s, a, value, f))
@@ -484,8 +507,9 @@ impl CudaStream {
         value: u64,
         flags: WriteFlags,
     ) -> Result<()> {
+        let f = flags.to_driver(self, "write_value64")?;
         word.prepare(self, "write_value64")?;
-        let (a, f) = (word.addr, flags.to_driver());
+        let a = word.addr;
         // SAFETY: as for wait_value64.
         self.queue_word_op("write_value64", word, 0, |d, s| unsafe {
             cu!(d, cuStreamWriteValue64_v2(s, a, value, f))
@@ -496,11 +520,13 @@ impl CudaStream {
     /// order. Every word is checked before the driver sees any.
     ///
     /// # Errors
-    /// As the single operations; `InvalidArgument` for more than 256 operations.
+    /// As the single operations; `InvalidArgument` for more than
+    /// [`MAX_BATCH_MEM_OPS`] (255) operations, before the driver.
     pub fn batch_mem_ops(&self, ops: &[MemOp<'_, '_>]) -> Result<()> {
-        if ops.len() > 256 {
+        if ops.len() > MAX_BATCH_MEM_OPS {
             return Err(invalid_arg(format!(
-                "{}: a batch of {} memory operations (at most 256)",
+                "{}: a batch of {} memory operations (at most {MAX_BATCH_MEM_OPS}: the \
+                 driver refuses more)",
                 self.subject("batch_mem_ops"),
                 ops.len()
             )));
@@ -539,7 +565,7 @@ impl CudaStream {
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_32;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value = v;
-                    p.writeValue.flags = f.to_driver();
+                    p.writeValue.flags = f.to_driver(self, "batch_mem_ops")?;
                 }
                 MemOp::Write64(w, v, f) => {
                     w.prepare(self, "batch_mem_ops")?;
@@ -547,7 +573,7 @@ impl CudaStream {
                     p.writeValue.operation = Op::CU_STREAM_MEM_OP_WRITE_VALUE_64;
                     p.writeValue.address = w.addr;
                     p.writeValue.__bindgen_anon_1.value64 = v;
-                    p.writeValue.flags = f.to_driver();
+                    p.writeValue.flags = f.to_driver(self, "batch_mem_ops")?;
                 }
             }
             params.push(p);
@@ -587,9 +613,12 @@ impl CudaStream {
     /// begins between the check and the queueing.
     ///
     /// Mapped words on a capturing stream are refused before anything is queued.
-    /// Their waits are counted on the context before they are queued. When the host function cannot be queued, the
-    /// operations are already: the words are leaked and the waits stay counted
-    /// (reported on stderr), never freed under the operations.
+    /// Their waits are counted on the context before they are queued. When the
+    /// host function cannot be queued, the operations are already: an event
+    /// recorded after them stands in for it, and the context counts the waits
+    /// down and hands the words on once it says they passed (see
+    /// `CudaContext::note_unseen_wait`), never freeing them under the
+    /// operations.
     fn queue_mem_ops(
         &self,
         what: &'static str,
@@ -644,19 +673,67 @@ impl CudaStream {
                 Err(e)
             }
             Err((e, Some(keeper))) => {
+                // The operations are queued: their words stay held and their
+                // waits counted until an event recorded after them (still in the
+                // section: not captured) or, without one, the stream, idle,
+                // says they passed; then the context does the keeper's work.
+                let event = self.event_after_ops();
                 drop(section);
-                // The operations are queued: leak their words rather than free
-                // them under the operations; their waits stay counted.
-                std::mem::forget(keeper);
+                let stream = self.clone();
+                self.context().note_unseen_wait(
+                    event,
+                    self.raw(),
+                    Box::new(move || {
+                        keeper();
+                        drop(stream);
+                    }),
+                );
                 report_line(format_args!(
                     "{}: the operation is queued, but the host function holding its \
-                     mapped words could not be: they are leaked, and its {counted} \
-                     wait(s) stay counted as pending: {e}",
+                     mapped words could not be: the words stay held and its \
+                     {counted} wait(s) counted until an event after it says it \
+                     passed: {e}",
                     self.subject(what)
                 ));
                 Err(e)
             }
         }
+    }
+
+    /// An event recorded now at the end of the stream's queue (outside any
+    /// capture: the caller's section), or null when none could be made or
+    /// recorded (one made but not recorded is destroyed under the release rule).
+    #[cold]
+    fn event_after_ops(&self) -> sys::CUevent {
+        let mut ev: sys::CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        let made = self.call("creating an event after memory operations", |d, _| {
+            // SAFETY: writes one event handle; the context is current.
+            unsafe { cu!(d, cuEventCreate(&mut ev, flags as std::ffi::c_uint)) }
+        });
+        if made.is_err() {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: a live event and stream of the bound context.
+        let recorded = self.call(
+            "recording an event after memory operations",
+            |d, s| unsafe { cu!(d, cuEventRecord(ev, s)) },
+        );
+        if recorded.is_ok() {
+            return ev;
+        }
+        let ctx = self.context();
+        ctx.release_with(
+            ctx.generation(),
+            format_args!("destroying an unrecorded event on device {}", ctx.ordinal()),
+            |d, failures| {
+                // SAFETY: the event made above, never recorded, destroyed once.
+                if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(ev)) } {
+                    failures.push(e);
+                }
+            },
+        );
+        std::ptr::null_mut()
     }
 
     fn wait_checks<T: SignalValue>(

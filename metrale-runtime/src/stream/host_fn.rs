@@ -11,8 +11,10 @@
 //!   takes back and frees (a box costs a `malloc` here and a `free` on the
 //!   driver's thread, measured on the H200 at about a sixth of the raw call); a
 //!   repeatable closure captured into a graph is held (an `Arc`) by the
-//!   captures in progress and then by the graph and its executable graphs, so
-//!   every replay finds it alive.
+//!   capture list, tagged with the driver's id of the capture it went into,
+//!   until that capture's end (which releases only its own entries, after its
+//!   graph took its holds), and then by the graph and its executable graphs,
+//!   so every replay finds it alive.
 //! - A once-run closure is refused on a stream marked for a metrale capture (a
 //!   graph would replay it). A boxed one is queued inside a section, so no
 //!   metrale capture begins before it is queued. A slot one is queued without a
@@ -46,9 +48,22 @@ pub type HostFn = Arc<dyn Fn() + Send + Sync + 'static>;
 /// driver's `userData`).
 pub(crate) type HostKeep = Arc<HostFn>;
 
-/// Repeatable host functions queued into captures in progress, held until the
-/// graph takes them (at the end of its capture) or no capture is left.
-static CAPTURED_HOST_FNS: Mutex<Vec<HostKeep>> = Mutex::new(Vec::new());
+/// A repeatable host function queued into a capture: held by the list until
+/// that capture has ended and its graph took its own hold.
+struct Captured {
+    /// The driver's id of the capture it was queued into; `None`: kept for the
+    /// life of the process (the capture may have ended before the host
+    /// function was queued, which then may run on the stream, not in a graph).
+    capture: Option<u64>,
+    keep: HostKeep,
+}
+
+/// Repeatable host functions queued into captures in progress, each tagged
+/// with its capture: a capture's end releases exactly those it took (after its
+/// graph took its own holds), never those of a capture another thread began
+/// meanwhile. Pushed, and the host function queued, under this lock; released
+/// under it too.
+static CAPTURED_HOST_FNS: Mutex<Vec<Captured>> = Mutex::new(Vec::new());
 
 /// Host function panics caught in this process.
 static PANICS: AtomicU64 = AtomicU64::new(0);
@@ -60,17 +75,27 @@ pub(crate) fn take_captured_host_fn(user_data: *mut c_void) -> Option<HostKeep> 
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     held.iter()
-        .find(|k| Arc::as_ptr(k).cast::<c_void>() == user_data.cast_const())
-        .cloned()
+        .find(|c| Arc::as_ptr(&c.keep).cast::<c_void>() == user_data.cast_const())
+        .map(|c| Arc::clone(&c.keep))
 }
 
-/// No capture is left: the graphs have taken what they replay.
-pub(crate) fn release_captured_host_fns() {
-    let released = std::mem::take(
-        &mut *CAPTURED_HOST_FNS
+/// Capture `capture` has ended (and its graph, if any, took what it replays):
+/// release the host functions queued into it, and only those.
+pub(crate) fn release_captured_host_fns(capture: u64) {
+    let released: Vec<Captured> = {
+        let mut held = CAPTURED_HOST_FNS
             .lock()
-            .unwrap_or_else(PoisonError::into_inner),
-    );
+            .unwrap_or_else(PoisonError::into_inner);
+        if !held.iter().any(|c| c.capture == Some(capture)) {
+            return;
+        }
+        let (gone, kept) = std::mem::take(&mut *held)
+            .into_iter()
+            .partition(|c| c.capture == Some(capture));
+        *held = kept;
+        gone
+    };
+    // Dropped outside the lock: a closure's captures may do anything.
     drop(released);
 }
 
@@ -233,9 +258,12 @@ unsafe extern "C" fn run_once<F: FnOnce() + Send + 'static>(data: *mut c_void) {
 
 /// The driver's entry for a repeatable closure held by a graph.
 unsafe extern "C" fn run_held(data: *mut c_void) {
-    // SAFETY: `data` is `Arc::as_ptr` of a `HostKeep` held by the captures in
-    // progress, then by the graph and every executable graph made from it, and by
-    // each replay in flight (see `CudaGraphExec::launch`).
+    // SAFETY: `data` is `Arc::as_ptr` of a `HostKeep` that the capture list
+    // holds, tagged with the capture it was queued into, until that capture
+    // has ended and its graph took its own hold (or for the life of the
+    // process, when the capture may have ended before the call was queued);
+    // then the graph and every executable graph made from it hold it, and each
+    // replay in flight (see `CudaGraphExec::launch`).
     let f = unsafe { &*data.cast_const().cast::<HostFn>() };
     run_guarded(|| f());
 }
@@ -406,22 +434,53 @@ impl CudaStream {
     /// As [`CudaStream::launch_host_fn`], less the refusal in a capture.
     pub fn launch_host_fn_repeat(&self, f: HostFn) -> Result<()> {
         let section = self.section();
-        let capturing = self
-            .capturing_now(&section)
-            .map_err(|e| e.about(self.subject("capture status")))?;
-        if !capturing {
+        let capture = if section.may_capture {
+            self.capture_id_raw()
+                .map_err(|e| e.about(self.subject("capture status")))?
+        } else {
+            None
+        };
+        let Some(capture) = capture else {
             drop(section);
             return self.launch_host_fn(move || f());
-        }
+        };
         let keep: HostKeep = Arc::new(f);
         let data = Arc::as_ptr(&keep).cast_mut().cast::<c_void>();
-        CAPTURED_HOST_FNS
+        // The push, the call and the check after it happen under the list's
+        // lock, which a capture's end takes to release what it took: no end
+        // releases this entry in between.
+        let mut held = CAPTURED_HOST_FNS
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(keep);
-        // SAFETY: `run_held` borrows `data`, held by the capture list from now on.
-        self.call_unbound("capturing a host function", |d, s| unsafe {
+            .unwrap_or_else(PoisonError::into_inner);
+        held.push(Captured {
+            capture: Some(capture),
+            keep,
+        });
+        // SAFETY: `run_held` borrows `data`, held by the capture list from now on
+        // (for the life of the process if the capture ended meanwhile, below).
+        let queued = self.call_unbound("capturing a host function", |d, s| unsafe {
             cu!(d, cuLaunchHostFunc(s, Some(run_held), data))
-        })
+        });
+        if queued.is_err() {
+            // The driver refused it, so it never received `data`.
+            let refused = held.pop();
+            drop(held);
+            drop(refused);
+            return queued;
+        }
+        // A capture may end between the check above and the call (another
+        // thread ending the capture this stream joined): the host function may
+        // then run on the stream instead of in a graph, after the end released
+        // its capture's entries. Unless the stream is still in that capture,
+        // keep the entry for the life of the process (a small leak, never a
+        // dangling host function).
+        if self.capture_id_raw().ok().flatten() != Some(capture) {
+            if let Some(last) = held.last_mut() {
+                last.capture = None;
+            }
+        }
+        drop(held);
+        drop(section);
+        queued
     }
 }

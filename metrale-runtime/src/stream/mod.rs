@@ -22,8 +22,10 @@
 
 use std::ffi::{c_int, c_uint};
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::atomic::{
+    AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering as AtomicOrdering,
+};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
@@ -91,11 +93,18 @@ struct StreamInner {
     /// stream (host-borrowing copies, stream-ordered frees) while they run; see
     /// `CudaStream::section`.
     in_flight: AtomicU32,
-    /// The event host-borrowing copies wait on, made on first use.
-    done: OnceLock<EventHandle>,
+    /// The completion events of operations that lend host memory (copies,
+    /// reads of symbols, pending copies), one per operation in flight: a slot
+    /// is claimed for one operation and given back after its wait (see
+    /// `DonePool`).
+    done: DonePool,
     /// Whether a capture begun by metrale on this stream is in progress (its
     /// bookkeeping is undone exactly once, when it ends).
     pub(crate) capturing: AtomicBool,
+    /// The driver's id of that capture, asked right after it began (0: not
+    /// known), for its end to release what it took should the end's own
+    /// status query fail.
+    capture_id: AtomicU64,
     /// Held across a metrale capture's start (mark, drain, begin) or a
     /// capture-joining wait, and by sections that find the stream marked, so the
     /// driver's answer "not capturing" stays true for the whole section.
@@ -105,12 +114,80 @@ struct StreamInner {
     green: Option<Arc<GreenContext>>,
 }
 
-/// A raw event handle owned by a stream's inner state.
-struct EventHandle(CUevent);
-// SAFETY: an opaque handle the driver lets any thread record and wait on.
-unsafe impl Send for EventHandle {}
-// SAFETY: as for Send.
-unsafe impl Sync for EventHandle {}
+/// Completion-event slots per stream: more operations in flight at once than
+/// this (pending copies kept) each make and destroy an event of their own.
+const DONE_SLOTS: usize = 16;
+
+/// A stream's completion events: each operation that lends host memory claims
+/// a free slot (one compare-exchange on `taken`), records the slot's event
+/// right after itself and waits on that event alone, then gives the slot back,
+/// so it waits for its own work and what was queued before it, never for work
+/// queued after it. A slot's event is made on its first claim and destroyed
+/// with the stream; only the slot's claimant touches it meanwhile.
+struct DonePool {
+    /// Bit `i` set: slot `i` is claimed.
+    taken: AtomicU32,
+    /// Slot `i`'s event (null until first made).
+    events: [AtomicPtr<sys::CUevent_st>; DONE_SLOTS],
+}
+
+impl DonePool {
+    fn new() -> DonePool {
+        DonePool {
+            taken: AtomicU32::new(0),
+            events: std::array::from_fn(|_| AtomicPtr::new(std::ptr::null_mut())),
+        }
+    }
+
+    /// Claim a free slot; `None` when all are claimed.
+    #[inline]
+    fn claim(&self) -> Option<usize> {
+        let mut now = self.taken.load(AtomicOrdering::Relaxed);
+        loop {
+            let free = (!now).trailing_zeros() as usize;
+            if free >= DONE_SLOTS {
+                return None;
+            }
+            match self.taken.compare_exchange_weak(
+                now,
+                now | (1 << free),
+                AtomicOrdering::Acquire,
+                AtomicOrdering::Relaxed,
+            ) {
+                Ok(_) => return Some(free),
+                Err(seen) => now = seen,
+            }
+        }
+    }
+
+    /// Give slot `slot` back (its event may be recorded again by the next
+    /// claimant).
+    #[inline]
+    fn give_back(&self, slot: usize) {
+        self.taken
+            .fetch_and(!(1u32 << slot), AtomicOrdering::Release);
+    }
+}
+
+/// The completion event of one operation on a stream (see `DonePool`): a slot
+/// of the stream's pool, or an event of its own when every slot was claimed.
+/// Handed back through `CudaStream::wait_done` or `CudaStream::give_back_done`
+/// (forgotten, it keeps its slot claimed: a later operation then makes an
+/// event of its own).
+#[derive(Debug)]
+pub(crate) struct DoneEvent {
+    raw: CUevent,
+    /// The pool slot; `DONE_SLOTS`: an event of its own, destroyed when given
+    /// back.
+    slot: usize,
+}
+
+impl DoneEvent {
+    /// The raw event, to query or wait on.
+    pub(crate) fn raw(&self) -> CUevent {
+        self.raw
+    }
+}
 
 /// Whether an unbound stream call's `status` may be the driver wanting the
 /// stream's context current (see `CudaStream::call_unbound`).
@@ -176,15 +253,22 @@ impl Drop for Section<'_> {
 // thread queue work on a stream (it binds the context first, or, for the calls
 // whose only handle is the stream, the driver takes the context from it).
 unsafe impl Send for StreamInner {}
-// SAFETY: shared access reads the handle and uses only atomics, a `OnceLock` and a
+// SAFETY: shared access reads the handle and uses only atomics (the completion-event
+// pool: a slot's event is touched only by its claimant, see `DonePool`) and a
 // `Mutex` for its mutable state; the driver is thread-safe for the stream.
 unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
         let raw = self.raw;
-        let done = self.done.get().map(|e| e.0);
-        if !self.owned && done.is_none() {
+        let made: Vec<CUevent> = self
+            .done
+            .events
+            .iter()
+            .map(|e| e.load(AtomicOrdering::Acquire))
+            .filter(|e| !e.is_null())
+            .collect();
+        if !self.owned && made.is_empty() {
             return;
         }
         let owned = self.owned;
@@ -192,8 +276,9 @@ impl Drop for StreamInner {
             self.made,
             format_args!("destroying stream {raw:p} on device {}", self.ctx.ordinal()),
             |d, failures| {
-                if let Some(e) = done {
-                    // SAFETY: the stream's own event, made once and destroyed once.
+                for &e in &made {
+                    // SAFETY: one of the stream's completion events, made once
+                    // and destroyed once (nothing can claim it any more).
                     if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(e)) } {
                         failures.push(e);
                     }
@@ -364,8 +449,9 @@ impl CudaStream {
                 owned,
                 capture_marks: AtomicU32::new(0),
                 in_flight: AtomicU32::new(0),
-                done: OnceLock::new(),
+                done: DonePool::new(),
                 capturing: AtomicBool::new(false),
+                capture_id: AtomicU64::new(0),
                 capture_lock: Mutex::new(()),
                 green,
             }),
@@ -444,15 +530,32 @@ impl CudaStream {
         locked
     }
 
-    /// Note that a metrale capture began on this stream.
-    pub(crate) fn set_capturing(&self) {
+    /// Note that a metrale capture began on this stream, with the driver's
+    /// capture id when known (0 otherwise).
+    pub(crate) fn set_capturing(&self, id: u64) {
+        self.inner.capture_id.store(id, AtomicOrdering::SeqCst);
         self.inner.capturing.store(true, AtomicOrdering::SeqCst);
+    }
+
+    /// The driver's id of this stream's metrale capture, as noted when it
+    /// began; `None` when not known.
+    pub(crate) fn noted_capture_id(&self) -> Option<u64> {
+        match self.inner.capture_id.load(AtomicOrdering::SeqCst) {
+            0 => None,
+            id => Some(id),
+        }
     }
 
     /// Whether a metrale capture was in progress here; clears the note (true once
     /// per capture).
     pub(crate) fn take_capturing(&self) -> bool {
         self.inner.capturing.swap(false, AtomicOrdering::SeqCst)
+    }
+
+    /// Whether a capture metrale began on this stream is still in progress (its
+    /// bookkeeping not yet undone).
+    pub(crate) fn metrale_capturing(&self) -> bool {
+        self.inner.capturing.load(AtomicOrdering::SeqCst)
     }
 
     /// Take back one mark of `mark_capture`.
@@ -482,17 +585,31 @@ impl CudaStream {
 
     /// `cuStreamGetCaptureInfo_v3`'s status of the stream.
     pub(crate) fn capture_status_raw(&self) -> Result<sys::CUstreamCaptureStatus, CallError> {
+        self.capture_info_raw().map(|(status, _)| status)
+    }
+
+    /// The driver's id of the capture the stream is in (its own, or one it
+    /// joined); `None` when it is not capturing.
+    pub(crate) fn capture_id_raw(&self) -> Result<Option<u64>, CallError> {
+        let (status, id) = self.capture_info_raw()?;
+        Ok((status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id))
+    }
+
+    /// `cuStreamGetCaptureInfo_v3`'s status of the stream and its capture id.
+    pub(crate) fn capture_info_raw(&self) -> Result<(sys::CUstreamCaptureStatus, u64), CallError> {
         let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: std::ffi::c_ulonglong = 0;
         let raw = self.inner.raw;
         self.inner.ctx.with(|d| {
-            // SAFETY: writes the status only; the other outputs are optional (null).
+            // SAFETY: writes the status and the id only; the other outputs are
+            // optional (null).
             unsafe {
                 cu!(
                     d,
                     cuStreamGetCaptureInfo_v3(
                         raw,
                         &mut status,
-                        std::ptr::null_mut(),
+                        &mut id,
                         std::ptr::null_mut(),
                         std::ptr::null_mut(),
                         std::ptr::null_mut(),
@@ -501,7 +618,7 @@ impl CudaStream {
                 )
             }
         })?;
-        Ok(status)
+        Ok((status, id))
     }
 
     /// Refuse, inside `section`, an operation that cannot be captured (a copy that
@@ -518,46 +635,94 @@ impl CudaStream {
         }
     }
 
-    /// Record the stream's own completion event at the end of its queue, inside a
-    /// section (so it is not recorded into a capture): waiting on it waits for
-    /// everything queued so far.
-    pub(crate) fn record_done(&self) -> Result<CUevent> {
-        let ev = match self.inner.done.get() {
-            Some(e) => e.0,
-            None => {
-                let mut raw: CUevent = std::ptr::null_mut();
-                let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
-                self.call("creating its completion event", |d, _| {
-                    // SAFETY: writes one event handle; the context is current.
-                    unsafe { cu!(d, cuEventCreate(&mut raw, flags as c_uint)) }
-                })?;
-                match self.inner.done.set(EventHandle(raw)) {
-                    Ok(()) => raw,
-                    Err(extra) => {
-                        // Another thread made one first: keep theirs.
-                        // SAFETY: the event made just above, never recorded.
-                        let _ = self
-                            .inner
-                            .ctx
-                            .with(|d| unsafe { cu!(d, cuEventDestroy_v2(extra.0)) });
-                        self.inner.done.get().map_or(raw, |e| e.0)
-                    }
-                }
-            }
-        };
-        let s = self.inner.raw;
+    /// Record a completion event of this stream's pool at the end of its queue,
+    /// inside a section (so it is not recorded into a capture): waiting on it
+    /// waits for everything queued so far, and for nothing queued later (each
+    /// operation has its own, see `DonePool`). Hand it back with
+    /// [`CudaStream::wait_done`] or [`CudaStream::give_back_done`].
+    pub(crate) fn record_done(&self) -> Result<DoneEvent> {
+        let done = self.claim_done()?;
+        let (ev, s) = (done.raw, self.inner.raw);
         // SAFETY: a live event and stream of the bound context.
-        self.call("recording its completion event", |d, _| unsafe {
+        let recorded = self.call("recording its completion event", |d, _| unsafe {
             cu!(d, cuEventRecord(ev, s))
-        })?;
-        Ok(ev)
+        });
+        match recorded {
+            Ok(()) => Ok(done),
+            Err(e) => {
+                self.give_back_done(done);
+                Err(e)
+            }
+        }
     }
 
-    /// Record the completion event inside `section`, right after an operation that
+    /// A completion event: a free slot of the pool (its event made on the
+    /// slot's first claim), or an event of its own when every slot is claimed.
+    fn claim_done(&self) -> Result<DoneEvent> {
+        let pool = &self.inner.done;
+        let slot = pool.claim();
+        if let Some(slot) = slot {
+            let ev = pool.events[slot].load(AtomicOrdering::Acquire);
+            if !ev.is_null() {
+                return Ok(DoneEvent { raw: ev, slot });
+            }
+        }
+        let mut raw: CUevent = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
+        let made = self.call("creating a completion event", |d, _| {
+            // SAFETY: writes one event handle; the context is current.
+            unsafe { cu!(d, cuEventCreate(&mut raw, flags as c_uint)) }
+        });
+        match (made, slot) {
+            (Ok(()), Some(slot)) => {
+                // Only this slot's claimant writes it; the stream's Drop reads it.
+                pool.events[slot].store(raw, AtomicOrdering::Release);
+                Ok(DoneEvent { raw, slot })
+            }
+            (Ok(()), None) => Ok(DoneEvent {
+                raw,
+                slot: DONE_SLOTS,
+            }),
+            (Err(e), slot) => {
+                if let Some(slot) = slot {
+                    pool.give_back(slot);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Hand back a completion event that is no longer waited on: its slot is
+    /// freed, or an event of its own destroyed (under the release rule).
+    pub(crate) fn give_back_done(&self, done: DoneEvent) {
+        if done.slot < DONE_SLOTS {
+            self.inner.done.give_back(done.slot);
+            return;
+        }
+        let raw = done.raw;
+        let ctx = &self.inner.ctx;
+        ctx.release_with(
+            self.inner.made,
+            format_args!(
+                "destroying a completion event {raw:p} of stream {:p} on device {}",
+                self.inner.raw,
+                ctx.ordinal()
+            ),
+            |d, failures| {
+                // SAFETY: an event made by `claim_done` for this one operation,
+                // destroyed once (the driver frees a pending one once complete).
+                if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(raw)) } {
+                    failures.push(e);
+                }
+            },
+        );
+    }
+
+    /// Record a completion event inside `section`, right after an operation that
     /// lent host memory; when that fails, wait for the stream inside the section
     /// (no capture can begin there) so the memory is no longer touched when the
     /// error is returned.
-    pub(crate) fn record_done_in(&self, section: &Section<'_>) -> Result<CUevent> {
+    pub(crate) fn record_done_in(&self, section: &Section<'_>) -> Result<DoneEvent> {
         let _ = section;
         match self.record_done() {
             Ok(e) => Ok(e),
@@ -610,12 +775,21 @@ impl CudaStream {
         })
     }
 
-    /// Wait until `event` (recorded on this stream outside any capture) has
-    /// completed, for an operation that lent host memory to the stream: when the
+    /// Wait until `done` (recorded on this stream outside any capture) has
+    /// completed, then give it back, for an operation that lent host memory to
+    /// the stream: when the
     /// wait fails, poll until the event is done or the context can run nothing
     /// more, so the memory is no longer touched when this returns. A failed query
     /// is never taken for "done".
-    pub(crate) fn wait_done(&self, event: CUevent) -> Result<()> {
+    pub(crate) fn wait_done(&self, done: DoneEvent) -> Result<()> {
+        let waited = self.wait_event(done.raw);
+        self.give_back_done(done);
+        waited
+    }
+
+    /// As [`CudaStream::wait_done`], for an event that is not the pool's (it
+    /// stays the caller's).
+    pub(crate) fn wait_event(&self, event: CUevent) -> Result<()> {
         let sync = || {
             self.call("waiting for queued work", |d, _| {
                 // SAFETY: a live event of this context.
@@ -748,7 +922,8 @@ impl CudaStream {
             cu!(d, cuStreamSynchronize(s))
         });
         // What this stream's host functions could not drop (mapped signal words
-        // whose last holder they were) is dropped here.
+        // whose last holder they were) is dropped here, and waits whose host
+        // function could not be queued are counted down once passed.
         crate::context::drain_dropped_later();
         done
     }
@@ -817,7 +992,7 @@ impl CudaStream {
         })
     }
 
-    /// Wait for everything queued on the stream so far, through its completion
+    /// Wait for everything queued on the stream so far, through a completion
     /// event (see `record_done`); refused while the stream is being captured.
     pub(crate) fn finish_queued(&self) -> Result<()> {
         let section = self.section();

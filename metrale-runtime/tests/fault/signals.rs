@@ -36,7 +36,7 @@ fn a_wait_is_released_by_a_write_from_another_stream() {
     a.batch_mem_ops(&[
         MemOp::Write64(&w64, 1 << 40, WriteFlags::default()),
         MemOp::Wait64(&w64, 1 << 40, WaitFlags::EQ.with_flush()),
-        MemOp::Write32(&w32, 5, WriteFlags::NO_MEMORY_BARRIER),
+        MemOp::Write32(&w32, 5, WriteFlags::DEFAULT),
         MemOp::Wait32(&w32, 4, WaitFlags::AND),
     ])
     .unwrap();
