@@ -46,7 +46,7 @@ fn ending_a_capture_keeps_the_host_function_of_another_capture() {
     {
         // A kernel queued on another stream while a capture is in progress is
         // held for the captures: its module goes when the last capture ends.
-        let reg = MetraleRegistry::load(0, [("kernels", PTX)]).unwrap();
+        let reg = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
         let f = reg.function("kernels", "empty").unwrap();
         let cfg = LaunchConfig::new((1, 1, 1), (32, 1, 1), 0).unwrap();
         // SAFETY: the stand-in only records the arguments.
@@ -368,7 +368,7 @@ fn child_sleep_event_destroy_fails() {
     buf.grow_to(1024).unwrap();
     s.synchronize().unwrap();
     fake().fail("cuEventDestroy_v2", 999, 1, Some(1));
-    let asleep = buf.sleep(Some(s)).unwrap();
+    let asleep = buf.sleep(s).unwrap();
     assert!(asleep.is_saved());
     drop(asleep);
 }
