@@ -496,7 +496,7 @@ impl MetraleRegistry {
                     &self.table,
                     info,
                     &cfg,
-                    Some(A::SIZES),
+                    Some(args.layout()),
                     p.as_mut_ptr(),
                 )
             }

@@ -656,7 +656,7 @@ unsafe fn add_kernel<A: KernelArgs>(
     )?;
     ctx.bind()?;
     refuse_attributes(cfg, f.name())?;
-    prepare(ctx, f.info(), cfg, Some(A::SIZES))?;
+    prepare(ctx, f.info(), cfg, Some(args.layout()))?;
     let raw_deps = raw_deps(deps, graph_id, ctx.ordinal())?;
     let mut node: CUgraphNode = std::ptr::null_mut();
     args.with_params(|p| {
