@@ -469,7 +469,8 @@ impl MetraleRegistry {
     }
 
     /// Launch with typed arguments: a tuple of values and device memory, packed on
-    /// the stack and checked against the kernel's parameter layout
+    /// the stack, or a [`KernelArgList`](crate::KernelArgList) built at run time
+    /// (`&list`), checked against the kernel's parameter layout
     /// (`registry.launch(f, cfg, stream, (&a, &b, &mut c, n))`).
     ///
     /// # Safety
@@ -477,7 +478,8 @@ impl MetraleRegistry {
     ///
     /// # Errors
     /// As [`MetraleRegistry::launch_on_stream`], and
-    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch).
+    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch) or
+    /// [`ErrorKind::ArgumentMisaligned`](crate::ErrorKind::ArgumentMisaligned).
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(
         &self,

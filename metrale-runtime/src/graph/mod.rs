@@ -464,8 +464,8 @@ impl CudaGraph {
         })
     }
 
-    /// Add a kernel node that runs after `deps`: `f` with typed arguments, checked
-    /// like a launch. The argument values are copied into the node.
+    /// Add a kernel node that runs after `deps`: `f` with typed arguments (a tuple
+    /// or a `&`[`KernelArgList`](crate::KernelArgList)), checked like a launch. The argument values are copied into the node.
     ///
     /// # Safety
     /// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay of the graph.

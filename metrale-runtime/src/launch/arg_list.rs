@@ -43,7 +43,8 @@ pub const MAX_ARG_ALIGN: usize = 4096;
 /// against the kernel's parameter layout: the count, each size, and each
 /// parameter's offset a multiple of the argument's alignment.
 ///
-/// Build it once and launch it many times: launching allocates nothing, and
+/// Each argument's bytes are copied when it is pushed (a device address, for
+/// memory). Build it once and launch it many times: launching allocates nothing, and
 /// [`clear`](KernelArgList::clear) (or [`recycle`](KernelArgList::recycle), to
 /// borrow other memory) keeps its allocations, so a list rebuilt to the same shape
 /// allocates nothing either. [`set`](KernelArgList::set) replaces one argument in
