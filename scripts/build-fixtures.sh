@@ -7,7 +7,8 @@
 #   conditional.ptx          PTX for compute_90           (from conditional.cu)
 #   conditional.sm_90.cubin  cubin for sm_90
 # tma.ptx (the TMA copy of the tensor-map test) is hand-written PTX for sm_90a with
-# no source; it is only checked here, with ptxas.
+# no source, and so is args.ptx (args20, 20 parameters of mixed alignments, for the
+# run-time argument-list tests); they are only checked here, with ptxas.
 # Usage: scripts/build-fixtures.sh [OUTPUT_DIR]   (default: beside the source)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -25,4 +26,5 @@ nvcc -fatbin \
 nvcc -ptx -arch=compute_90 -o "$out/conditional.ptx" "$dir/conditional.cu"
 nvcc -cubin -arch=sm_90 -o "$out/conditional.sm_90.cubin" "$dir/conditional.cu"
 ptxas -arch=sm_90a "$dir/tma.ptx" -o /dev/null && echo "tma.ptx: ptxas sm_90a ok"
+ptxas -arch=sm_90 "$dir/args.ptx" -o /dev/null && echo "args.ptx: ptxas sm_90 ok"
 ls -l "$out"/kernels.* "$out"/conditional.*

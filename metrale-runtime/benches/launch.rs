@@ -34,8 +34,8 @@ use std::sync::OnceLock;
 use common::{header, line, ratios, rounds, time, Row};
 use metrale_runtime::sys::{self, CUresult};
 use metrale_runtime::{
-    CudaEvent, CudaStream, DeviceBuffer, LaunchConfig, MetraleError, MetraleRegistry, PinnedBuffer,
-    RawCudaFunc,
+    CudaEvent, CudaStream, DeviceBuffer, KernelArgList, LaunchConfig, MetraleError,
+    MetraleRegistry, PinnedBuffer, RawCudaFunc,
 };
 
 static PTX: &[u8] = include_bytes!("../tests/fixtures/kernels.ptx");
@@ -109,6 +109,12 @@ fn run() -> Result<(), MetraleError> {
     let recommended = || {
         // SAFETY: as above.
         unsafe { stream.launch(&func, cfg, (&buf, n, x)) }.unwrap();
+    };
+    let mut list = KernelArgList::new();
+    list.push(&buf).push(n).push(x);
+    let run_time_list = || {
+        // SAFETY: as above, the same three arguments from a run-time list.
+        unsafe { stream.launch(&func, cfg, &list) }.unwrap();
     };
     let unchecked = || {
         let mut p = params;
@@ -233,12 +239,13 @@ fn run() -> Result<(), MetraleError> {
         (raw * 1e6 / k as f64, mine * 1e6 / k as f64)
     };
 
-    let paths: [&dyn Fn(); 5] = [
+    let paths: [&dyn Fn(); 6] = [
         &floor,
         &on_stream,
         &registry_typed,
         &recommended,
         &unchecked,
+        &run_time_list,
     ];
     for _ in 0..2 {
         submit_round(&paths);
@@ -350,6 +357,7 @@ fn run() -> Result<(), MetraleError> {
         "registry.launch (typed, checked)",
         "stream.launch(&CudaFunction) (typed, checked)",
         "stream.launch_raw (void**, unchecked)",
+        "stream.launch(&KernelArgList) (run-time list, checked)",
     ];
     let floor_row = submit[0].clone();
     for (name, row) in names.iter().zip(&submit) {

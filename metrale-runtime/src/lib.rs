@@ -100,7 +100,8 @@ pub mod prelude {
     pub use crate::{
         AsContext, AsStream, CudaEvent, CudaFunction, CudaGraph, CudaGraphExec, CudaStream,
         DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, ErrorKind,
-        LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, PinnedBuffer, Result,
+        KernelArgList, LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, NullPtr,
+        PinnedBuffer, Result,
     };
 }
 
@@ -120,9 +121,9 @@ pub use graph::{
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
-    Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,
-    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TensorMapLayout,
-    TENSOR_MAP_MAX_RANK,
+    ArgLayout, Interleave, KernelArg, KernelArgList, KernelArgs, L2Promotion, LaunchAttributes,
+    LaunchConfig, NullPtr, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
+    TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
     deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,

@@ -476,7 +476,8 @@ impl MetraleRegistry {
     }
 
     /// Launch with typed arguments: a tuple of values and device memory, packed on
-    /// the stack and checked against the kernel's parameter layout
+    /// the stack, or a [`KernelArgList`](crate::KernelArgList) built at run time
+    /// (`&list`), checked against the kernel's parameter layout
     /// (`registry.launch(f, cfg, stream, (&a, &b, &mut c, n))`).
     ///
     /// # Safety
@@ -484,7 +485,8 @@ impl MetraleRegistry {
     ///
     /// # Errors
     /// As [`MetraleRegistry::launch_on_stream`], and
-    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch).
+    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch) or
+    /// [`ErrorKind::ArgumentMisaligned`](crate::ErrorKind::ArgumentMisaligned).
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(
         &self,
@@ -503,7 +505,7 @@ impl MetraleRegistry {
                     &self.table,
                     info,
                     &cfg,
-                    Some(A::SIZES),
+                    Some(args.layout()),
                     p.as_mut_ptr(),
                 )
             }

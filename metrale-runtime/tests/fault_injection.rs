@@ -9,6 +9,8 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "fault/args.rs"]
+mod args;
 #[path = "fault/common.rs"]
 mod common;
 #[path = "fault/errors.rs"]
@@ -64,6 +66,7 @@ fn main() -> ExitCode {
         signals::tests(),
         memory::tests(),
         launch::tests(),
+        args::tests(),
         tensor_map::tests(),
         green::tests(),
         graph::tests(),

@@ -271,7 +271,7 @@ impl CudaGraphExec {
         }
         self.ctx.bind()?;
         super::refuse_attributes(&cfg, f.name())?;
-        prepare(&self.ctx, f.info(), &cfg, Some(A::SIZES))?;
+        prepare(&self.ctx, f.info(), &cfg, Some(args.layout()))?;
         let (e, n) = (self.raw, node.node.raw);
         args.with_params(|p| {
             let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());

@@ -464,8 +464,8 @@ impl CudaGraph {
         })
     }
 
-    /// Add a kernel node that runs after `deps`: `f` with typed arguments, checked
-    /// like a launch. The argument values are copied into the node.
+    /// Add a kernel node that runs after `deps`: `f` with typed arguments (a tuple
+    /// or a `&`[`KernelArgList`](crate::KernelArgList)), checked like a launch. The argument values are copied into the node.
     ///
     /// # Safety
     /// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay of the graph.
@@ -656,7 +656,7 @@ unsafe fn add_kernel<A: KernelArgs>(
     )?;
     ctx.bind()?;
     refuse_attributes(cfg, f.name())?;
-    prepare(ctx, f.info(), cfg, Some(A::SIZES))?;
+    prepare(ctx, f.info(), cfg, Some(args.layout()))?;
     let raw_deps = raw_deps(deps, graph_id, ctx.ordinal())?;
     let mut node: CUgraphNode = std::ptr::null_mut();
     args.with_params(|p| {

@@ -1,6 +1,7 @@
 //! Typed kernel arguments: [`KernelArg`] (a value or a device memory handle, with
-//! the size the kernel receives) and [`KernelArgs`] (tuples of up to 16, packed
-//! into the driver's `void**` array on the stack).
+//! the size and alignment the kernel receives), [`NullPtr`], and [`KernelArgs`]
+//! (tuples of up to 24, packed into the driver's `void**` array on the stack; the
+//! run-time list is in `arg_list.rs`), with the [`ArgLayout`] a launch checks.
 
 use std::ffi::c_void;
 
@@ -16,16 +17,23 @@ use crate::memory::{
 /// # Safety
 /// `param_ptr` must return a pointer to `SIZE` bytes of this value, valid while
 /// `self` is borrowed, laid out as the kernel's matching parameter expects.
+/// `ALIGN` must be a power of two.
 pub unsafe trait KernelArg {
     /// The bytes the kernel receives (checked against its parameter layout).
     const SIZE: usize;
+    /// The alignment the argument's type needs, in bytes: the kernel's parameter
+    /// must sit at an offset that is a multiple of it (checked where the driver
+    /// reports the layout). The default, 1, asks nothing.
+    const ALIGN: usize = 1;
     /// Pointer to the argument's bytes.
     fn param_ptr(&self) -> *mut c_void;
 }
 
-// SAFETY: a DeviceRepr value is passed by its own bytes.
+// SAFETY: a DeviceRepr value is passed by its own bytes; a type's alignment is a
+// power of two.
 unsafe impl<T: DeviceRepr> KernelArg for T {
     const SIZE: usize = std::mem::size_of::<T>();
+    const ALIGN: usize = std::mem::align_of::<T>();
     #[inline]
     fn param_ptr(&self) -> *mut c_void {
         (self as *const T).cast_mut().cast()
@@ -39,6 +47,7 @@ macro_rules! pointer_arg {
         // SAFETY: `device_ptr_ref` points at the handle's own CUdeviceptr field.
         unsafe impl<$($gen)*> KernelArg for $ty {
             const SIZE: usize = std::mem::size_of::<CUdeviceptr>();
+            const ALIGN: usize = std::mem::align_of::<CUdeviceptr>();
             #[inline]
             fn param_ptr(&self) -> *mut c_void {
                 (self.device_ptr_ref() as *const CUdeviceptr).cast_mut().cast()
@@ -65,30 +74,108 @@ pointer_arg!(
     [T: DeviceRepr] &mut crate::memory::IpcBuffer<T>,
 );
 
-/// A kernel's whole argument list: a tuple of up to 16 [`KernelArg`]s, or `()`.
+/// A null device pointer argument: the 8 zero bytes of a kernel's pointer
+/// parameter (`float* = nullptr`), in a tuple (`(&a, NullPtr, n)`) or a
+/// [`KernelArgList`](crate::KernelArgList). Sized and aligned as a pointer, so the
+/// launch check takes it where a pointer is expected, unlike a `0u32`.
+///
+/// ```
+/// use metrale_runtime::{KernelArg, NullPtr};
+/// assert_eq!((NullPtr::SIZE, NullPtr::ALIGN), (8, 8));
+/// assert_eq!(NullPtr.address(), 0);
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct NullPtr;
+
+/// What a [`NullPtr`] argument points the driver at.
+static NULL_DEVICE_PTR: CUdeviceptr = 0;
+
+impl NullPtr {
+    /// The address it passes: 0.
+    pub const fn address(self) -> CUdeviceptr {
+        0
+    }
+}
+
+// SAFETY: the pointer is to a static zero address (8 bytes, never written: the
+// driver only reads argument bytes), valid for the whole program.
+unsafe impl KernelArg for NullPtr {
+    const SIZE: usize = std::mem::size_of::<CUdeviceptr>();
+    const ALIGN: usize = std::mem::align_of::<CUdeviceptr>();
+    #[inline]
+    fn param_ptr(&self) -> *mut c_void {
+        (&NULL_DEVICE_PTR as *const CUdeviceptr).cast_mut().cast()
+    }
+}
+
+/// The sizes and alignments of an argument list, in order: what a launch checks
+/// against the kernel's parameter layout (the count, each size, and each
+/// parameter's offset a multiple of the argument's alignment).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ArgLayout<'a> {
+    sizes: &'a [usize],
+    aligns: &'a [usize],
+}
+
+impl<'a> ArgLayout<'a> {
+    /// A layout of `sizes.len()` arguments; `aligns` gives the alignment of the
+    /// first `aligns.len()` of them (an argument without one is not checked for it).
+    pub const fn new(sizes: &'a [usize], aligns: &'a [usize]) -> ArgLayout<'a> {
+        ArgLayout { sizes, aligns }
+    }
+
+    /// Each argument's size in bytes.
+    pub const fn sizes(&self) -> &'a [usize] {
+        self.sizes
+    }
+
+    /// Each argument's alignment in bytes (as many as are known).
+    pub const fn aligns(&self) -> &'a [usize] {
+        self.aligns
+    }
+}
+
+/// A kernel's whole argument list: a tuple of up to 24 [`KernelArg`]s, `()`, or a
+/// list built at run time (`&`[`KernelArgList`](crate::KernelArgList)).
 ///
 /// # Safety
-/// `with_params` must pass `f` an array holding one valid [`KernelArg::param_ptr`]
-/// per element, in order, and `SIZES` must list each element's `SIZE`.
+/// `with_params` must pass `f` an array holding one valid pointer per argument,
+/// in order, each to that argument's bytes (for a tuple: each element's
+/// [`KernelArg::param_ptr`]), valid during the call. [`KernelArgs::layout`] must
+/// list each argument's size (and, where it lists one, its alignment) and the
+/// same number of arguments: for a tuple, each element's `SIZE` in `SIZES` (and
+/// `ALIGN` in `ALIGNS`).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` is not a kernel argument list",
     label = "expected a tuple of kernel arguments",
-    note = "pass a tuple of up to 16 arguments: values (`DeviceRepr`), `&buf`, `&mut buf`, or slices: `(&a, &mut b, n)`; one argument is `(x,)`"
+    note = "pass a tuple of up to 24 arguments: values (`DeviceRepr`), `&buf`, `&mut buf`, slices or `NullPtr`: `(&a, &mut b, n)`; one argument is `(x,)`; or a `&KernelArgList` built at run time"
 )]
 pub unsafe trait KernelArgs {
-    /// Each argument's size in bytes, in order.
+    /// Each argument's size in bytes, in order, when the list's shape is fixed at
+    /// compile time (tuples). Empty for a run-time list, which reports its sizes
+    /// through [`KernelArgs::layout`] (what launches check).
     const SIZES: &'static [usize];
-    /// Call `f` with the packed `void*` array (on the stack).
+    /// Each argument's alignment in bytes, in order, as `SIZES`. The default (empty)
+    /// asks no alignment of any parameter.
+    const ALIGNS: &'static [usize] = &[];
+    /// Call `f` with the packed `void*` array.
     fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R;
+    /// The sizes and alignments a launch checks: by default `SIZES` and `ALIGNS`.
+    #[inline]
+    fn layout(&self) -> ArgLayout<'_> {
+        ArgLayout::new(Self::SIZES, Self::ALIGNS)
+    }
 }
 
 macro_rules! impl_kernel_args {
     ($n:literal; $($t:ident . $i:tt),*) => {
-        // SAFETY: one pointer per tuple element, in order, borrowed from `self`.
+        // SAFETY: one pointer per tuple element, in order, borrowed from `self`;
+        // the layout is each element's own SIZE and ALIGN.
         unsafe impl<$($t: KernelArg),*> KernelArgs for ($($t,)*) {
             const SIZES: &'static [usize] = &[$($t::SIZE),*];
+            const ALIGNS: &'static [usize] = &[$($t::ALIGN),*];
             #[inline]
-            fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R {
+            fn with_params<Out>(&self, f: impl FnOnce(&mut [*mut c_void]) -> Out) -> Out {
                 let mut params: [*mut c_void; $n] = [$(self.$i.param_ptr()),*];
                 f(&mut params)
             }
@@ -120,3 +207,11 @@ impl_kernel_args!(13; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.
 impl_kernel_args!(14; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13);
 impl_kernel_args!(15; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14);
 impl_kernel_args!(16; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15);
+impl_kernel_args!(17; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16);
+impl_kernel_args!(18; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17);
+impl_kernel_args!(19; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18);
+impl_kernel_args!(20; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18, T.19);
+impl_kernel_args!(21; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18, T.19, U.20);
+impl_kernel_args!(22; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18, T.19, U.20, V.21);
+impl_kernel_args!(23; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18, T.19, U.20, V.21, W.22);
+impl_kernel_args!(24; A.0, B.1, C.2, D.3, E.4, F.5, G.6, H.7, I.8, J.9, K.10, L.11, M.12, N.13, O.14, P.15, Q.16, R.17, S.18, T.19, U.20, V.21, W.22, X.23);

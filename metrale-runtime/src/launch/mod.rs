@@ -1,5 +1,6 @@
 //! Launching kernels: [`LaunchConfig`] and its checks, [`LaunchAttributes`] for
-//! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), tensor maps
+//! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), argument
+//! lists built at run time ([`KernelArgList`], in `arg_list.rs`), tensor maps
 //! ([`TensorMap`], in `tensor_map.rs`), and the one
 //! launch path every launch of the crate goes through (plain or extended, typed or
 //! raw, from a stream, the registry or a graph update).
@@ -7,9 +8,10 @@
 //! Invariants:
 //! - A launch is refused before the driver is called when the kernel belongs to
 //!   another context than the stream, when the shape breaks the device's limits or
-//!   the attributes' rules, or when typed arguments do not match the kernel's
-//!   parameter layout (count and each size; skipped when the driver cannot report
-//!   the layout).
+//!   the attributes' rules, or when typed arguments (a tuple or a run-time list)
+//!   do not match the kernel's parameter layout (the count, each size, and each
+//!   parameter's offset a multiple of its argument's alignment; skipped when the
+//!   driver cannot report the layout).
 //! - The hot path (bind, those checks, the shared-memory check, the launch call)
 //!   allocates nothing and takes no lock; text is made only on failure.
 //! - Dynamic shared memory above what the kernel is set to is opted in once
@@ -29,10 +31,12 @@ use crate::function::{keep_for_capture, CudaFunction, KernelInfo, KernelTable};
 use crate::stream::captures_in_progress;
 use crate::stream::CudaStream;
 
+mod arg_list;
 mod args;
 mod tensor_map;
 
-pub use args::{KernelArg, KernelArgs};
+pub use arg_list::{KernelArgList, MAX_ARG_ALIGN};
+pub use args::{ArgLayout, KernelArg, KernelArgs, NullPtr};
 pub use tensor_map::{
     Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
     TensorMapBuilder, TensorMapLayout, TENSOR_MAP_MAX_RANK,
@@ -450,22 +454,29 @@ fn refused(
     .into()
 }
 
-/// Compare typed argument sizes with the kernel's layout (when the driver can
-/// report one; a failure to read it refuses the launch and is tried again next
-/// time). The context must be current.
+/// Compare typed arguments with the kernel's layout (when the driver can report
+/// one; a failure to read it refuses the launch and is tried again next time):
+/// the count, each size, and each parameter's offset a multiple of its argument's
+/// alignment. The context must be current.
+///
+/// Offsets are the driver's: the `void**` launch copies each argument to its
+/// parameter's offset, so an argument of weaker alignment than its parameter
+/// (`[f32; 2]` for a `float2`) is passed correctly and accepted; one of stronger
+/// alignment than its parameter's offset allows is another type and refused.
 #[inline]
 pub(crate) fn check_args(
     d: &'static sys::Driver,
     info: &KernelInfo,
     cfg: &LaunchConfig,
     attrs: Option<&LaunchAttributes>,
-    sizes: &[usize],
+    args: ArgLayout<'_>,
 ) -> Result<()> {
     let params = match info.layout(d) {
         Ok(Some(params)) => params,
         Ok(None) => return Ok(()),
         Err(e) => return Err(e.launch(&info.name, shape(cfg, attrs))),
     };
+    let sizes = args.sizes();
     if params.len() != sizes.len() {
         return Err(mismatch(info, None, params.len(), sizes.len()));
     }
@@ -474,7 +485,25 @@ pub(crate) fn check_args(
             return Err(mismatch(info, Some(i), p.size, given));
         }
     }
+    for (i, (p, &align)) in params.iter().zip(args.aligns()).enumerate() {
+        // Alignments are powers of two (the KernelArgs contract): a mask, no
+        // division; a zero asks nothing.
+        if align != 0 && p.offset & (align - 1) != 0 {
+            return Err(misaligned(info, i, align, p.offset));
+        }
+    }
     Ok(())
+}
+
+#[cold]
+fn misaligned(info: &KernelInfo, index: usize, align: usize, offset: usize) -> MetraleError {
+    ErrorKind::ArgumentMisaligned {
+        kernel: info.name.to_string(),
+        index,
+        align,
+        offset,
+    }
+    .into()
 }
 
 #[cold]
@@ -512,7 +541,7 @@ pub(crate) fn prepare(
     ctx: &CudaContext,
     info: &KernelInfo,
     cfg: &LaunchConfig,
-    sizes: Option<&[usize]>,
+    args: Option<ArgLayout<'_>>,
 ) -> Result<()> {
     let attrs = cfg.extended();
     let limits = ctx.limits();
@@ -524,8 +553,8 @@ pub(crate) fn prepare(
             return Err(refused(info, cfg, attrs, why));
         }
     }
-    if let Some(sizes) = sizes {
-        check_args(ctx.driver(), info, cfg, attrs, sizes)?;
+    if let Some(args) = args {
+        check_args(ctx.driver(), info, cfg, attrs, args)?;
     }
     if !info.smem_ready(cfg.shared_mem_bytes) {
         info.opt_in(ctx.driver(), cfg.shared_mem_bytes)
@@ -546,7 +575,7 @@ pub(crate) unsafe fn launch_kernel(
     table: &Arc<KernelTable>,
     info: &KernelInfo,
     cfg: &LaunchConfig,
-    sizes: Option<&[usize]>,
+    args: Option<ArgLayout<'_>>,
     params: *mut *mut c_void,
 ) -> Result<()> {
     let attrs = cfg.extended();
@@ -558,7 +587,7 @@ pub(crate) unsafe fn launch_kernel(
     if let Err(e) = ctx.bind_fast() {
         return Err(e.launch(&info.name, shape(cfg, attrs)));
     }
-    prepare(ctx, info, cfg, sizes)?;
+    prepare(ctx, info, cfg, args)?;
     let d = ctx.driver();
     let (g, b) = (cfg.grid_dim, cfg.block_dim);
     let launched = match attrs {
@@ -618,10 +647,11 @@ pub(crate) unsafe fn launch_kernel(
 
 impl CudaStream {
     /// Launch `f` with typed arguments: a tuple of values and device memory
-    /// (`(&a, &b, &mut c, n)`), packed on the stack. The argument count and each
-    /// argument's size are checked against the kernel's parameter layout before the
-    /// driver is called (where the driver reports it, CUDA 12.4+), as are the
-    /// launch shape and the stream's device.
+    /// (`(&a, &b, &mut c, n)`), packed on the stack, or a [`KernelArgList`] built
+    /// at run time (`&list`). The argument count, each argument's size and each
+    /// parameter's alignment are checked against the kernel's parameter layout
+    /// before the driver is called (where the driver reports it, CUDA 12.4+), as
+    /// are the launch shape and the stream's device.
     ///
     /// ```no_run
     /// # use metrale_runtime::*;
@@ -644,7 +674,7 @@ impl CudaStream {
     ///
     /// # Errors
     /// [`ErrorKind::ArgumentMismatch`] (count or a size, naming the parameter),
-    /// [`ErrorKind::WrongDevice`], [`ErrorKind::KernelLaunch`] for an
+    /// [`ErrorKind::ArgumentMisaligned`], [`ErrorKind::WrongDevice`], [`ErrorKind::KernelLaunch`] for an
     /// impossible shape or the driver's refusal.
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(
@@ -662,7 +692,7 @@ impl CudaStream {
                     f.table(),
                     f.info(),
                     &cfg,
-                    Some(A::SIZES),
+                    Some(args.layout()),
                     p.as_mut_ptr(),
                 )
             }

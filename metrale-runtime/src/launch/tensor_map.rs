@@ -596,10 +596,15 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
     }
 }
 
+/// The alignment a tensor-map kernel parameter has (`.param .align 64 .b8 [128]`).
+pub(crate) const TENSOR_MAP_PARAM_ALIGN: usize = 64;
+
 // SAFETY: the pointer is to the `raw` field, the driver's 128 bytes, borrowed with
-// the map; a `CUtensorMap` kernel parameter is exactly those bytes.
+// the map; a `CUtensorMap` kernel parameter is exactly those bytes; 64 is a power
+// of two.
 unsafe impl<T: TensorElement> crate::launch::KernelArg for &TensorMap<'_, T> {
     const SIZE: usize = std::mem::size_of::<sys::CUtensorMap>();
+    const ALIGN: usize = TENSOR_MAP_PARAM_ALIGN;
     #[inline]
     fn param_ptr(&self) -> *mut c_void {
         (&self.raw as *const sys::CUtensorMap).cast_mut().cast()

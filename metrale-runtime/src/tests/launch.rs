@@ -165,3 +165,122 @@ fn setters_check_like_new() {
         LaunchAttributes::cooperative()
     );
 }
+
+#[test]
+fn typed_args_know_their_alignments_up_to_24() {
+    assert_eq!(<(u64, u32, [u8; 3]) as KernelArgs>::ALIGNS, &[8, 4, 1]);
+    assert_eq!(<(NullPtr, u16) as KernelArgs>::ALIGNS, &[8, 2]);
+    type T24 = (
+        u8,
+        u16,
+        u32,
+        u64,
+        f32,
+        f64,
+        u8,
+        u16,
+        u32,
+        u64,
+        f32,
+        f64,
+        u8,
+        u16,
+        u32,
+        u64,
+        f32,
+        f64,
+        u8,
+        u16,
+        u32,
+        u64,
+        f32,
+        NullPtr,
+    );
+    assert_eq!(<T24 as KernelArgs>::SIZES.len(), 24);
+    assert_eq!(<T24 as KernelArgs>::SIZES[23], 8);
+    let args: T24 = (
+        0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, NullPtr,
+    );
+    args.with_params(|p| {
+        assert_eq!(p.len(), 24);
+        // SAFETY: the last pointer is a NullPtr's 8 zero bytes, alive here.
+        assert_eq!(unsafe { *p[23].cast::<u64>() }, 0);
+    });
+    let layout = args.layout();
+    assert_eq!((layout.sizes().len(), layout.aligns()[3]), (24, 8));
+}
+
+#[test]
+fn a_list_stores_each_argument_aligned_and_points_at_it() {
+    let mut list = KernelArgList::new();
+    list.push(1u8).push(2u64).push(NullPtr).push([3u16; 3]);
+    list.push_bytes(&[9; 5], 64).unwrap();
+    assert_eq!(list.sizes(), [1, 8, 8, 6, 5]);
+    assert_eq!(list.aligns(), [1, 8, 8, 2, 64]);
+    assert_eq!(list.arg_bytes(1).unwrap(), 2u64.to_ne_bytes());
+    assert_eq!(list.arg_bytes(2).unwrap(), [0; 8]);
+    assert_eq!(list.arg_bytes(5), None);
+    (&list).with_params(|p| {
+        assert_eq!(p.len(), 5);
+        for (i, &ptr) in p.iter().enumerate() {
+            let align = list.aligns()[i];
+            assert_eq!(ptr as usize % align, 0, "argument {i} stored aligned");
+        }
+        // SAFETY: the pointers point at the list's bytes, alive in this closure.
+        unsafe {
+            assert_eq!(*p[0].cast::<u8>(), 1);
+            assert_eq!(*p[1].cast::<u64>(), 2);
+            assert_eq!(*p[3].cast::<[u16; 3]>(), [3; 3]);
+            assert_eq!(*p[4].cast::<[u8; 5]>(), [9; 5]);
+        }
+    });
+    let by_ref = &list;
+    let layout = by_ref.layout();
+    assert_eq!(layout, ArgLayout::new(&[1, 8, 8, 6, 5], &[1, 8, 8, 2, 64]));
+    // Re-entrant use gets its own array.
+    (&list).with_params(|outer| {
+        let first = outer[0];
+        (&list).with_params(|inner| assert_eq!(inner[0], first));
+    });
+}
+
+#[test]
+fn list_pushes_and_replacements_are_checked() {
+    let mut list = KernelArgList::new();
+    list.push(1u32);
+    let e = list.push_bytes(&[], 4).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: kernel argument list: argument 1 has no bytes (a kernel parameter has at least one)"
+    );
+    let e = list.push_bytes(&[0; 12], 12).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: kernel argument list: argument 1: alignment 12 is not a power of two from 1 to 4096"
+    );
+    assert!(list.push_bytes(&[0; 4], 0).is_err());
+    assert!(list.push_bytes(&[0; 4], MAX_ARG_ALIGN * 2).is_err());
+    assert_eq!(list.len(), 1, "refused pushes leave the list as it was");
+    list.set(0, 7u32).unwrap();
+    list.set(0, 7i32).unwrap();
+    assert_eq!(list.arg_bytes(0).unwrap(), 7u32.to_ne_bytes());
+    let e = list.set(0, 7u64).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: kernel argument list: argument 0 is 4 bytes aligned to 4, its replacement 8 bytes aligned to 8"
+    );
+    let e = list.set(3, 7u32).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid argument: kernel argument list: no argument 3 to replace (the list has 1)"
+    );
+    assert!(list.set_bytes(0, &[1, 0, 0, 0], 2).is_err());
+    list.set_bytes(0, &[1, 0, 0, 0], 4).unwrap();
+    assert_eq!(list.arg_bytes(0).unwrap(), [1, 0, 0, 0]);
+    list.clear();
+    assert!(list.is_empty());
+    (&list).with_params(|p| assert!(p.is_empty()));
+    let recycled: KernelArgList<'static> = list.recycle();
+    assert!(recycled.is_empty());
+    assert!(format!("{recycled:?}").starts_with("KernelArgList"));
+}

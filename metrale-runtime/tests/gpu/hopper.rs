@@ -95,6 +95,42 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
     );
 }
 
+/// The same copy with the map passed by value in a run-time argument list.
+fn a_tensor_map_in_a_run_time_list_copies_every_tile() {
+    let reg = registry();
+    if !has_tma(&reg) {
+        return;
+    }
+    let (rows, cols) = (64usize, 96usize);
+    let tma = MetraleRegistry::load(0, &[("tma", TMA_PTX)]).unwrap();
+    let f = tma.function("tma", "tma_copy_2d").unwrap();
+    let s = reg.stream();
+    let a = data(rows * cols, 9);
+    let da = DeviceBuffer::from_host(s, &a).unwrap();
+    let mut out = DeviceBuffer::<f32>::alloc(s, rows * cols).unwrap();
+    let map = TensorMap::tiled(&da)
+        .dims(&[cols as u64, rows as u64])
+        .strides(&[(cols * 4) as u64])
+        .box_dims(&[32, 32])
+        .encode()
+        .unwrap();
+    let cfg =
+        LaunchConfig::new(((cols / 32) as u32, (rows / 32) as u32, 1), (128, 1, 1), 0).unwrap();
+    s.memset_u32(&mut out, f32::NAN.to_bits()).unwrap();
+    let mut args = KernelArgList::new();
+    args.push_tensor_map(&map).push(&mut out).push(cols as u32);
+    // SAFETY: as in the tuple test: tma_copy_2d writes rows x cols floats of `out`
+    // through a map over `da`; both outlive the launch (the stream is waited).
+    unsafe { s.launch(&f, cfg, &args) }.unwrap();
+    drop(args);
+    check_copy(
+        &s.to_vec(&out).unwrap(),
+        &a,
+        cols,
+        "the copy through a map in a list",
+    );
+}
+
 /// The real driver agrees with the checks: what they accept it encodes, and the
 /// bytes are a map (not all zeros).
 fn the_driver_encodes_what_the_checks_accept() {
@@ -287,6 +323,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "hopper::a_2d_tensor_map_copy_moves_every_tile",
             run: a_2d_tensor_map_copy_moves_every_tile,
+        },
+        Test {
+            name: "hopper::a_tensor_map_in_a_run_time_list_copies_every_tile",
+            run: a_tensor_map_in_a_run_time_list_copies_every_tile,
         },
         Test {
             name: "hopper::the_driver_encodes_what_the_checks_accept",

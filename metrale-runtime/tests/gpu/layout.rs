@@ -1,4 +1,5 @@
-//! Typed launches checked against the parameter layout the driver reports.
+//! Typed launches checked against the parameter layout the driver reports, from
+//! tuples and from argument lists built at run time.
 
 use crate::common::*;
 use crate::harness::Test;
@@ -120,6 +121,181 @@ fn mismatches_are_refused_and_a_correct_launch_works_after_each() {
     );
 }
 
+static ARGS_PTX: &[u8] = include_bytes!("../fixtures/args.ptx");
+
+/// `args20`'s structs: `struct { unsigned x, y, z; }` and `struct { u64 a, b; }`.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Xyz([u32; 3]);
+// SAFETY: three u32s, no padding.
+unsafe impl DeviceRepr for Xyz {}
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct Pair([u64; 2]);
+// SAFETY: two u64s, no padding.
+unsafe impl DeviceRepr for Pair {}
+
+/// The 20-parameter `args20` (hand-written PTX, JIT-compiled by the driver)
+/// launched through a run-time list and through a 20-tuple: every parameter
+/// arrives exactly; the driver's layout is the one the list is checked against,
+/// and a misaligned or short list is refused before the driver.
+fn a_20_parameter_kernel_through_a_run_time_list() {
+    let reg = registry();
+    let s = reg.stream();
+    let m = MetraleRegistry::load(0, &[("args", ARGS_PTX)]).unwrap();
+    let f = m.function("args", "args20").unwrap();
+    let params = f.params().expect("the driver reports parameter layouts");
+    let offsets: Vec<usize> = params.iter().map(|p| p.offset).collect();
+    let sizes: Vec<usize> = params.iter().map(|p| p.size).collect();
+    assert_eq!(
+        offsets,
+        [0, 8, 16, 24, 32, 40, 48, 56, 60, 72, 76, 80, 88, 92, 96, 104, 120, 128, 136, 140]
+    );
+    assert_eq!(
+        sizes,
+        [8, 8, 8, 4, 8, 4, 8, 1, 12, 2, 4, 8, 1, 4, 4, 16, 4, 8, 2, 4]
+    );
+    let mut out = DeviceBuffer::<u64>::zeroed(s, 24).unwrap();
+    let src = DeviceBuffer::from_host(s, &[1000u32, 234]).unwrap();
+    let cfg = LaunchConfig::new((2, 1, 1), (64, 1, 1), 0).unwrap();
+    let xyz_bytes: Vec<u8> = [11u32, 12, 13]
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    let pair_bytes: Vec<u8> = [21u64 << 33, 22]
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    let po = out.device_ptr();
+    let expect = |step: u32| -> Vec<u64> {
+        vec![
+            po,
+            1234,
+            0,
+            3 + u64::from(step),
+            4 << 40,
+            5.5f32.to_bits().into(),
+            (-6.25f64).to_bits(),
+            0xf7,
+            11,
+            0xfff9,
+            (-10i64) as u64,
+            u64::MAX - 11,
+            12,
+            13,
+            14.5f32.to_bits().into(),
+            21 << 33,
+            16,
+            17,
+            0x8018,
+            19,
+            12,
+            13,
+            22,
+            0x600d,
+        ]
+    };
+    let mut spare = KernelArgList::with_capacity(20, 144);
+    for step in 0..3u32 {
+        let mut args = spare.recycle();
+        args.push(&mut out)
+            .push(&src)
+            .push_null()
+            .push(3 + step)
+            .push(4u64 << 40)
+            .push(5.5f32)
+            .push(-6.25f64)
+            .push(0xf7u8);
+        args.push_bytes(&xyz_bytes, 4).unwrap();
+        args.push(0xfff9u16)
+            .push(-10i32)
+            .push(u64::MAX - 11)
+            .push(12u8)
+            .push(13u32)
+            .push(14.5f32);
+        args.push_bytes(&pair_bytes, 8).unwrap();
+        args.push(16u32).push(17u64).push(0x8018u16).push(19u32);
+        // SAFETY: args20 writes out[0..24) from thread 0 and reads src[0..2); both
+        // outlive the launch (the stream is waited by to_vec).
+        unsafe { s.launch(&f, cfg, &args) }.unwrap();
+        spare = args.recycle();
+        assert_eq!(s.to_vec(&out).unwrap(), expect(step), "list, step {step}");
+        s.zero(&mut out).unwrap();
+    }
+    // The same through a 20-tuple.
+    // SAFETY: as above.
+    unsafe {
+        s.launch(
+            &f,
+            cfg,
+            (
+                &mut out,
+                &src,
+                NullPtr,
+                3u32,
+                4u64 << 40,
+                5.5f32,
+                -6.25f64,
+                0xf7u8,
+                Xyz([11, 12, 13]),
+                0xfff9u16,
+                -10i32,
+                u64::MAX - 11,
+                12u8,
+                13u32,
+                14.5f32,
+                Pair([21 << 33, 22]),
+                16u32,
+                17u64,
+                0x8018u16,
+                19u32,
+            ),
+        )
+    }
+    .unwrap();
+    assert_eq!(s.to_vec(&out).unwrap(), expect(0), "tuple");
+    // Refusals against the real driver's layout.
+    let mut args = spare.recycle();
+    args.push(&mut out).push(&src).push_null();
+    // SAFETY: refused before the driver.
+    let e = unsafe { s.launch(&f, cfg, &args) }.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "kernel 'args::args20': launch not attempted, 3 argument(s) given, the kernel takes 20 parameter(s)"
+    );
+    args.push(3u32)
+        .push(4u64)
+        .push(5.5f32)
+        .push(-6.25f64)
+        .push(0xf7u8);
+    args.push_bytes(&xyz_bytes, 8).unwrap();
+    for _ in 9..20 {
+        args.push(0u8);
+    }
+    // SAFETY: refused before the driver.
+    let e = unsafe { s.launch(&f, cfg, &args) }.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "kernel 'args::args20': launch not attempted, argument 8 is aligned to 8 bytes, the \
+         kernel's parameter 8 is at offset 60 (not a multiple of 8)"
+    );
+    eprintln!("    refused: {e}");
+    args.set_bytes(8, &xyz_bytes, 4).unwrap();
+    // SAFETY: refused before the driver.
+    let e = unsafe { s.launch(&f, cfg, &args) }.unwrap_err();
+    assert!(
+        e.to_string()
+            .ends_with("argument 9 is 1 bytes, the kernel's parameter 9 is 2 bytes"),
+        "{e}"
+    );
+    drop(args);
+    assert_eq!(
+        s.to_vec(&out).unwrap(),
+        expect(0),
+        "nothing ran after the refusals"
+    );
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
         Test {
@@ -129,6 +305,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "layout::mismatches_are_refused_and_a_correct_launch_works_after_each",
             run: mismatches_are_refused_and_a_correct_launch_works_after_each,
+        },
+        Test {
+            name: "layout::a_20_parameter_kernel_through_a_run_time_list",
+            run: a_20_parameter_kernel_through_a_run_time_list,
         },
     ]
 }
