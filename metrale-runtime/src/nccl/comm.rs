@@ -35,7 +35,10 @@ use super::{lib, NcclId};
 /// time uses it (move it to the thread that drives its rank). A communicator
 /// split with shared resources ([`CommConfig::split_share`]) and its parent
 /// take turns: each NCCL call on either holds a lock they share. Drop finalizes
-/// and destroys it within the config's drop timeout, and aborts it past that.
+/// and destroys it within the config's drop timeout, and aborts it past that,
+/// on a helper thread (NCCL's teardown can wait for the device's queued work):
+/// the dropping thread waits at most the drop timeout plus 200 ms, then leaks
+/// it to that thread with a line on stderr. Drop never blocks forever.
 ///
 /// ```compile_fail
 /// fn shared<T: Sync>() {}
@@ -541,7 +544,8 @@ impl Communicator {
     }
 
     /// The raw handle, for calls metrale does not wrap. It stays owned by this
-    /// value (do not destroy it); after an abort it is dangling.
+    /// value (do not destroy it); after an abort (which may still be running
+    /// on a helper thread, or be deferred to a group's end) it is dangling.
     pub fn raw(&self) -> ncclComm_t {
         self.raw
     }
