@@ -635,12 +635,14 @@ impl Communicator {
             if stream.query()? {
                 return Ok(());
             }
-            if start.elapsed() >= timeout {
+            let waited = start.elapsed();
+            if waited >= timeout {
                 let pending = self.last_op.get();
+                // (The time waited for the work, not for the abort after it.)
                 self.abort_within(Duration::ZERO);
                 return Err(into_error(NcclError::Timeout {
                     pending: pending.to_owned(),
-                    waited: start.elapsed(),
+                    waited,
                     comm: self.info,
                 }));
             }

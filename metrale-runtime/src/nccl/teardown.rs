@@ -36,7 +36,8 @@ pub(super) enum Helped<R> {
     /// It finished before the deadline, with this result.
     Done(R),
     /// Still running at the deadline: the thread goes on alone, owning what
-    /// the job owns, and hands its result to `late` when it ends.
+    /// the job owns, and hands its result to `late` when it ends. (Also a
+    /// job that panicked, which nothing in these jobs should: no result comes.)
     Running,
     /// No thread could be started; nothing was run.
     NotStarted(std::io::Error),
@@ -54,6 +55,8 @@ pub(super) fn on_helper<R: Send + 'static>(
     enum State<R> {
         Running,
         Done(R),
+        /// The job panicked (nothing in it should): no result will come.
+        Lost,
         /// The caller stopped waiting.
         Gone,
     }
@@ -62,16 +65,18 @@ pub(super) fn on_helper<R: Send + 'static>(
     let spawned = std::thread::Builder::new()
         .name("metrale-nccl-teardown".to_owned())
         .spawn(move || {
-            let r = job();
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
             let (state, cv) = &*theirs;
             let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
-            if matches!(*state, State::Gone) {
-                drop(state);
-                late(r);
-            } else {
-                *state = State::Done(r);
-                cv.notify_all();
+            match r {
+                Ok(r) if matches!(*state, State::Gone) => {
+                    drop(state);
+                    late(r);
+                }
+                Ok(r) => *state = State::Done(r),
+                Err(_) => *state = State::Lost,
             }
+            cv.notify_all();
         });
     if let Err(e) = spawned {
         return Helped::NotStarted(e);
@@ -79,6 +84,9 @@ pub(super) fn on_helper<R: Send + 'static>(
     let (state, cv) = &*shared;
     let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
     loop {
+        if matches!(*state, State::Lost) {
+            return Helped::Running;
+        }
         if matches!(*state, State::Done(_)) {
             if let State::Done(r) = std::mem::replace(&mut *state, State::Gone) {
                 return Helped::Done(r);
