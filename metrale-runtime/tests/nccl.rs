@@ -1177,12 +1177,32 @@ fn an_abort_inside_a_group_waits_for_its_end() {
     assert_eq!(nccl().calls("ncclCommAbort"), 2);
     assert_eq!(nccl().live(), 0);
 
+    // A panic after the abort: the group still ends, then the abort runs.
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 4]).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        group(&[&comm], || -> Result<()> {
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+            comm.abort();
+            panic!("after an abort inside a group")
+        })
+    }));
+    assert!(panicked.is_err());
+    assert!(comm.is_aborted());
+    assert_eq!(
+        nccl().calls("ncclCommAbort"),
+        3,
+        "run on unwind, after the end"
+    );
+    assert_eq!(nccl().live(), 0);
+    drop(comm);
+
     // A communicator no group lists is aborted at once, also inside a group.
     let (listed, _) = one_rank(&CommConfig::new());
     let (other, _) = one_rank(&CommConfig::new());
     group(&[&listed], || {
         other.abort();
-        assert_eq!(nccl().calls("ncclCommAbort"), 3);
+        assert_eq!(nccl().calls("ncclCommAbort"), 4);
         Ok(())
     })
     .unwrap();
