@@ -1296,6 +1296,39 @@ fn ranks_of_one_group_must_agree() {
     .unwrap_err();
     assert!(refusal(&e).contains("Max"), "{e}");
     assert_eq!(nccl().live(), 0);
+
+    // Sends and receives: the k-th send from a to b against the k-th receive
+    // of b from a, whatever came before outside the group.
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let mut r4 = DeviceBuffer::<i32>::alloc(&s[1], 4).unwrap();
+    let mut r3 = DeviceBuffer::<i32>::alloc(&s[1], 3).unwrap();
+    group(&listed, || {
+        comms[0].send(&a, 1, &s[0])?;
+        comms[1].recv(&mut r4, 0, &s[1])
+    })
+    .unwrap();
+    s[1].synchronize().unwrap();
+    assert_eq!(s[1].to_vec(&r4).unwrap(), s[0].to_vec(&a).unwrap());
+    let e = group(&listed, || {
+        comms[0].send(&a, 1, &s[0])?;
+        comms[1].recv(&mut r3, 0, &s[1])
+    })
+    .unwrap_err();
+    let text = refusal(&e);
+    assert!(
+        text.starts_with(
+            "ncclRecv not called (communicator rank 1 of 2, device 1): send #1 from rank 0 to \
+             rank 1 in this group is 4 elements of NCCL type 2, its receive 3 elements of \
+             NCCL type 2: they must agree"
+        ),
+        "{text}"
+    );
+    assert!(
+        comms.iter().all(Communicator::is_aborted),
+        "both ranks aborted"
+    );
+    assert_eq!(nccl().live(), 0);
     s[0].synchronize().unwrap();
     s[1].synchronize().unwrap();
 }

@@ -9,8 +9,12 @@
 //! process drives several ranks in one group (`init_all` plus `group`), metrale
 //! sees every one of them, so it refuses a collective that disagrees with
 //! another rank's collective of the same sequence number, before NCCL is
-//! called. Ranks in other processes, or queued from other threads, are not
-//! seen: their agreement stays the user's duty (and NCCL's `NCCL_CHECK_MODE`).
+//! called. Sends and receives likewise: the k-th send from rank a to rank b
+//! must have the count and type of the k-th receive of b from a (for
+//! communicators of at most [`P2P_CHECKED_RANKS`] ranks, which count their
+//! sends and receives per peer). Ranks in other processes, or queued from
+//! other threads, are not seen: their agreement stays the user's duty (and
+//! NCCL's `NCCL_CHECK_MODE`).
 
 use std::cell::RefCell;
 use std::collections::hash_map::DefaultHasher;
@@ -92,6 +96,22 @@ impl std::fmt::Display for Shape {
     }
 }
 
+/// The most ranks a communicator may have for its sends and receives to be
+/// checked: it keeps two counters per peer, made at init (16 KiB at most).
+pub(crate) const P2P_CHECKED_RANKS: usize = 1024;
+
+/// One send or receive queued in this thread's open group.
+struct QueuedP2p {
+    clique: u64,
+    from: usize,
+    to: usize,
+    /// Which send from `from` to `to` (or receive of `to` from `from`) this is.
+    seq: u64,
+    sent: bool,
+    count: usize,
+    dtype: ncclDataType_t,
+}
+
 /// One collective queued in this thread's open group.
 struct Queued {
     clique: u64,
@@ -107,6 +127,74 @@ thread_local! {
     /// The cliques a refused disagreement left with work that can never
     /// complete: their listed ranks are aborted at the group's end.
     static DISAGREED: RefCell<Vec<u64>> = const { RefCell::new(Vec::new()) };
+    /// The sends and receives queued in this thread's open groups.
+    static QUEUED_P2P: RefCell<Vec<QueuedP2p>> = const { RefCell::new(Vec::new()) };
+}
+
+fn mark_disagreed(clique: u64) {
+    DISAGREED.with(|d| {
+        let mut d = d.borrow_mut();
+        if !d.contains(&clique) {
+            d.push(clique);
+        }
+    });
+}
+
+/// Record that `rank` of `clique` queues its `seq`-th send to (`sent`) or
+/// receive from `peer` of `count` elements of `dtype`, or the text of the
+/// disagreement with its partner queued in this group (then nothing is
+/// recorded and the clique is marked to be aborted).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn record_p2p(
+    clique: u64,
+    rank: usize,
+    peer: usize,
+    sent: bool,
+    seq: u64,
+    count: usize,
+    dtype: ncclDataType_t,
+) -> Result<(), String> {
+    let (from, to) = if sent { (rank, peer) } else { (peer, rank) };
+    let clash = QUEUED_P2P.with(|q| {
+        q.borrow()
+            .iter()
+            .find(|o| {
+                o.clique == clique
+                    && o.from == from
+                    && o.to == to
+                    && o.seq == seq
+                    && o.sent != sent
+                    && (o.count, o.dtype) != (count, dtype)
+            })
+            .map(|o| (o.count, o.dtype))
+    });
+    if let Some((their_count, their_type)) = clash {
+        mark_disagreed(clique);
+        let (send, recv) = if sent {
+            ((count, dtype), (their_count, their_type))
+        } else {
+            ((their_count, their_type), (count, dtype))
+        };
+        return Err(format!(
+            "send #{seq} from rank {from} to rank {to} in this group is {} elements of NCCL \
+             type {}, its receive {} elements of NCCL type {}: they must agree (NCCL would \
+             move bytes past the receive buffer or leave it short). Not queued; every \
+             listed rank of this communicator is aborted when the group ends",
+            send.0, send.1 .0, recv.0, recv.1 .0
+        ));
+    }
+    QUEUED_P2P.with(|q| {
+        q.borrow_mut().push(QueuedP2p {
+            clique,
+            from,
+            to,
+            seq,
+            sent,
+            count,
+            dtype,
+        });
+    });
+    Ok(())
 }
 
 /// Record that `rank` of `clique` queues `shape` as its collective `seq`, or
@@ -120,12 +208,7 @@ pub(crate) fn record(clique: u64, rank: usize, seq: u64, shape: Shape) -> Result
             .map(|o| (o.rank, o.shape))
     });
     if let Some((other, theirs)) = clash {
-        DISAGREED.with(|d| {
-            let mut d = d.borrow_mut();
-            if !d.contains(&clique) {
-                d.push(clique);
-            }
-        });
+        mark_disagreed(clique);
         return Err(format!(
             "the ranks of one communicator disagree on their collective #{seq} in this \
              group: rank {other} queued {theirs}, this rank {rank} {shape}; NCCL would \
@@ -153,5 +236,6 @@ pub(crate) fn disagreed(clique: u64) -> bool {
 /// The outermost group ended: forget its records.
 pub(crate) fn clear() {
     QUEUED.with(|q| q.borrow_mut().clear());
+    QUEUED_P2P.with(|q| q.borrow_mut().clear());
     DISAGREED.with(|d| d.borrow_mut().clear());
 }

@@ -82,6 +82,38 @@ impl Communicator {
         is_listed(self.raw_handle())
     }
 
+    /// Count a send to (`sent`) or receive from `peer` and, inside a group,
+    /// refuse one that disagrees with its partner queued in this thread's group.
+    #[inline]
+    fn p2p_agree<T: NcclType>(
+        &self,
+        call: &'static str,
+        peer: usize,
+        sent: bool,
+        count: usize,
+    ) -> Result<()> {
+        let Some(seq) = self.count_p2p(peer, sent) else {
+            return Ok(());
+        };
+        if !in_group() {
+            return Ok(());
+        }
+        super::agree::record_p2p(
+            self.clique(),
+            self.rank(),
+            peer,
+            sent,
+            seq,
+            count,
+            T::DATA_TYPE,
+        )
+        .map_err(|reason| {
+            // Not queued: this one does not count.
+            self.uncount_p2p(peer, sent);
+            refused(call, Some(self.info()), reason)
+        })
+    }
+
     /// Refuse a collective that disagrees with another rank's of the same
     /// sequence number queued in this thread's group.
     #[cold]
@@ -520,8 +552,9 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         const CALL: &str = "ncclSend";
-        let peer = self.check_root(CALL, "peer", peer)?;
+        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
         self.prepare::<T>(CALL, stream, &[("send", buf)], None)?;
+        self.p2p_agree::<T>(CALL, peer_rank, true, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -555,8 +588,9 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         const CALL: &str = "ncclRecv";
-        let peer = self.check_root(CALL, "peer", peer)?;
+        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
         self.prepare::<T>(CALL, stream, &[("receive", buf)], None)?;
+        self.p2p_agree::<T>(CALL, peer_rank, false, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }

@@ -72,6 +72,10 @@ pub struct Communicator {
     seq: Cell<u64>,
     /// How many splits were made of this communicator (a child's key).
     splits: Cell<u64>,
+    /// Sends to each peer, then receives from each peer, so far (made at init
+    /// for at most `agree::P2P_CHECKED_RANKS` ranks, empty above: then sends
+    /// and receives are not checked).
+    p2p: Box<[Cell<u64>]>,
     /// Every stream this communicator queued work on (each once), so Drop can
     /// wait for that work before a blocking finalize.
     streams: RefCell<Vec<CudaStream>>,
@@ -386,6 +390,7 @@ impl Communicator {
         )?;
         made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
         made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
+        made.p2p = p2p_counters(made.info.size);
         Ok(Some(made))
     }
 
@@ -451,6 +456,7 @@ impl Communicator {
             clique: parts.clique,
             seq: Cell::new(0),
             splits: Cell::new(0),
+            p2p: p2p_counters(info.size),
             streams: RefCell::new(Vec::new()),
             last_op: Cell::new("no operation"),
             unsettled: Cell::new(false),
@@ -902,6 +908,34 @@ impl Communicator {
     pub(crate) fn count_collective(&self) {
         self.seq.set(self.seq.get().wrapping_add(1));
     }
+
+    /// Take back the count of a send or receive that was not queued.
+    #[cold]
+    pub(crate) fn uncount_p2p(&self, peer: usize, sent: bool) {
+        let i = if sent {
+            Some(peer)
+        } else {
+            self.info.size.checked_add(peer)
+        };
+        if let Some(c) = i.and_then(|i| self.p2p.get(i)) {
+            c.set(c.get().wrapping_sub(1));
+        }
+    }
+
+    /// Count one send to (`sent`) or receive from `peer`: which one it is
+    /// (`None` when this communicator does not count them).
+    #[inline]
+    pub(crate) fn count_p2p(&self, peer: usize, sent: bool) -> Option<u64> {
+        let i = if sent {
+            peer
+        } else {
+            self.info.size.checked_add(peer)?
+        };
+        let c = self.p2p.get(i)?;
+        let seq = c.get();
+        c.set(seq.wrapping_add(1));
+        Some(seq)
+    }
 }
 
 impl Drop for Communicator {
@@ -980,6 +1014,15 @@ impl Drop for Communicator {
             },
         );
     }
+}
+
+/// The per-peer send and receive counters of a communicator of `size` ranks
+/// (none above `agree::P2P_CHECKED_RANKS`).
+fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
+    if size > super::agree::P2P_CHECKED_RANKS {
+        return Box::new([]);
+    }
+    (0..2 * size).map(|_| Cell::new(0)).collect()
 }
 
 /// The deadline `bound` plus `extra` from now; a sum the clock cannot

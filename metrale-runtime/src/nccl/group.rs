@@ -132,7 +132,9 @@ pub(crate) fn in_group() -> bool {
 /// When one thread queues several ranks of one communicator in the group
 /// (communicators of one `init_all`, or `init_rank`s of one id), their
 /// collectives are checked to agree: the k-th collective of each rank must
-/// have the same count, type, operation and root. One that disagrees is
+/// have the same count, type, operation and root, and the k-th send from one
+/// rank to another the count and type of the other's k-th receive from it
+/// (communicators of at most 1024 ranks). One that disagrees is
 /// refused before NCCL sees it, and every listed rank of that communicator is
 /// aborted when the group ends (what was queued could never complete).
 /// Agreement with ranks of other processes or threads stays the caller's duty.

@@ -28,13 +28,15 @@
 //!   and root for the k-th collective of every rank) is checked where metrale
 //!   sees the ranks: those one thread queues in one [`group`] (`init_all` plus
 //!   `group`, or several `init_rank`s). A collective that disagrees with
-//!   another rank's of the same sequence number is refused before NCCL, and
-//!   every listed rank of that communicator is aborted when the group ends
-//!   (what was queued could never complete). Ranks in other processes, or
-//!   driven by other threads, are not seen: their agreement (and a receive as
-//!   long as its peer's send, for send and receive everywhere) stays the
-//!   user's duty, and NCCL's (`NCCL_CHECK_MODE`); ranks that disagree may
-//!   hang, fail, or move the wrong bytes.
+//!   another rank's of the same sequence number is refused before NCCL, and so
+//!   is a send or receive whose count or type differs from its partner's (the
+//!   k-th send from a to b against the k-th receive of b from a; for
+//!   communicators of at most 1024 ranks); every listed rank of that
+//!   communicator is then aborted when the group ends (what was queued could
+//!   never complete). Ranks in other processes, or driven by other threads,
+//!   are not seen: their agreement stays the user's duty, and NCCL's
+//!   (`NCCL_CHECK_MODE`); ranks that disagree may hang, fail, or move the
+//!   wrong bytes.
 //! - Inside [`group`] every communicator used is listed (and so borrowed until
 //!   the group's end), split is refused, [`Communicator::wait`] is refused
 //!   (the group's work reaches the stream only at its end), an abort of a
