@@ -20,8 +20,8 @@ use super::error::{
 };
 use super::group::{in_group, is_listed, DeferredAbort};
 use super::teardown::{
-    abort_bounded, abort_raw, backoff, on_helper, settle, teardown, Handle, Helped, Settled,
-    Teardown, ABORT_GRACE,
+    abort_bounded, abort_raw, backoff, bound_deadline, bound_deadline_at, on_helper, settle,
+    DropJob, Handle, Helped, Settled, ABORT_GRACE,
 };
 use super::{lib, NcclId};
 
@@ -127,11 +127,6 @@ impl fmt::Debug for Communicator {
 /// How many streams a communicator keeps before it lets go of those nobody
 /// else holds.
 const KEPT_STREAMS: usize = 8;
-
-/// How long Drop waits at most when the drop timeout cannot be added to the
-/// clock (`Duration::MAX`): a very long but finite bound, so Drop never blocks
-/// forever.
-const LONGEST_DROP_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl Communicator {
     /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
@@ -1023,114 +1018,6 @@ fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
         return Box::new([]);
     }
     (0..2 * size).map(|_| Cell::new(0)).collect()
-}
-
-/// The deadline `bound` plus `extra` from now; a sum the clock cannot
-/// represent is [`LONGEST_DROP_WAIT`] from now (a very long, finite bound).
-fn bound_deadline_at(now: Instant, bound: Duration, extra: Duration) -> Instant {
-    now.checked_add(bound)
-        .and_then(|d| d.checked_add(extra))
-        .or_else(|| now.checked_add(LONGEST_DROP_WAIT))
-        .unwrap_or(now)
-}
-
-/// The deadline of an abort bounded by `bound`: `bound` plus [`ABORT_GRACE`].
-pub(super) fn bound_deadline(bound: Duration) -> Instant {
-    bound_deadline_at(Instant::now(), bound, ABORT_GRACE)
-}
-
-/// What a dropped communicator's teardown needs, owned by the helper thread
-/// that runs it.
-struct DropJob {
-    lib: &'static Nccl,
-    comm: Handle,
-    info: CommInfo,
-    ctx: Arc<CudaContext>,
-    serial: Option<Arc<Mutex<()>>>,
-    streams: Vec<CudaStream>,
-    blocking: bool,
-    last_op: &'static str,
-    timeout: Duration,
-    start: Instant,
-    deadline: Instant,
-}
-
-impl DropJob {
-    /// Finalize and destroy within the deadline, abort past it; the line to
-    /// report, if any.
-    fn run(self) -> Option<String> {
-        let DropJob {
-            lib,
-            comm,
-            info,
-            ctx,
-            serial,
-            streams,
-            blocking,
-            last_op,
-            timeout,
-            start,
-            deadline,
-        } = self;
-        let comm = comm.0;
-        if let Err(e) = ctx.bind() {
-            return Some(format!(
-                "NCCL communicator ({info}): leaked, the device could not be made current \
-                 for its teardown: {e}"
-            ));
-        }
-        let serial = serial.as_deref();
-        let lock = || serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
-        let abort = || {
-            let _turn = lock();
-            abort_raw(lib, comm);
-        };
-        match teardown(lib, comm, blocking, &streams, deadline, serial) {
-            Teardown::Destroyed => None,
-            Teardown::DestroyFailed(status) => Some(format!(
-                "NCCL communicator ({info}): ncclCommDestroy failed: {status}: {}",
-                error::description(lib, status)
-            )),
-            Teardown::Failed(call, status) => {
-                let text = error::description(lib, status);
-                let last = {
-                    let _turn = lock();
-                    error::last_error(lib, comm)
-                };
-                abort();
-                Some(format!(
-                    "NCCL communicator ({info}): {call} failed: {status}: {text}{}{}; aborted",
-                    if last.is_empty() {
-                        ""
-                    } else {
-                        "; last error: "
-                    },
-                    last
-                ))
-            }
-            Teardown::QueryFailed(e) => {
-                abort();
-                Some(format!(
-                    "NCCL communicator ({info}): a stream it used could not be queried \
-                     before ncclCommFinalize: {e}; aborted"
-                ))
-            }
-            Teardown::TimedOut => {
-                let waited = start.elapsed();
-                abort();
-                Some(format!(
-                    "NCCL communicator ({info}): work ({last_op}) or finalize had not \
-                     completed after {waited:?} (drop timeout {timeout:?}); aborted"
-                ))
-            }
-            Teardown::Missing(name) => {
-                abort();
-                Some(format!(
-                    "NCCL communicator ({info}): the library lacks {name}; aborted"
-                ))
-            }
-        }
-    }
 }
 
 /// What an init decided about the communicator it made.

@@ -14,10 +14,10 @@ use crate::context::CudaContext;
 use crate::error::Result;
 use crate::memory::NcclGroupOpen;
 
-use super::comm::{bound_deadline, Communicator};
+use super::comm::Communicator;
 use super::error::{call_error, missing, CommInfo};
 use super::lib;
-use super::teardown::abort_bounded;
+use super::teardown::{abort_bounded, bound_deadline};
 
 thread_local! {
     /// Depth of this thread's `group` calls.

@@ -1,5 +1,6 @@
 //! Polling a non-blocking communicator to completion ([`settle`]), the poll's
-//! back-off, abort of a raw handle, the bounded teardown Drop runs, and the
+//! back-off, abort of a raw handle, the bounded teardown Drop runs ([`DropJob`],
+//! on a helper thread), and the
 //! helper thread that makes a blocking NCCL call (abort, finalize, destroy)
 //! bounded for its caller ([`on_helper`]).
 
@@ -12,7 +13,7 @@ use crate::context::CudaContext;
 use crate::error::MetraleError;
 use crate::stream::CudaStream;
 
-use super::error::CommInfo;
+use super::error::{self, CommInfo};
 
 /// How long a caller waits, past its own deadline, for an abort (or a Drop's
 /// teardown) that runs on a helper thread, before it returns and leaves that
@@ -308,5 +309,118 @@ pub(super) fn teardown(
     } else {
         // The handle is gone either way: report, without a second free.
         Teardown::DestroyFailed(status)
+    }
+}
+
+/// How long Drop waits at most when the drop timeout cannot be added to the
+/// clock (`Duration::MAX`): a very long but finite bound, so Drop never blocks
+/// forever.
+const LONGEST_DROP_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The deadline `bound` plus `extra` from now; a sum the clock cannot
+/// represent is [`LONGEST_DROP_WAIT`] from now (a very long, finite bound).
+pub(super) fn bound_deadline_at(now: Instant, bound: Duration, extra: Duration) -> Instant {
+    now.checked_add(bound)
+        .and_then(|d| d.checked_add(extra))
+        .or_else(|| now.checked_add(LONGEST_DROP_WAIT))
+        .unwrap_or(now)
+}
+
+/// The deadline of an abort bounded by `bound`: `bound` plus [`ABORT_GRACE`].
+pub(crate) fn bound_deadline(bound: Duration) -> Instant {
+    bound_deadline_at(Instant::now(), bound, ABORT_GRACE)
+}
+
+/// What a dropped communicator's teardown needs, owned by the helper thread
+/// that runs it.
+pub(super) struct DropJob {
+    pub(super) lib: &'static Nccl,
+    pub(super) comm: Handle,
+    pub(super) info: CommInfo,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) serial: Option<Arc<Mutex<()>>>,
+    pub(super) streams: Vec<CudaStream>,
+    pub(super) blocking: bool,
+    pub(super) last_op: &'static str,
+    pub(super) timeout: Duration,
+    pub(super) start: Instant,
+    pub(super) deadline: Instant,
+}
+
+impl DropJob {
+    /// Finalize and destroy within the deadline, abort past it; the line to
+    /// report, if any.
+    pub(super) fn run(self) -> Option<String> {
+        let DropJob {
+            lib,
+            comm,
+            info,
+            ctx,
+            serial,
+            streams,
+            blocking,
+            last_op,
+            timeout,
+            start,
+            deadline,
+        } = self;
+        let comm = comm.0;
+        if let Err(e) = ctx.bind() {
+            return Some(format!(
+                "NCCL communicator ({info}): leaked, the device could not be made current \
+                 for its teardown: {e}"
+            ));
+        }
+        let serial = serial.as_deref();
+        let lock = || serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
+        let abort = || {
+            let _turn = lock();
+            abort_raw(lib, comm);
+        };
+        match teardown(lib, comm, blocking, &streams, deadline, serial) {
+            Teardown::Destroyed => None,
+            Teardown::DestroyFailed(status) => Some(format!(
+                "NCCL communicator ({info}): ncclCommDestroy failed: {status}: {}",
+                error::description(lib, status)
+            )),
+            Teardown::Failed(call, status) => {
+                let text = error::description(lib, status);
+                let last = {
+                    let _turn = lock();
+                    error::last_error(lib, comm)
+                };
+                abort();
+                Some(format!(
+                    "NCCL communicator ({info}): {call} failed: {status}: {text}{}{}; aborted",
+                    if last.is_empty() {
+                        ""
+                    } else {
+                        "; last error: "
+                    },
+                    last
+                ))
+            }
+            Teardown::QueryFailed(e) => {
+                abort();
+                Some(format!(
+                    "NCCL communicator ({info}): a stream it used could not be queried \
+                     before ncclCommFinalize: {e}; aborted"
+                ))
+            }
+            Teardown::TimedOut => {
+                let waited = start.elapsed();
+                abort();
+                Some(format!(
+                    "NCCL communicator ({info}): work ({last_op}) or finalize had not \
+                     completed after {waited:?} (drop timeout {timeout:?}); aborted"
+                ))
+            }
+            Teardown::Missing(name) => {
+                abort();
+                Some(format!(
+                    "NCCL communicator ({info}): the library lacks {name}; aborted"
+                ))
+            }
+        }
     }
 }
