@@ -1,8 +1,7 @@
 //! Polling a non-blocking communicator to completion ([`settle`]), the poll's
-//! back-off, abort of a raw handle, the bounded teardown Drop runs ([`DropJob`],
-//! on a helper thread), and the
-//! helper thread that makes a blocking NCCL call (abort, finalize, destroy)
-//! bounded for its caller ([`on_helper`]).
+//! back-off, abort of a raw handle, the bounded teardown Drop runs
+//! ([`DropJob`]), and the helper thread that makes NCCL's blocking calls
+//! (abort, finalize, destroy) bounded for their caller ([`on_helper`]).
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
