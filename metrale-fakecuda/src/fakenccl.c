@@ -33,7 +33,8 @@
  *
  * Failure control: make a named call fail from its Nth call on; set an
  * asynchronous error on a communicator; "hang" (operations never complete, as
- * with a dead peer); count calls by name, live communicators, and blocking
+ * with a dead peer); make ncclCommAbort take a while (as NCCL's waits for the
+ * device's queued work); count calls by name, live communicators, and blocking
  * finalizes or destroys that a real library would have hung in.
  */
 #define _POSIX_C_SOURCE 200809L
@@ -158,6 +159,7 @@ static int share_busy[MAX_SHARES];
 static int share_counter;
 static long shared_overlaps;
 static long call_delay_us;
+static long abort_delay_us; /* ncclCommAbort first sleeps this long, unlocked (NCCL's waits for the device's queued work) */
 
 /* NCCL_COMM_BLOCKING: 0 or 1 override the config. */
 static int env_blocking(int blocking) {
@@ -239,6 +241,7 @@ EXPORT void fakenccl_reset(void) {
     version_code = 22809;
     shared_overlaps = 0;
     call_delay_us = 0;
+    abort_delay_us = 0;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakenccl_fail(const char *name, int status, long from_call, long times) {
@@ -271,6 +274,11 @@ EXPORT void fakenccl_set_async_error(void *comm, int status) {
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakenccl_set_call_delay_us(long us) { call_delay_us = us; }
+EXPORT void fakenccl_set_abort_delay_us(long us) {
+    pthread_mutex_lock(&lock);
+    abort_delay_us = us;
+    pthread_mutex_unlock(&lock);
+}
 EXPORT long fakenccl_shared_overlaps(void) { return shared_overlaps; }
 /* The commName the communicator was made with, read through the kept pointer. */
 EXPORT const char *fakenccl_comm_name(void *comm) {
@@ -948,6 +956,14 @@ EXPORT ncclResult_t ncclCommDestroy(void *comm) {
     return ncclSuccess;
 }
 EXPORT ncclResult_t ncclCommAbort(void *comm) {
+    pthread_mutex_lock(&lock);
+    long delay = abort_delay_us;
+    pthread_mutex_unlock(&lock);
+    if (delay > 0) {
+        /* A real abort can wait for the device's queued work (any stream). */
+        struct timespec d = {delay / 1000000, (delay % 1000000) * 1000};
+        nanosleep(&d, NULL);
+    }
     pthread_mutex_lock(&lock);
     ENTER();
     struct comm *c = comm;

@@ -559,6 +559,17 @@ impl FakeNccl {
         )
     }
 
+    /// `ncclCommAbort` first sleeps this long, outside the stand-in's lock (as
+    /// NCCL's abort waits for the device's queued work); 0: not at all.
+    pub fn set_abort_delay_us(&self, us: i64) {
+        call!(
+            self,
+            "fakenccl_set_abort_delay_us",
+            unsafe extern "C" fn(c_long),
+            us as c_long
+        )
+    }
+
     /// How many calls on a shared split overlapped another one (NCCL forbids it).
     pub fn shared_overlaps(&self) -> i64 {
         let n: c_long = call!(

@@ -97,6 +97,8 @@ pub mod stream;
 
 /// The names most programs use: `use metrale_runtime::prelude::*;`.
 pub mod prelude {
+    #[cfg(feature = "nccl")]
+    pub use crate::{nccl_version, Communicator, NcclId, NcclStatus, ReduceOp};
     pub use crate::{
         AsContext, AsStream, CudaEvent, CudaFunction, CudaGraph, CudaGraphExec, CudaStream,
         DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, ErrorKind,
@@ -136,7 +138,10 @@ pub use memory::{
 pub use memory::{recv_fd, send_fd, IpcBuffer, IpcEventHandle, IpcMemHandle, PoolPointer};
 pub use module::NamedBlob;
 #[cfg(feature = "nccl")]
-pub use nccl::{group, CommConfig, Communicator, NcclError, NcclId, NcclType, ReduceOp};
+pub use nccl::{
+    group, nccl_version, CommConfig, Communicator, NcclError, NcclId, NcclStatus, NcclType,
+    ReduceOp,
+};
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub use nvrtc::{

@@ -352,6 +352,96 @@ fn nccl_one_thread_two_gpus_in_a_group() {
     }
 }
 
+/// In a child (aborted NCCL kernels must not touch the suite's contexts): one
+/// thread drives both GPUs; a collective whose count disagrees with the other
+/// rank's is refused before NCCL, both ranks are aborted when the group ends
+/// (the first rank's collective was launched without its peer), within
+/// bounds; an abort asked for inside a group runs after its end; a fresh
+/// `init_all` then works (issue 29, items 2 and 6, on the real library).
+#[cfg(feature = "nccl")]
+fn child_nccl_disagreeing_ranks() {
+    use metrale_runtime::nccl::{group, Communicator, ReduceOp};
+    use std::time::Duration;
+    let ctxs = [context(0).unwrap(), context(1).unwrap()];
+    let streams = [
+        CudaStream::new(&ctxs[0]).unwrap(),
+        CudaStream::new(&ctxs[1]).unwrap(),
+    ];
+    let n = 1 << 20;
+    let mut a = DeviceBuffer::from_host(&streams[0], &vec![1i64; n]).unwrap();
+    let mut short = DeviceBuffer::from_host(&streams[1], &vec![2i64; n - 1]).unwrap();
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let t = Instant::now();
+    let e = group(&listed, || {
+        comms[0].all_reduce_in_place(&mut a, ReduceOp::Sum, &streams[0])?;
+        comms[1].all_reduce_in_place(&mut short, ReduceOp::Sum, &streams[1])
+    })
+    .unwrap_err();
+    let took = t.elapsed();
+    assert!(e.to_string().contains("disagree"), "{e}");
+    assert!(comms.iter().all(Communicator::is_aborted));
+    // Each abort waits at most 200 ms for NCCL (whose abort may wait for the
+    // lone collective's kernel), then goes on alone.
+    assert!(took < Duration::from_secs(2), "the group took {took:?}");
+    println!("disagreement refused, both aborted after {took:?}");
+    drop(comms);
+
+    // An abort inside a group, after both ranks' collectives were queued.
+    let mut b = DeviceBuffer::from_host(&streams[1], &vec![2i64; n]).unwrap();
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    group(&listed, || {
+        comms[0].all_reduce_in_place(&mut a, ReduceOp::Sum, &streams[0])?;
+        comms[1].all_reduce_in_place(&mut b, ReduceOp::Sum, &streams[1])?;
+        comms[0].abort();
+        assert!(comms[0].is_aborted());
+        Ok(())
+    })
+    .unwrap();
+    let waited = comms[1].wait(&streams[1], Duration::from_secs(3));
+    println!("abort deferred to the group's end; the peer's wait: {waited:?}");
+    drop(comms);
+    for s in &streams {
+        if let Err(e) = s.synchronize() {
+            println!("stream after the aborts: {e}");
+            return;
+        }
+    }
+
+    // A fresh pair works.
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let mut x = DeviceBuffer::from_host(&streams[0], &vec![1i64; n]).unwrap();
+    let mut y = DeviceBuffer::from_host(&streams[1], &vec![2i64; n]).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    group(&listed, || {
+        comms[0].all_reduce_in_place(&mut x, ReduceOp::Sum, &streams[0])?;
+        comms[1].all_reduce_in_place(&mut y, ReduceOp::Sum, &streams[1])
+    })
+    .unwrap();
+    assert!(streams[0].to_vec(&x).unwrap().iter().all(|&v| v == 3));
+    assert!(streams[1].to_vec(&y).unwrap().iter().all(|&v| v == 3));
+    println!("a fresh pair: ok");
+    std::thread::sleep(Duration::from_millis(500)); // helpers still finishing
+}
+
+#[cfg(feature = "nccl")]
+fn nccl_disagreeing_ranks_in_a_group_are_refused_and_aborted() {
+    let out = harness::run_child("nccl_disagreeing_ranks", &[]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    eprintln!("    child: {}", stdout.trim().replace('\n', "; "));
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(
+        stdout.contains("disagreement refused, both aborted"),
+        "{stdout}{stderr}"
+    );
+    assert!(
+        stdout.contains("abort deferred to the group's end"),
+        "{stdout}{stderr}"
+    );
+}
+
 fn main() -> ExitCode {
     let tests = [
         #[cfg(feature = "nccl")]
@@ -363,6 +453,11 @@ fn main() -> ExitCode {
         Test {
             name: "multi::nccl_one_thread_two_gpus_in_a_group",
             run: nccl_one_thread_two_gpus_in_a_group,
+        },
+        #[cfg(feature = "nccl")]
+        Test {
+            name: "multi::nccl_disagreeing_ranks_in_a_group_are_refused_and_aborted",
+            run: nccl_disagreeing_ranks_in_a_group_are_refused_and_aborted,
         },
         Test {
             name: "multi::a_stream_ordered_buffer_read_by_another_device_is_freed_after_the_read",
@@ -401,9 +496,16 @@ fn main() -> ExitCode {
         Err(e) => Err(format!("these tests need two CUDA devices: {e}")),
     };
     let require = std::env::var("METRALE_REQUIRE_GPUS").is_ok_and(|v| v == "2");
+    let children = [
+        #[cfg(feature = "nccl")]
+        harness::Child {
+            name: "nccl_disagreeing_ranks",
+            run: child_nccl_disagreeing_ranks,
+        },
+    ];
     harness::main(
         &tests,
-        &[],
+        &children,
         gate,
         require.then_some("METRALE_REQUIRE_GPUS=2"),
     )

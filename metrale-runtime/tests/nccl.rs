@@ -13,11 +13,12 @@ mod harness;
 
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrale_fakecuda::{Fake, FakeNccl};
 use metrale_runtime::nccl::{group, CommConfig, Communicator, NcclError, NcclId, ReduceOp};
 use metrale_runtime::sys::nccl::ncclResult_t;
+use metrale_runtime::NcclStatus;
 use metrale_runtime::{
     context, deferred_frees, CudaContext, CudaStream, DeviceBuffer, ErrorKind, ManagedBuffer,
     Result,
@@ -551,7 +552,7 @@ fn errors_name_the_call_status_text_and_communicator() {
 fn async_errors_abort_and_refuse_later_calls() {
     reset();
     let (comm, s) = one_rank(&CommConfig::new());
-    assert_eq!(comm.async_status().unwrap(), ncclResult_t::ncclSuccess);
+    assert_eq!(comm.async_status().unwrap(), NcclStatus::SUCCESS);
     comm.check_async().unwrap();
     nccl().set_async_error(comm.raw().cast(), 6);
     let e = comm.check_async().unwrap_err();
@@ -965,7 +966,7 @@ fn blocking_env_0() {
         nccl().calls("ncclCommGetAsyncError") > polls,
         "the group's end polled it"
     );
-    assert_eq!(comm.async_status().unwrap(), ncclResult_t::ncclSuccess);
+    assert_eq!(comm.async_status().unwrap(), NcclStatus::SUCCESS);
     let e = comm.split(Some(0), 0, &CommConfig::new()).unwrap_err();
     assert!(refusal(&e).contains("non-blocking"), "{e}");
     let all = Communicator::init_all(&[ctx(0)]).unwrap();
@@ -1040,16 +1041,19 @@ fn nccl_calls_are_refused_in_a_host_function() {
     let (comm, s) = one_rank(&CommConfig::new());
     let polls = nccl().calls("ncclCommGetAsyncError");
     let starts = nccl().calls("ncclGroupStart");
+    let ids = nccl().calls("ncclGetUniqueId");
     let (tx, rx) = std::sync::mpsc::channel();
     s.launch_host_fn(move || {
         let status = comm.async_status().map(|_| ());
         let grouped = group(&[], || Ok(()));
-        let _ = tx.send((status, grouped, comm));
+        let id = NcclId::new().map(|_| ());
+        let _ = tx.send((status, grouped, id, comm));
     })
     .unwrap();
     s.synchronize().unwrap();
-    let (status, grouped, comm) = rx.recv().unwrap();
+    let (status, grouped, id, comm) = rx.recv().unwrap();
     for (e, subject) in [
+        (id.unwrap_err(), "ncclGetUniqueId (NcclId::new)"),
         (
             status.unwrap_err(),
             "ncclCommGetAsyncError on the NCCL communicator (rank 0 of 1, device 0)",
@@ -1066,6 +1070,7 @@ fn nccl_calls_are_refused_in_a_host_function() {
     assert_eq!(nccl().calls("ncclCommGetAsyncError"), polls);
     assert_eq!(nccl().calls("ncclGroupStart"), starts);
     assert!(!comm.is_aborted());
+    assert_eq!(nccl().calls("ncclGetUniqueId"), ids);
 }
 
 fn huge_timeouts_do_not_panic() {
@@ -1115,8 +1120,356 @@ fn group_settles_every_listed_communicator() {
     assert!(!b.is_aborted());
     assert_eq!(
         b.async_status().unwrap(),
-        ncclResult_t::ncclSuccess,
+        NcclStatus::SUCCESS,
         "b was settled too"
+    );
+}
+
+// ---- aborts, waits and agreement inside a group ----------------------------
+
+fn an_abort_inside_a_group_waits_for_its_end() {
+    reset();
+    // Directly.
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 4]).unwrap();
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+        comm.abort();
+        assert!(comm.is_aborted(), "aborted for metrale at once");
+        assert_eq!(nccl().calls("ncclCommAbort"), 0, "NCCL's abort waits");
+        let e = comm
+            .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+            .unwrap_err();
+        assert!(
+            matches!(e.as_nccl(), Some(NcclError::Aborted { .. })),
+            "{e}"
+        );
+        Ok(())
+    })
+    .unwrap(); // ncclGroupEnd found its communicator alive
+    assert_eq!(
+        nccl().calls("ncclCommAbort"),
+        1,
+        "aborted at the group's end"
+    );
+    assert_eq!(nccl().live(), 0);
+    drop(comm);
+    assert_eq!(nccl().calls("ncclCommAbort"), 1);
+
+    // Through check_async on an asynchronous error, in a nested group.
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 4]).unwrap();
+    let mut seen = None;
+    group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+        group(&[&comm], || {
+            nccl().set_async_error(comm.raw().cast(), 6);
+            seen = Some(comm.check_async().unwrap_err());
+            Ok(())
+        })?;
+        assert_eq!(nccl().calls("ncclCommAbort"), 1, "not at the inner end");
+        Ok(())
+    })
+    .unwrap();
+    let e = seen.unwrap();
+    assert!(matches!(e.as_nccl(), Some(NcclError::Async { .. })), "{e}");
+    assert!(comm.is_aborted());
+    assert_eq!(nccl().calls("ncclCommAbort"), 2);
+    assert_eq!(nccl().live(), 0);
+
+    // A panic after the abort: the group still ends, then the abort runs.
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 4]).unwrap();
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        group(&[&comm], || -> Result<()> {
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+            comm.abort();
+            panic!("after an abort inside a group")
+        })
+    }));
+    assert!(panicked.is_err());
+    assert!(comm.is_aborted());
+    assert_eq!(
+        nccl().calls("ncclCommAbort"),
+        3,
+        "run on unwind, after the end"
+    );
+    assert_eq!(nccl().live(), 0);
+    drop(comm);
+
+    // A communicator no group lists is aborted at once, also inside a group.
+    let (listed, _) = one_rank(&CommConfig::new());
+    let (other, _) = one_rank(&CommConfig::new());
+    group(&[&listed], || {
+        other.abort();
+        assert_eq!(nccl().calls("ncclCommAbort"), 4);
+        Ok(())
+    })
+    .unwrap();
+}
+
+fn a_wait_inside_a_group_is_refused() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 4]).unwrap();
+    let e = group(&[&comm], || {
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s)?;
+        comm.wait(&s, Duration::from_secs(1))
+    })
+    .unwrap_err();
+    let text = refusal(&e);
+    assert!(
+        text.starts_with("wait not called (communicator rank 0 of 1, device 0): a wait inside `group` is refused"),
+        "{text}"
+    );
+    assert!(!comm.is_aborted());
+    comm.wait(&s, Duration::from_secs(1)).unwrap();
+}
+
+fn ranks_of_one_group_must_agree() {
+    reset();
+    let ctxs = [ctx(0), ctx(1)];
+    let s = [
+        CudaStream::new(&ctxs[0]).unwrap(),
+        CudaStream::new(&ctxs[1]).unwrap(),
+    ];
+    // Agreeing ranks, then counts that disagree on the second collective.
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let mut a = DeviceBuffer::from_host(&s[0], &[1i32; 4]).unwrap();
+    let mut b = DeviceBuffer::from_host(&s[1], &[2i32; 4]).unwrap();
+    let mut short = DeviceBuffer::from_host(&s[1], &[2i32; 3]).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    group(&listed, || {
+        comms[0].all_reduce_in_place(&mut a, ReduceOp::Sum, &s[0])?;
+        comms[1].all_reduce_in_place(&mut b, ReduceOp::Sum, &s[1])
+    })
+    .unwrap();
+    s[0].synchronize().unwrap();
+    assert_eq!(s[0].to_vec(&a).unwrap(), vec![3; 4]);
+    let e = group(&listed, || {
+        comms[0].all_reduce_in_place(&mut a, ReduceOp::Sum, &s[0])?;
+        comms[1].all_reduce_in_place(&mut short, ReduceOp::Sum, &s[1])
+    })
+    .unwrap_err();
+    let text = refusal(&e);
+    assert!(
+        text.starts_with(
+            "ncclAllReduce not called (communicator rank 1 of 2, device 1): the ranks of one \
+             communicator disagree on their collective #1 in this group: rank 0 queued \
+             ncclAllReduce of 4 elements of NCCL type 2, Sum, this rank 1 ncclAllReduce of 3 \
+             elements of NCCL type 2, Sum"
+        ),
+        "{text}"
+    );
+    assert!(
+        comms.iter().all(Communicator::is_aborted),
+        "both ranks aborted"
+    );
+    assert_eq!(nccl().live(), 0);
+    s[0].synchronize().unwrap();
+    drop(comms);
+
+    // Types, operations and roots too.
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let mut f = DeviceBuffer::from_host(&s[1], &[2.0f32; 4]).unwrap();
+    let e = group(&listed, || {
+        comms[0].broadcast_in_place(&mut a, 0, &s[0])?;
+        comms[1].broadcast_in_place(&mut f, 0, &s[1])
+    })
+    .unwrap_err();
+    assert!(refusal(&e).contains("disagree"), "{e}");
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let e = group(&listed, || {
+        comms[0].reduce_in_place(&mut a, ReduceOp::Sum, 0, &s[0])?;
+        comms[1].reduce_in_place(&mut b, ReduceOp::Sum, 1, &s[1])
+    })
+    .unwrap_err();
+    assert!(refusal(&e).contains("root 0"), "{e}");
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let e = group(&listed, || {
+        comms[0].all_reduce_in_place(&mut a, ReduceOp::Max, &s[0])?;
+        comms[1].all_reduce_in_place(&mut b, ReduceOp::Min, &s[1])
+    })
+    .unwrap_err();
+    assert!(refusal(&e).contains("Max"), "{e}");
+    assert_eq!(nccl().live(), 0);
+
+    // Sends and receives: the k-th send from a to b against the k-th receive
+    // of b from a, whatever came before outside the group.
+    let comms = Communicator::init_all(&ctxs).unwrap();
+    let listed: Vec<&Communicator> = comms.iter().collect();
+    let mut r4 = DeviceBuffer::<i32>::alloc(&s[1], 4).unwrap();
+    let mut r3 = DeviceBuffer::<i32>::alloc(&s[1], 3).unwrap();
+    group(&listed, || {
+        comms[0].send(&a, 1, &s[0])?;
+        comms[1].recv(&mut r4, 0, &s[1])
+    })
+    .unwrap();
+    s[1].synchronize().unwrap();
+    assert_eq!(s[1].to_vec(&r4).unwrap(), s[0].to_vec(&a).unwrap());
+    let e = group(&listed, || {
+        comms[0].send(&a, 1, &s[0])?;
+        comms[1].recv(&mut r3, 0, &s[1])
+    })
+    .unwrap_err();
+    let text = refusal(&e);
+    assert!(
+        text.starts_with(
+            "ncclRecv not called (communicator rank 1 of 2, device 1): send #1 from rank 0 to \
+             rank 1 in this group is 4 elements of NCCL type 2, its receive 3 elements of \
+             NCCL type 2: they must agree"
+        ),
+        "{text}"
+    );
+    assert!(
+        comms.iter().all(Communicator::is_aborted),
+        "both ranks aborted"
+    );
+    assert_eq!(nccl().live(), 0);
+    s[0].synchronize().unwrap();
+    s[1].synchronize().unwrap();
+}
+
+// ---- bounds -----------------------------------------------------------------
+
+fn timeouts_are_bounds_when_the_abort_blocks() {
+    reset();
+    // NCCL's abort waits for the device's queued work: 2 s here.
+    nccl().set_abort_delay_us(2_000_000);
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 16).unwrap();
+    nccl().set_hang(true);
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    let t = Instant::now();
+    let e = comm.wait(&s, Duration::from_micros(1)).unwrap_err();
+    let took = t.elapsed();
+    let Some(NcclError::Timeout { waited, .. }) = e.as_nccl() else {
+        panic!("expected a timeout: {e}");
+    };
+    assert!(
+        *waited < Duration::from_millis(150),
+        "the text says the time waited for the work ({waited:?}), not for the abort after it"
+    );
+    assert!(
+        took < Duration::from_millis(1_000),
+        "wait(1µs) took {took:?}"
+    );
+    assert!(comm.is_aborted(), "refused from the timeout on");
+    drop(comm); // nothing more: the helper thread owns the abort
+                // A direct abort, bounded by the drop timeout.
+    let (comm, _s2) = one_rank(&CommConfig::new().drop_timeout(Duration::from_millis(100)));
+    let t = Instant::now();
+    comm.abort();
+    let took = t.elapsed();
+    assert!(took < Duration::from_millis(1_000), "abort took {took:?}");
+    assert!(comm.is_aborted());
+    drop(comm);
+    // Both helpers finish their aborts.
+    let t = Instant::now();
+    while nccl().live() > 0 && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(nccl().live(), 0);
+    nccl().set_hang(false);
+    s.synchronize().unwrap();
+    reset();
+}
+
+fn drop_is_bounded_when_the_abort_blocks() {
+    let (ok, stdout, stderr) = child_output("drop_abort_blocks", &[]);
+    assert!(ok, "{stdout}{stderr}");
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("metrale:"))
+        .collect();
+    assert!(
+        lines[0].starts_with("metrale: NCCL communicator (rank 0 of 1, device 0): its teardown"),
+        "{stderr}"
+    );
+    assert!(
+        lines[0].contains("leaked to a helper thread that finishes it"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("bounded drop: ok"), "{stdout}{stderr}");
+    // The helper finished later, and said what it did.
+    assert!(
+        lines.iter().any(|l| l.contains("had not completed after")
+            && l.ends_with("(drop timeout 50ms); aborted")),
+        "{stderr}"
+    );
+    assert!(stdout.contains("live=0"), "{stdout}");
+}
+
+fn drop_abort_blocks() {
+    nccl().set_abort_delay_us(1_000_000);
+    let (comm, s) = one_rank(&CommConfig::new().drop_timeout(Duration::from_millis(50)));
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    nccl().set_hang(true);
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    let t = Instant::now();
+    drop(comm);
+    let took = t.elapsed();
+    if took < Duration::from_millis(800) {
+        println!("bounded drop: ok");
+    } else {
+        println!("bounded drop: took {took:?}");
+    }
+    let t = Instant::now();
+    while nccl().live() > 0 && t.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Let the helper's line out.
+    std::thread::sleep(Duration::from_millis(100));
+    println!("live={}", nccl().live());
+    s.synchronize().unwrap();
+}
+
+fn drop_retries_a_transient_query_failure() {
+    let (ok, stdout, stderr) = child_output("drop_query_transient", &[]);
+    assert!(ok, "{stdout}{stderr}");
+    assert!(!stderr.contains("metrale:"), "{stderr}");
+    assert!(
+        stdout.contains("abort=0 destroy=1 live=0"),
+        "{stdout}{stderr}"
+    );
+    let (ok, stdout, stderr) = child_output("drop_query_fault", &[]);
+    assert!(ok, "{stdout}{stderr}");
+    let lines: Vec<&str> = stderr
+        .lines()
+        .filter(|l| l.starts_with("metrale:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "{stderr}");
+    assert!(
+        lines[0].starts_with(
+            "metrale: NCCL communicator (rank 0 of 1, device 0): a stream it used could not be \
+             queried before ncclCommFinalize: "
+        ),
+        "{stderr}"
+    );
+    assert!(lines[0].contains("cuStreamQuery"), "{stderr}");
+    assert!(lines[0].contains("(700)"), "{stderr}");
+    assert!(lines[0].ends_with("; aborted"), "{stderr}");
+    assert!(
+        stdout.contains("abort=1 destroy=0 live=0"),
+        "{stdout}{stderr}"
+    );
+}
+
+fn drop_query(status: u32, times: Option<i64>) {
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    fake().fail("cuStreamQuery", status, 1, times);
+    drop(comm);
+    fake().reset();
+    println!(
+        "abort={} destroy={} live={}",
+        nccl().calls("ncclCommAbort"),
+        nccl().calls("ncclCommDestroy"),
+        nccl().live()
     );
 }
 
@@ -1178,7 +1531,11 @@ fn drop_past_the_bound_aborts_with_one_line() {
             .collect();
         assert_eq!(lines.len(), 1, "{what}: {stderr}");
         assert!(
-            lines[0].starts_with("metrale: NCCL communicator (rank 0 of 1, device 0): work (ncclAllReduce) or finalize had not completed after 50ms; aborted"),
+            lines[0].starts_with("metrale: NCCL communicator (rank 0 of 1, device 0): work (ncclAllReduce) or finalize had not completed after "),
+            "{what}: {stderr}"
+        );
+        assert!(
+            lines[0].ends_with(" (drop timeout 50ms); aborted"),
             "{what}: {stderr}"
         );
         assert!(
@@ -1277,6 +1634,12 @@ fn main() -> ExitCode {
         nccl_calls_are_refused_in_a_host_function,
         huge_timeouts_do_not_panic,
         group_settles_every_listed_communicator,
+        an_abort_inside_a_group_waits_for_its_end,
+        a_wait_inside_a_group_is_refused,
+        ranks_of_one_group_must_agree,
+        timeouts_are_bounds_when_the_abort_blocks,
+        drop_is_bounded_when_the_abort_blocks,
+        drop_retries_a_transient_query_failure,
     ];
     #[cfg(feature = "half")]
     tests.push(harness::Test {
@@ -1305,6 +1668,18 @@ fn main() -> ExitCode {
                     nccl().calls("ncclCommAbort")
                 );
             },
+        },
+        harness::Child {
+            name: "drop_abort_blocks",
+            run: drop_abort_blocks,
+        },
+        harness::Child {
+            name: "drop_query_transient",
+            run: || drop_query(2, Some(3)),
+        },
+        harness::Child {
+            name: "drop_query_fault",
+            run: || drop_query(700, None),
         },
         harness::Child {
             name: "blocking_env_0",

@@ -9,6 +9,7 @@ use crate::error::Result;
 use crate::memory::{note_use, DeviceMemory, DeviceMemoryMut};
 use crate::stream::CudaStream;
 
+use super::agree::Shape;
 use super::comm::Communicator;
 use super::error::{missing, refused};
 use super::group::{in_group, is_listed};
@@ -27,13 +28,16 @@ fn nccl_stream(stream: &CudaStream) -> cudaStream_t {
 
 impl Communicator {
     /// Checks shared by every operation: not aborted, the stream and memory on
-    /// this device; then the memory's use is noted and the stream remembered.
+    /// this device; inside a group, listed and (for a collective, `shape`)
+    /// agreeing with the other ranks of its communicator that this thread's
+    /// group queued; then the memory's use is noted and the stream remembered.
     #[inline]
     fn prepare<T: NcclType>(
         &self,
         call: &'static str,
         stream: &CudaStream,
         mems: &[(&'static str, &dyn DeviceMemory<T>)],
+        shape: Option<Shape>,
     ) -> Result<()> {
         self.enter(call)?;
         self.check_stream(call, stream)?;
@@ -50,14 +54,22 @@ impl Communicator {
                 ));
             }
         }
-        if in_group() && !self.listed() {
-            return Err(refused(
-                call,
-                Some(self.info()),
-                "a communicator used inside `group` must be listed in its `comms`: the \
-                 group borrows those until its work is launched at the group's end (and \
-                 polls the non-blocking ones then)",
-            ));
+        if in_group() {
+            if !self.listed() {
+                return Err(refused(
+                    call,
+                    Some(self.info()),
+                    "a communicator used inside `group` must be listed in its `comms`: the \
+                     group borrows those until its work is launched at the group's end (and \
+                     polls the non-blocking ones then)",
+                ));
+            }
+            if let Some(shape) = shape {
+                self.agree(call, shape)?;
+            }
+        }
+        if shape.is_some() {
+            self.count_collective();
         }
         for &(_, mem) in mems {
             note_use(mem, stream)?;
@@ -68,6 +80,49 @@ impl Communicator {
 
     fn listed(&self) -> bool {
         is_listed(self.raw_handle())
+    }
+
+    /// Count a send to (`sent`) or receive from `peer` and, inside a group,
+    /// refuse one that disagrees with its partner queued in this thread's group.
+    #[inline]
+    fn p2p_agree<T: NcclType>(
+        &self,
+        call: &'static str,
+        peer: usize,
+        sent: bool,
+        count: usize,
+    ) -> Result<()> {
+        let Some(seq) = self.count_p2p(peer, sent) else {
+            return Ok(());
+        };
+        if !in_group() {
+            return Ok(());
+        }
+        super::agree::record_p2p(
+            self.clique(),
+            self.rank(),
+            peer,
+            sent,
+            seq,
+            count,
+            T::DATA_TYPE,
+        )
+        .map_err(|reason| {
+            // Not queued: this one does not count.
+            self.uncount_p2p(peer, sent);
+            refused(call, Some(self.info()), reason)
+        })
+    }
+
+    /// Refuse a collective that disagrees with another rank's of the same
+    /// sequence number queued in this thread's group.
+    #[cold]
+    fn agree(&self, call: &'static str, shape: Shape) -> Result<()> {
+        if self.size() < 2 {
+            return Ok(());
+        }
+        super::agree::record(self.clique(), self.rank(), self.collectives(), shape)
+            .map_err(|reason| refused(call, Some(self.info()), reason))
     }
 
     /// Run one NCCL call.
@@ -132,7 +187,8 @@ impl Communicator {
                 ),
             ));
         }
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)])?;
+        let shape = Shape::of::<T>(CALL, send.len(), Some(op), None);
+        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
         if send.is_empty() {
             return Ok(());
         }
@@ -168,7 +224,8 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         const CALL: &str = "ncclAllReduce";
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)])?;
+        let shape = Shape::of::<T>(CALL, buf.len(), Some(op), None);
+        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -217,7 +274,8 @@ impl Communicator {
                 ),
             ));
         }
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)])?;
+        let shape = Shape::of::<T>(CALL, recv.len(), None, Some(root));
+        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
         self.broadcast_raw(
             CALL,
             ptr(send),
@@ -241,7 +299,8 @@ impl Communicator {
     ) -> Result<()> {
         const CALL: &str = "ncclBroadcast";
         let root = self.check_root(CALL, "root", root)?;
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)])?;
+        let shape = Shape::of::<T>(CALL, buf.len(), None, Some(root));
+        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
         self.broadcast_raw(
             CALL,
             ptr(buf),
@@ -303,7 +362,8 @@ impl Communicator {
                 ),
             ));
         }
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)])?;
+        let shape = Shape::of::<T>(CALL, send.len(), Some(op), Some(root));
+        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
         self.reduce_raw(
             ptr(send),
             ptr(recv),
@@ -328,7 +388,8 @@ impl Communicator {
     ) -> Result<()> {
         const CALL: &str = "ncclReduce";
         let root = self.check_root(CALL, "root", root)?;
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)])?;
+        let shape = Shape::of::<T>(CALL, buf.len(), Some(op), Some(root));
+        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
         self.reduce_raw(
             ptr(buf),
             ptr(buf),
@@ -401,7 +462,8 @@ impl Communicator {
                 ),
             ));
         }
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)])?;
+        let shape = Shape::of::<T>(CALL, send.len(), None, None);
+        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
         if send.is_empty() {
             return Ok(());
         }
@@ -451,7 +513,8 @@ impl Communicator {
                 ),
             ));
         }
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)])?;
+        let shape = Shape::of::<T>(CALL, recv.len(), Some(op), None);
+        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
         if recv.is_empty() {
             return Ok(());
         }
@@ -489,8 +552,9 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         const CALL: &str = "ncclSend";
-        let peer = self.check_root(CALL, "peer", peer)?;
-        self.prepare::<T>(CALL, stream, &[("send", buf)])?;
+        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
+        self.prepare::<T>(CALL, stream, &[("send", buf)], None)?;
+        self.p2p_agree::<T>(CALL, peer_rank, true, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }
@@ -524,8 +588,9 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         const CALL: &str = "ncclRecv";
-        let peer = self.check_root(CALL, "peer", peer)?;
-        self.prepare::<T>(CALL, stream, &[("receive", buf)])?;
+        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
+        self.prepare::<T>(CALL, stream, &[("receive", buf)], None)?;
+        self.p2p_agree::<T>(CALL, peer_rank, false, buf.len())?;
         if buf.is_empty() {
             return Ok(());
         }

@@ -15,9 +15,14 @@ use crate::error::Result;
 use crate::stream::CudaStream;
 
 use super::config::{env_blocking, CommConfig};
-use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
-use super::group::in_group;
-use super::teardown::{abort_raw, backoff, settle, teardown, Settled, Teardown};
+use super::error::{
+    self, call_error, into_error, missing, refused, CommInfo, NcclError, NcclStatus,
+};
+use super::group::{in_group, is_listed, DeferredAbort};
+use super::teardown::{
+    abort_bounded, abort_raw, backoff, bound_deadline, bound_deadline_at, on_helper, settle,
+    DropJob, Handle, Helped, Settled, ABORT_GRACE,
+};
 use super::{lib, NcclId};
 
 /// One rank's NCCL communicator, on one device.
@@ -30,7 +35,10 @@ use super::{lib, NcclId};
 /// time uses it (move it to the thread that drives its rank). A communicator
 /// split with shared resources ([`CommConfig::split_share`]) and its parent
 /// take turns: each NCCL call on either holds a lock they share. Drop finalizes
-/// and destroys it within the config's drop timeout, and aborts it past that.
+/// and destroys it within the config's drop timeout, and aborts it past that,
+/// on a helper thread (NCCL's teardown can wait for the device's queued work):
+/// the dropping thread waits at most the drop timeout plus 200 ms, then leaks
+/// it to that thread with a line on stderr. Drop never blocks forever.
 ///
 /// ```compile_fail
 /// fn shared<T: Sync>() {}
@@ -51,7 +59,23 @@ pub struct Communicator {
     split_share: bool,
     timeout: Option<Duration>,
     drop_timeout: Duration,
+    /// Aborted for metrale: set before NCCL's abort starts (which may go on on
+    /// a helper thread, or wait for the end of a group that lists it), so no
+    /// NCCL call is made on the handle from then on.
     aborted: Cell<bool>,
+    /// Which NCCL communicator this is a rank of, as far as this process can
+    /// tell (the id and size of `init_rank`, one `init_all`, a split's parent
+    /// and color): ranks of one key queued in one group are checked to agree.
+    clique: u64,
+    /// How many collectives were queued (metrale's count, zero-length ones
+    /// included: every rank counts the same calls), for the agreement check.
+    seq: Cell<u64>,
+    /// How many splits were made of this communicator (a child's key).
+    splits: Cell<u64>,
+    /// Sends to each peer, then receives from each peer, so far (made at init
+    /// for at most `agree::P2P_CHECKED_RANKS` ranks, empty above: then sends
+    /// and receives are not checked).
+    p2p: Box<[Cell<u64>]>,
     /// Every stream this communicator queued work on (each once), so Drop can
     /// wait for that work before a blocking finalize.
     streams: RefCell<Vec<CudaStream>>,
@@ -78,8 +102,14 @@ pub struct Communicator {
 // every NCCL call. NCCL's group state is per thread: a collective queued inside
 // `group` needs its communicator listed, and the group borrows the listed ones
 // until it has ended, so none moves to another thread (or is dropped) while its
-// work waits in this thread's group. NCCL sets the communicator's device itself;
-// the calls metrale makes for it bind the context first.
+// work waits in this thread's group; an abort asked for meanwhile (directly, by
+// a failed check or a timed-out wait) only marks it aborted and is run when the
+// outermost group has ended. The one other thread that calls NCCL on the handle
+// is the helper an abort or a Drop hands it to (`teardown::Handle`): the
+// communicator is marked aborted (or is being dropped) before, so the thread
+// holding it makes no NCCL call on it after the hand-over. NCCL sets the
+// communicator's device itself; the calls metrale makes for it bind the
+// context first (the helper binds it on its own thread).
 unsafe impl Send for Communicator {}
 
 impl fmt::Debug for Communicator {
@@ -97,11 +127,6 @@ impl fmt::Debug for Communicator {
 /// How many streams a communicator keeps before it lets go of those nobody
 /// else holds.
 const KEPT_STREAMS: usize = 8;
-
-/// How long Drop waits at most when the drop timeout cannot be added to the
-/// clock (`Duration::MAX`): a very long but finite bound, so Drop never blocks
-/// forever.
-const LONGEST_DROP_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 impl Communicator {
     /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
@@ -164,6 +189,7 @@ impl Communicator {
                 blocking: config.effective_blocking(),
                 serial,
                 names,
+                clique: super::agree::clique_of_id(id, nranks),
             },
         )
     }
@@ -213,6 +239,7 @@ impl Communicator {
             return Err(call_error(lib, CALL, status, std::ptr::null_mut(), None));
         }
         let config = CommConfig::new();
+        let clique = super::agree::fresh_clique();
         // ncclCommInitAll's communicators block unless NCCL_COMM_BLOCKING=0.
         let blocking = config.effective_blocking();
         Ok(comms
@@ -236,6 +263,7 @@ impl Communicator {
                             .effective_split_share()
                             .then(|| Arc::new(Mutex::new(()))),
                         names: Vec::new(),
+                        clique,
                     },
                 )
             })
@@ -315,6 +343,10 @@ impl Communicator {
             .ncclCommSplit()
             .map_err(|m| missing(m, Some(self.info)))?;
         self.ctx.bind()?;
+        // Every rank counts this split, with a color or without: the children
+        // of one split share a key (see `agree`).
+        let split_index = self.splits.get();
+        self.splits.set(split_index.wrapping_add(1));
         let mut comm: ncclComm_t = std::ptr::null_mut();
         let status = {
             let _turn = self.turn();
@@ -335,6 +367,7 @@ impl Communicator {
                 .then(|| Arc::new(Mutex::new(()))),
         };
         let child_config = config.clone().blocking(true);
+
         let mut made = Communicator::made(
             self.lib,
             comm,
@@ -347,10 +380,12 @@ impl Communicator {
                 blocking: child_config.effective_blocking(),
                 serial,
                 names,
+                clique: super::agree::clique_of_split(self.clique, split_index, c),
             },
         )?;
         made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
         made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
+        made.p2p = p2p_counters(made.info.size);
         Ok(Some(made))
     }
 
@@ -413,6 +448,10 @@ impl Communicator {
             timeout: config.timeout,
             drop_timeout: config.drop_timeout,
             aborted: Cell::new(false),
+            clique: parts.clique,
+            seq: Cell::new(0),
+            splits: Cell::new(0),
+            p2p: p2p_counters(info.size),
             streams: RefCell::new(Vec::new()),
             last_op: Cell::new("no operation"),
             unsettled: Cell::new(false),
@@ -506,17 +545,23 @@ impl Communicator {
     }
 
     /// The raw handle, for calls metrale does not wrap. It stays owned by this
-    /// value (do not destroy it); after an abort it is dangling.
+    /// value (do not destroy it); after an abort (which may still be running
+    /// on a helper thread, or be deferred to a group's end) it is dangling.
     pub fn raw(&self) -> ncclComm_t {
         self.raw
     }
 
-    /// `ncclCommGetAsyncError`: `ncclSuccess`, `ncclInProgress` (a non-blocking
-    /// operation still running), or the error a peer or the network caused.
+    /// `ncclCommGetAsyncError`: [`NcclStatus::SUCCESS`],
+    /// [`NcclStatus::IN_PROGRESS`] (a non-blocking operation still running), or
+    /// the error a peer or the network caused ([`NcclStatus::is_error`]).
     ///
     /// # Errors
     /// An aborted communicator; the query's own failure.
-    pub fn async_status(&self) -> Result<ncclResult_t> {
+    pub fn async_status(&self) -> Result<NcclStatus> {
+        self.async_raw().map(NcclStatus::from)
+    }
+
+    fn async_raw(&self) -> Result<ncclResult_t> {
         const CALL: &str = "ncclCommGetAsyncError";
         self.enter(CALL)?;
         let f = self
@@ -541,7 +586,7 @@ impl Communicator {
     /// # Errors
     /// [`NcclError::Async`]; the query's own failure.
     pub fn check_async(&self) -> Result<()> {
-        let state = self.async_status()?;
+        let state = self.async_raw()?;
         if state.is_success() || state == ncclResult_t::ncclInProgress {
             return Ok(());
         }
@@ -554,13 +599,28 @@ impl Communicator {
     /// the communicator is aborted (`ncclCommAbort`) and the error names the
     /// operation last queued; the communicator cannot be used again.
     ///
+    /// The timeout is a bound: NCCL's abort can wait for the device's queued
+    /// work, so it runs on a helper thread and this returns at most 200 ms
+    /// after the timeout (one line on stderr when the abort goes on alone).
+    ///
     /// # Errors
     /// [`NcclError::Timeout`], [`NcclError::Async`]; a stream of another device,
-    /// or being captured through metrale (refused before anything is polled); a
-    /// failed stream query (a fault of the work).
+    /// being captured through metrale, or a call inside [`group`](super::group)
+    /// (its work reaches the stream only when the group ends, so the stream
+    /// would read idle before it ran), all refused before anything is polled;
+    /// a failed stream query (a fault of the work).
     pub fn wait(&self, stream: &CudaStream, timeout: Duration) -> Result<()> {
         const CALL: &str = "wait";
         self.enter(CALL)?;
+        if in_group() {
+            return Err(refused(
+                CALL,
+                Some(self.info),
+                "a wait inside `group` is refused: the group's work reaches the stream \
+                 only when the group ends, so the stream would read idle before that work \
+                 ran; wait after the group",
+            ));
+        }
         self.check_stream(CALL, stream)?;
         {
             let section = stream.section();
@@ -569,19 +629,21 @@ impl Communicator {
         let start = Instant::now();
         let mut spins = 0u32;
         loop {
-            let state = self.async_status()?;
+            let state = self.async_raw()?;
             if !state.is_success() && state != ncclResult_t::ncclInProgress {
                 return Err(self.async_failure("wait", state));
             }
             if stream.query()? {
                 return Ok(());
             }
-            if start.elapsed() >= timeout {
+            let waited = start.elapsed();
+            if waited >= timeout {
                 let pending = self.last_op.get();
-                self.abort();
+                // (The time waited for the work, not for the abort after it.)
+                self.abort_within(Duration::ZERO);
                 return Err(into_error(NcclError::Timeout {
                     pending: pending.to_owned(),
-                    waited: start.elapsed(),
+                    waited,
                     comm: self.info,
                 }));
             }
@@ -592,10 +654,31 @@ impl Communicator {
     /// Abort the communicator (`ncclCommAbort`): NCCL stops its pending work and
     /// frees it. Later calls are refused with [`NcclError::Aborted`]; Drop does
     /// nothing more. Aborting twice does nothing.
+    ///
+    /// Bounded: NCCL's abort can wait for the device's queued work (on any
+    /// stream of the device), so it runs on a helper thread, and this returns
+    /// when it has finished or at the latest the config's
+    /// [`drop_timeout`](CommConfig::drop_timeout) plus 200 ms after the call;
+    /// an abort still running then finishes alone (one line on stderr says so).
+    /// The communicator counts as aborted from the call on.
+    ///
+    /// Inside a [`group`](super::group) that lists it (on this thread), the
+    /// abort is deferred to the outermost group's end: the group's queued work
+    /// still names the communicator, and NCCL would launch it for a freed one.
+    /// Until then it is refused like an aborted one.
+    ///
     /// A communicator made inside a group that has not ended is not aborted (NCCL
     /// would reclaim it while its init is still queued): refused calls say so,
-    /// and its Drop leaks it.
+    /// and its Drop leaks it. Inside a host function nothing is done (NCCL may
+    /// not be called there), with a line on stderr.
     pub fn abort(&self) {
+        self.abort_within(self.drop_timeout);
+    }
+
+    /// Abort, waiting at most `bound` plus [`ABORT_GRACE`] for NCCL's abort (on a
+    /// helper thread); deferred to the group's end while a group of this thread
+    /// lists the communicator.
+    pub(crate) fn abort_within(&self, bound: Duration) {
         if self.init_not_ended() {
             crate::error::report_line(format_args!(
                 "NCCL communicator ({}): abort skipped, the group it was made in has not \
@@ -604,18 +687,39 @@ impl Communicator {
             ));
             return;
         }
+        if crate::context::in_host_function() {
+            crate::error::report_line(format_args!(
+                "NCCL communicator ({}): abort skipped inside a host function (where NCCL \
+                 may not be called); abort it after the host function",
+                self.info
+            ));
+            return;
+        }
         if self.aborted.replace(true) {
             return;
         }
-        if self.ctx.bind().is_ok() {
-            let _turn = self.turn();
-            abort_raw(self.lib, self.raw);
-        } else {
-            crate::error::report_line(format_args!(
-                "NCCL communicator ({}): abort skipped, the device could not be made current",
-                self.info
-            ));
+        if is_listed(self.raw) {
+            // This thread's open group still lists it, with work queued that
+            // NCCL launches at the group's end: aborting now would free the
+            // communicator under it. The outermost group's end runs it.
+            super::group::defer_abort(DeferredAbort {
+                lib: self.lib,
+                raw: self.raw,
+                ctx: Arc::clone(&self.ctx),
+                serial: self.serial.clone(),
+                info: self.info,
+                bound,
+            });
+            return;
         }
+        abort_bounded(
+            self.lib,
+            self.raw,
+            &self.ctx,
+            self.serial.as_ref(),
+            self.info,
+            bound_deadline(bound),
+        );
     }
 
     /// Abort, and the error of `state` seen during `during`.
@@ -632,7 +736,7 @@ impl Communicator {
             last_error,
             comm: self.info,
         };
-        self.abort();
+        self.abort_within(Duration::ZERO);
         into_error(e)
     }
 
@@ -769,7 +873,7 @@ impl Communicator {
             Settled::Done => Ok(()),
             Settled::Failed(state) => Err(self.async_failure(call, state)),
             Settled::TimedOut => {
-                self.abort();
+                self.abort_within(Duration::ZERO);
                 Err(into_error(NcclError::Timeout {
                     pending: call.to_owned(),
                     waited: self.timeout.unwrap_or_default(),
@@ -781,6 +885,51 @@ impl Communicator {
 
     pub(crate) fn raw_handle(&self) -> ncclComm_t {
         self.raw
+    }
+
+    /// The key of the NCCL communicator it is a rank of (see `agree`).
+    pub(crate) fn clique(&self) -> u64 {
+        self.clique
+    }
+
+    /// How many collectives were queued on it so far.
+    #[inline]
+    pub(crate) fn collectives(&self) -> u64 {
+        self.seq.get()
+    }
+
+    /// One more collective queued.
+    #[inline]
+    pub(crate) fn count_collective(&self) {
+        self.seq.set(self.seq.get().wrapping_add(1));
+    }
+
+    /// Take back the count of a send or receive that was not queued.
+    #[cold]
+    pub(crate) fn uncount_p2p(&self, peer: usize, sent: bool) {
+        let i = if sent {
+            Some(peer)
+        } else {
+            self.info.size.checked_add(peer)
+        };
+        if let Some(c) = i.and_then(|i| self.p2p.get(i)) {
+            c.set(c.get().wrapping_sub(1));
+        }
+    }
+
+    /// Count one send to (`sent`) or receive from `peer`: which one it is
+    /// (`None` when this communicator does not count them).
+    #[inline]
+    pub(crate) fn count_p2p(&self, peer: usize, sent: bool) -> Option<u64> {
+        let i = if sent {
+            peer
+        } else {
+            self.info.size.checked_add(peer)?
+        };
+        let c = self.p2p.get(i)?;
+        let seq = c.get();
+        c.set(seq.wrapping_add(1));
+        Some(seq)
     }
 }
 
@@ -802,7 +951,8 @@ impl Drop for Communicator {
         }
         if in_group() {
             // A finalize queued into the open group would complete only at its
-            // end, after the destroy below: abort instead.
+            // end, after the destroy below: abort instead (bounded, and
+            // deferred to the group's end should a group still list it).
             crate::error::report_line(format_args!(
                 "NCCL communicator ({}): dropped inside `group`; aborted",
                 self.info
@@ -810,67 +960,64 @@ impl Drop for Communicator {
             self.abort();
             return;
         }
-        let (lib, comm, info) = (self.lib, self.raw, self.info);
-        let now = Instant::now();
-        // A drop timeout the clock cannot represent waits LONGEST_DROP_WAIT.
-        let deadline = now
-            .checked_add(self.drop_timeout)
-            .or_else(|| now.checked_add(LONGEST_DROP_WAIT))
-            .unwrap_or(now);
-        let serial = self.serial.clone();
-        let streams = std::mem::take(self.streams.get_mut());
-        let blocking = self.blocking;
-        let last_op = self.last_op.get();
-        let timeout = self.drop_timeout;
+        let start = Instant::now();
+        let deadline = bound_deadline_at(start, self.drop_timeout, Duration::ZERO);
+        let job = DropJob {
+            lib: self.lib,
+            comm: Handle(self.raw),
+            info: self.info,
+            ctx: Arc::clone(&self.ctx),
+            serial: self.serial.clone(),
+            streams: std::mem::take(self.streams.get_mut()),
+            blocking: self.blocking,
+            last_op: self.last_op.get(),
+            timeout: self.drop_timeout,
+            start,
+            deadline,
+        };
+        let (info, last_op, timeout) = (self.info, self.last_op.get(), self.drop_timeout);
         self.ctx.release_with(
             self.made,
             format_args!("NCCL communicator ({info})"),
             |_, _| {
-                let serial = serial.as_deref();
-                let abort_raw = |lib, comm| {
-                    let _turn = serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
-                    abort_raw(lib, comm);
+                // NCCL's finalize, destroy and abort can wait for the device's
+                // queued work (any stream of the device): run them on a helper
+                // thread and wait for it at most the drop timeout (plus the
+                // grace an abort past it gets).
+                let report = |line: Option<String>| {
+                    if let Some(line) = line {
+                        crate::error::report_line(format_args!("{line}"));
+                    }
                 };
-                let outcome = teardown(lib, comm, blocking, &streams, deadline, serial);
-                match outcome {
-                    Teardown::Destroyed => {}
-                    Teardown::DestroyFailed(status) => {
-                        crate::error::report_line(format_args!(
-                            "NCCL communicator ({info}): ncclCommDestroy failed: {status}: {}",
-                            error::description(lib, status)
-                        ));
-                    }
-                    Teardown::Failed(call, status) => {
-                        let text = error::description(lib, status);
-                        let last = {
-                            let _turn =
-                                serial.map(|m| m.lock().unwrap_or_else(PoisonError::into_inner));
-                            error::last_error(lib, comm)
-                        };
-                        abort_raw(lib, comm);
-                        crate::error::report_line(format_args!(
-                            "NCCL communicator ({info}): {call} failed: {status}: {text}{}{}; aborted",
-                            if last.is_empty() { "" } else { "; last error: " },
-                            last
-                        ));
-                    }
-                    Teardown::TimedOut => {
-                        abort_raw(lib, comm);
-                        crate::error::report_line(format_args!(
-                            "NCCL communicator ({info}): work ({last_op}) or finalize had not \
-                             completed after {timeout:?}; aborted"
-                        ));
-                    }
-                    Teardown::Missing(name) => {
-                        abort_raw(lib, comm);
-                        crate::error::report_line(format_args!(
-                            "NCCL communicator ({info}): the library lacks {name}; aborted"
-                        ));
-                    }
+                let wait_until = deadline.checked_add(ABORT_GRACE).unwrap_or(deadline);
+                match on_helper(wait_until, move || job.run(), report) {
+                    Helped::Done(line) => report(line),
+                    Helped::Running => crate::error::report_line(format_args!(
+                        "NCCL communicator ({info}): its teardown (its work ({last_op}), \
+                         ncclCommFinalize and ncclCommDestroy, or ncclCommAbort past the \
+                         drop timeout {timeout:?}) had not returned after {:?}; leaked to \
+                         a helper thread that finishes it (NCCL waits for the device's \
+                         queued work)",
+                        start.elapsed()
+                    )),
+                    Helped::NotStarted(e) => crate::error::report_line(format_args!(
+                        "NCCL communicator ({info}): leaked (not finalized): no helper \
+                         thread for its teardown could be started ({e}), and on this \
+                         thread it could block without bound"
+                    )),
                 }
             },
         );
     }
+}
+
+/// The per-peer send and receive counters of a communicator of `size` ranks
+/// (none above `agree::P2P_CHECKED_RANKS`).
+fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
+    if size > super::agree::P2P_CHECKED_RANKS {
+        return Box::new([]);
+    }
+    (0..2 * size).map(|_| Cell::new(0)).collect()
 }
 
 /// What an init decided about the communicator it made.
@@ -881,4 +1028,6 @@ struct Made {
     serial: Option<Arc<Mutex<()>>>,
     /// The config's strings, kept as long as the communicator.
     names: Vec<CString>,
+    /// The key of the NCCL communicator it is a rank of (see `Communicator::clique`).
+    clique: u64,
 }

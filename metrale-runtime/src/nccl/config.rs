@@ -118,7 +118,9 @@ impl CommConfig {
 
     /// The bound on metrale's polling of a non-blocking communicator (init,
     /// split, a collective that returned `ncclInProgress`): past it the
-    /// communicator is aborted and the call fails with [`NcclError::Timeout`](super::NcclError::Timeout).
+    /// communicator is aborted and the call fails with [`NcclError::Timeout`](super::NcclError::Timeout),
+    /// at most 200 ms after the timeout (NCCL's abort runs on a helper thread:
+    /// it can wait for the device's queued work).
     /// Without it, polling goes on as long as NCCL says "in progress".
     #[must_use]
     pub fn timeout(mut self, timeout: Duration) -> CommConfig {
@@ -127,7 +129,11 @@ impl CommConfig {
     }
 
     /// How long Drop waits for pending work and `ncclCommFinalize` before it
-    /// aborts the communicator.
+    /// aborts the communicator; also the bound of [`Communicator::abort`](super::Communicator::abort).
+    /// NCCL's finalize, destroy and abort run on a helper thread (they can
+    /// wait for the device's queued work): Drop returns at most 200 ms after
+    /// this timeout, leaking the communicator to that thread (with a line on
+    /// stderr) when it has not finished by then.
     #[must_use]
     pub fn drop_timeout(mut self, timeout: Duration) -> CommConfig {
         self.drop_timeout = timeout;

@@ -34,6 +34,77 @@ impl fmt::Display for CommInfo {
     }
 }
 
+/// A status NCCL reported, as [`Communicator::async_status`](super::Communicator::async_status)
+/// gives it: success, still in progress (a non-blocking operation running), or
+/// an error a peer, the network or the device caused. Any value NCCL returns is
+/// a value here, also one newer than this crate's header.
+///
+/// ```
+/// use metrale_runtime::NcclStatus;
+/// assert!(NcclStatus::SUCCESS.is_success());
+/// assert!(!NcclStatus::IN_PROGRESS.is_error());
+/// assert_eq!(NcclStatus::from_code(6).to_string(), "ncclRemoteError (6)");
+/// assert!(NcclStatus::from_code(6).is_error());
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct NcclStatus(ncclResult_t);
+
+impl NcclStatus {
+    /// `ncclSuccess` (0).
+    pub const SUCCESS: NcclStatus = NcclStatus(ncclResult_t::ncclSuccess);
+    /// `ncclInProgress` (7): a non-blocking operation is still running.
+    pub const IN_PROGRESS: NcclStatus = NcclStatus(ncclResult_t::ncclInProgress);
+
+    /// The status of NCCL's numeric code.
+    pub const fn from_code(code: u32) -> NcclStatus {
+        NcclStatus(ncclResult_t(code))
+    }
+
+    /// NCCL's numeric code (`ncclRemoteError` is 6).
+    pub const fn code(self) -> u32 {
+        self.0 .0
+    }
+
+    /// The name of NCCL's constant (`"ncclRemoteError"`), or `None` for a code
+    /// this crate's header does not define.
+    pub const fn name(self) -> Option<&'static str> {
+        self.0.name()
+    }
+
+    /// Whether this is `ncclSuccess`.
+    pub const fn is_success(self) -> bool {
+        self.0.is_success()
+    }
+
+    /// Whether this is `ncclInProgress`.
+    pub const fn is_in_progress(self) -> bool {
+        self.0 .0 == ncclResult_t::ncclInProgress.0
+    }
+
+    /// Whether this is an error: neither success nor in progress.
+    pub const fn is_error(self) -> bool {
+        !self.is_success() && !self.is_in_progress()
+    }
+
+    /// The raw status, for calls metrale does not wrap.
+    pub const fn raw(self) -> ncclResult_t {
+        self.0
+    }
+}
+
+impl From<ncclResult_t> for NcclStatus {
+    fn from(raw: ncclResult_t) -> NcclStatus {
+        NcclStatus(raw)
+    }
+}
+
+impl fmt::Display for NcclStatus {
+    /// `ncclRemoteError (6)`, as NCCL errors name a status.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
 /// Everything that can go wrong with NCCL.
 #[derive(Clone)]
 #[non_exhaustive]

@@ -1,20 +1,23 @@
 //! [`group`]: several NCCL calls, of one or several communicators, queued as one
-//! NCCL group from one thread; the thread's group depth and listed
-//! communicators.
+//! NCCL group from one thread; the thread's group depth, listed communicators
+//! and the aborts deferred to the outermost group's end.
 
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::ThreadId;
+use std::time::Duration;
 
-use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t};
+use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
 
+use crate::context::CudaContext;
 use crate::error::Result;
 use crate::memory::NcclGroupOpen;
 
 use super::comm::Communicator;
-use super::error::{call_error, missing};
+use super::error::{call_error, missing, CommInfo};
 use super::lib;
+use super::teardown::{abort_bounded, bound_deadline};
 
 thread_local! {
     /// Depth of this thread's `group` calls.
@@ -24,6 +27,46 @@ thread_local! {
     /// Inits made inside this thread's open groups: NCCL runs them at the
     /// outermost `ncclGroupEnd`.
     static PENDING_INITS: RefCell<Vec<Arc<GroupInit>>> = const { RefCell::new(Vec::new()) };
+    /// Aborts asked for while an open group of this thread listed the
+    /// communicator: run after the outermost `ncclGroupEnd`.
+    static DEFERRED_ABORTS: RefCell<Vec<DeferredAbort>> = const { RefCell::new(Vec::new()) };
+}
+
+/// An abort of a communicator that this thread's open group lists (its queued
+/// work still names it): NCCL's abort runs after the outermost group's end.
+/// The communicator is marked aborted meanwhile (no NCCL call on it) and, being
+/// borrowed by the group, outlives the group's end; this owns what the abort
+/// needs.
+pub(crate) struct DeferredAbort {
+    pub(crate) lib: &'static Nccl,
+    pub(crate) raw: ncclComm_t,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) serial: Option<Arc<Mutex<()>>>,
+    pub(crate) info: CommInfo,
+    /// How long the abort may take (plus the grace) before it is left to a
+    /// helper thread.
+    pub(crate) bound: Duration,
+}
+
+/// Defer `abort` to the outermost group's end.
+pub(crate) fn defer_abort(abort: DeferredAbort) {
+    DEFERRED_ABORTS.with(|d| d.borrow_mut().push(abort));
+}
+
+/// Run the aborts deferred to the end of this thread's outermost group (after
+/// its `ncclGroupEnd`), each bounded.
+fn run_deferred_aborts() {
+    let aborts = DEFERRED_ABORTS.with(|d| std::mem::take(&mut *d.borrow_mut()));
+    for a in aborts {
+        abort_bounded(
+            a.lib,
+            a.raw,
+            &a.ctx,
+            a.serial.as_ref(),
+            a.info,
+            bound_deadline(a.bound),
+        );
+    }
 }
 
 /// A communicator made inside a group: NCCL initializes it only when the
@@ -85,6 +128,23 @@ pub(crate) fn in_group() -> bool {
 /// launched), and so is [`Communicator::split`]. The completion of the
 /// non-blocking ones is polled when the group ends, within each one's
 /// timeout. Groups nest; the outermost end launches.
+///
+/// When one thread queues several ranks of one communicator in the group
+/// (communicators of one `init_all`, or `init_rank`s of one id), their
+/// collectives are checked to agree: the k-th collective of each rank must
+/// have the same count, type, operation and root, and the k-th send from one
+/// rank to another the count and type of the other's k-th receive from it
+/// (communicators of at most 1024 ranks). One that disagrees is
+/// refused before NCCL sees it, and every listed rank of that communicator is
+/// aborted when the group ends (what was queued could never complete).
+/// Agreement with ranks of other processes or threads stays the caller's duty.
+///
+/// Inside the group, [`Communicator::wait`] is refused (the work reaches the
+/// streams only at the end), and an abort of a listed communicator, direct
+/// ([`Communicator::abort`]) or by a failed
+/// [`check_async`](Communicator::check_async), marks it aborted at once but
+/// runs NCCL's abort after the outermost group's end: the queued work still
+/// names the communicator, and NCCL would launch it for a freed one.
 ///
 /// While any group is open in the process, device memory dropped (on any
 /// thread) is not freed but deferred until the last open group has ended: the
@@ -193,7 +253,30 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
             }
         }
     }
+    /// At the outermost group's end (after `ncclGroupEnd`, also on unwind):
+    /// the aborts deferred while it was open run, and its agreement records
+    /// are forgotten.
+    struct AbortsEnd {
+        outermost: bool,
+    }
+    impl AbortsEnd {
+        fn run(&mut self) {
+            if std::mem::take(&mut self.outermost) {
+                super::agree::clear();
+                run_deferred_aborts();
+            }
+        }
+    }
+    impl Drop for AbortsEnd {
+        fn drop(&mut self) {
+            self.run();
+        }
+    }
     let inits_end = InitsEnd {
+        outermost: !in_group(),
+    };
+    // Declared before `open`: on unwind it drops after the NCCL group's end.
+    let mut aborts_end = AbortsEnd {
         outermost: !in_group(),
     };
     DEPTH.with(|d| d.set(d.get() + 1));
@@ -202,6 +285,14 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
         end: Some(end),
     };
     let result = f();
+    if aborts_end.outermost {
+        // Ranks whose collectives disagreed: what was queued can never
+        // complete. Abort every listed rank of those communicators (deferred to
+        // the group's end: they are still listed here).
+        for c in comms.iter().filter(|c| super::agree::disagreed(c.clique())) {
+            c.abort_within(Duration::ZERO);
+        }
+    }
     open.end = None;
     drop(open);
     let status = {
@@ -218,6 +309,8 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
         // SAFETY: ends the group this call started.
         unsafe { end() }
     };
+    // The work is launched: the aborts deferred meanwhile may run now.
+    aborts_end.run();
     let ended = if status.is_success() {
         Ok(())
     } else if status == ncclResult_t::ncclInProgress {

@@ -11,24 +11,44 @@
 //!   all-gather, reduce-scatter, send and receive on a [`CudaStream`] with typed
 //!   device memory, element types mapped by [`NcclType`], operations
 //!   [`ReduceOp`], and [`group`];
-//! - [`NcclError`] (`error.rs`), the one constructor of `MetraleError::Nccl`.
+//! - the agreement check of the ranks one thread drives in one group
+//!   (`agree.rs`);
+//! - [`NcclError`] and [`NcclStatus`] (`error.rs`), the one constructor of
+//!   `MetraleError::Nccl`;
+//! - the helper thread that bounds NCCL's blocking abort, finalize and destroy
+//!   (`teardown.rs`).
 //!
 //! Invariants:
 //! - Each rank checks its own lengths, root, peer and devices before NCCL sees
 //!   them: all-reduce receive ≥ send, all-gather receive = ranks × send,
 //!   reduce-scatter send = ranks × receive, root and peer < ranks, memory and
 //!   stream on the communicator's device. A refusal names the call, the rank
-//!   and both sizes. Whether the ranks agree with each other (the same count,
-//!   type, operation and root on every rank, a receive as long as its peer's
-//!   send) is not checked here: no rank sees another's arguments. That is
-//!   NCCL's business (`NCCL_CHECK_MODE`, its cross-rank argument check); ranks
-//!   that disagree may hang, fail, or move the wrong bytes.
+//!   and both sizes.
+//! - Whether the ranks agree with each other (the same count, type, operation
+//!   and root for the k-th collective of every rank) is checked where metrale
+//!   sees the ranks: those one thread queues in one [`group`] (`init_all` plus
+//!   `group`, or several `init_rank`s). A collective that disagrees with
+//!   another rank's of the same sequence number is refused before NCCL, and so
+//!   is a send or receive whose count or type differs from its partner's (the
+//!   k-th send from a to b against the k-th receive of b from a; for
+//!   communicators of at most 1024 ranks); every listed rank of that
+//!   communicator is then aborted when the group ends (what was queued could
+//!   never complete). Ranks in other processes, or driven by other threads,
+//!   are not seen: their agreement stays the user's duty, and NCCL's
+//!   (`NCCL_CHECK_MODE`); ranks that disagree may hang, fail, or move the
+//!   wrong bytes.
 //! - Inside [`group`] every communicator used is listed (and so borrowed until
-//!   the group's end), split is refused, device memory dropped anywhere in the
-//!   process waits to be freed until no group is open, and managed memory's
-//!   host access is refused.
-//! - No NCCL call is made from inside a host function (refused, as every CUDA
-//!   call there).
+//!   the group's end), split is refused, [`Communicator::wait`] is refused
+//!   (the group's work reaches the stream only at its end), an abort of a
+//!   listed communicator (direct, or by a failed check) is deferred to the
+//!   outermost group's end (its queued work still names it), device memory
+//!   dropped anywhere in the process waits to be freed until no group is open,
+//!   and managed memory's host access is refused.
+//! - No NCCL call is made from inside a host function: [`NcclId::new`], every
+//!   communicator call and [`group`] are refused there
+//!   ([`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)), as
+//!   every CUDA call; an abort there is skipped and a Drop there leaks, each
+//!   with a line on stderr.
 //! - The collective path never synchronises with the host (no stream query, no
 //!   event wait), so collectives can be captured into CUDA graphs; a
 //!   non-blocking communicator's `ncclInProgress` is polled through
@@ -37,11 +57,22 @@
 //!   thread-safe); a split sharing resources and its parent take turns on one
 //!   lock for every NCCL call; it holds its device's context and every stream it queued
 //!   work on, so its Drop can wait for that work, boundedly.
-//! - Drop never blocks forever: it finalizes within the config's drop timeout
-//!   (waiting first for the streams it used when the communicator is
-//!   blocking), destroys only when finalize completed, aborts otherwise; one
-//!   line on stderr when it had to abort or a call failed, silence when the
-//!   context is already gone.
+//! - Timeouts are bounds. NCCL's `ncclCommAbort`, `ncclCommFinalize` and
+//!   `ncclCommDestroy` can wait for the device's queued work, on any stream of
+//!   the device, so metrale never makes them on the caller's thread: they run
+//!   on a helper thread, handed the raw communicator after it was marked
+//!   aborted (or while it is dropped), so no other NCCL call is made on it
+//!   from then on. A timed-out wait or settle returns at most 200 ms after its
+//!   timeout, [`Communicator::abort`] at most 200 ms after the drop timeout;
+//!   an abort still running then finishes alone, with a line on stderr.
+//! - Drop never blocks forever: on a helper thread it finalizes within the
+//!   config's drop timeout (waiting first for the streams it used when the
+//!   communicator is blocking; a transient `cuStreamQuery` failure is asked
+//!   again until the deadline), destroys only when finalize completed, aborts
+//!   otherwise; the dropping thread waits at most the drop timeout plus 200 ms
+//!   and then leaks the communicator to that thread. One line on stderr when
+//!   it had to abort, leak, or a call failed (naming the call and its status,
+//!   and the time actually waited), silence when the context is already gone.
 //! - Memory is tracked like any other safe operation's (`note_use`), so freeing
 //!   a buffer waits for the collectives that used it.
 
@@ -55,6 +86,7 @@ use crate::memory::DeviceRepr;
 #[allow(unused_imports)]
 use crate::stream::CudaStream;
 
+mod agree;
 mod collective;
 mod comm;
 mod config;
@@ -64,7 +96,7 @@ mod teardown;
 
 pub use comm::Communicator;
 pub use config::CommConfig;
-pub use error::{CommInfo, NcclError};
+pub use error::{CommInfo, NcclError, NcclStatus};
 pub use group::group;
 
 /// The process-wide NCCL library, or the load error as a [`MetraleError`].
@@ -94,8 +126,16 @@ impl NcclId {
     /// bootstrap (see `NCCL_SOCKET_IFNAME`).
     ///
     /// # Errors
-    /// The library could not be loaded, or the call failed.
+    /// Inside a host function, refused before NCCL
+    /// ([`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)); the
+    /// library could not be loaded, or the call failed.
     pub fn new() -> Result<NcclId> {
+        if crate::context::in_host_function() {
+            // The driver forbids CUDA calls there, and NCCL may make them.
+            return Err(
+                crate::error::CallError::InHostFunction.about("ncclGetUniqueId (NcclId::new)")
+            );
+        }
         let lib = lib()?;
         let f = lib.ncclGetUniqueId().map_err(|m| error::missing(m, None))?;
         let mut id = raw::ncclUniqueId::default();
