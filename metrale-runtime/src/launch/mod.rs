@@ -1,6 +1,6 @@
 //! Launching kernels: [`LaunchConfig`] and its checks, [`LaunchAttributes`] for
 //! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), tensor maps
-//! ([`TensorMap`], in `tensor_map.rs`), and the one
+//! ([`TensorMap`], in `tensor_map/`), and the one
 //! launch path every launch of the crate goes through (plain or extended, typed or
 //! raw, from a stream, the registry or a graph update).
 //!

@@ -1,0 +1,231 @@
+//! Tensor maps for the Tensor Memory Accelerator (compute capability 9.0+):
+//! [`TensorMap`], a 128-byte descriptor that `cp.async.bulk.tensor` reads, encoded
+//! by `cuTensorMapEncodeTiled` (or `cuTensorMapEncodeIm2col`) from a
+//! [`TensorMapBuilder`] over metrale device memory.
+//!
+//! Invariants:
+//! - Every rule the CUDA 13.0 driver documents for the data types, interleaves
+//!   and swizzles this module offers is checked before the driver is called, and
+//!   a refusal names the rule and the value. These are all of them: rank 1..=5
+//!   (3 or more when interleaved), global dimensions in 1..=2^32, byte strides
+//!   multiples of 16 (32 with 32-byte interleave) and below 2^40, the global
+//!   address aligned to 16 bytes (32 with 32-byte interleave), box sizes in
+//!   1..=256, the inner box row a multiple of 16 bytes without interleave and
+//!   within the swizzle span, element strides in 1..=8, 32-byte interleave only
+//!   with the 32-byte swizzle, NaN fill only for floating-point types; for im2col
+//!   maps also rank 3..=5, pixel-box corners within the range the rank allows,
+//!   channels per pixel 1..=256 (a multiple of 16 bytes without interleave,
+//!   within the swizzle span) and pixels per column 1..=1024. (The packed
+//!   sub-byte types and the 128-byte atom swizzles, with rules of their own, are
+//!   not offered.) A [`TensorMapLayout`] is checked by the same code as a map
+//!   built directly.
+//! - A map never describes memory outside the buffer it was made from: the last
+//!   byte the sizes and strides reach lies inside the memory's extent. The map
+//!   borrows that memory (`'a`), so safe code cannot free it while the map lives;
+//!   [`TensorMap::replace_address`] moves it to other memory with the same check.
+//! - The kernel receives the driver's 128 bytes exactly: `&TensorMap` is a
+//!   [`KernelArg`](crate::KernelArg) of size 128, so the launch check accepts it
+//!   for a 128-byte (`CUtensorMap`, `__grid_constant__`) parameter.
+
+mod builder;
+mod layout;
+mod rules;
+mod types;
+
+use std::ffi::c_void;
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use metrale_cuda_sys::{self as sys, CUdeviceptr};
+
+pub use builder::TensorMapBuilder;
+pub use layout::TensorMapLayout;
+pub use types::{
+    Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TENSOR_MAP_MAX_RANK,
+};
+
+use crate::context::CudaContext;
+use crate::error::{cu, invalid_arg, MetraleError, Result};
+use crate::memory::DeviceMemory;
+
+/// A tensor map: the driver's 128-byte `CUtensorMap` describing tiles of device
+/// memory it borrows, passed to kernels as `&map` (a 128-byte parameter,
+/// `const __grid_constant__ CUtensorMap`).
+///
+/// The driver's bytes are the first field, aligned as the header's `CUtensorMap`
+/// (128 bytes, as the 13.0 header declares it; the driver requires 64); what
+/// another address is checked against
+/// ([`TensorMap::set_address`]) follows them.
+#[repr(C)]
+pub struct TensorMap<'a, T: TensorElement> {
+    pub(super) raw: sys::CUtensorMap,
+    pub(super) base: CUdeviceptr,
+    /// Bytes from the first element to one past the last the map reaches.
+    pub(super) extent: u64,
+    /// The memory's context, borrowed with the memory (no reference count to
+    /// touch per map).
+    pub(super) ctx: &'a Arc<CudaContext>,
+    pub(super) data_type: TensorDataType,
+    pub(super) interleave: Interleave,
+    pub(super) _mem: PhantomData<&'a T>,
+}
+
+impl<T: TensorElement> fmt::Debug for TensorMap<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TensorMap")
+            .field("address", &format_args!("{:#x}", self.base))
+            .field("data_type", &self.data_type)
+            .field("extent", &self.extent)
+            .field("device", &self.ctx.ordinal())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'a, T: TensorElement> TensorMap<'a, T> {
+    /// Start a tiled map over `mem` (a buffer or slice; the map borrows it).
+    /// Without [`dims`](TensorMapBuilder::dims) the map is one dimension of all
+    /// of `mem`'s elements; without strides the dimensions are packed.
+    pub fn tiled<M: DeviceMemory<T>>(mem: &'a M) -> TensorMapBuilder<'a, T> {
+        let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        TensorMapBuilder {
+            ctx: mem.memory_context(),
+            base: mem.device_ptr(),
+            bytes,
+            data_type: T::DATA_TYPE,
+            dims: None,
+            strides: None,
+            box_dims: None,
+            element_strides: None,
+            interleave: Interleave::None,
+            swizzle: Swizzle::None,
+            l2_promotion: L2Promotion::None,
+            oob_fill: OobFill::Zero,
+            too_long: None,
+            im2col: None,
+            _mem: PhantomData,
+        }
+    }
+
+    /// The driver's 128 bytes.
+    pub fn as_raw(&self) -> &sys::CUtensorMap {
+        &self.raw
+    }
+
+    /// The global address the map points at.
+    pub fn address(&self) -> CUdeviceptr {
+        self.base
+    }
+
+    /// The context of the memory the map describes.
+    pub fn context(&self) -> &'a Arc<CudaContext> {
+        self.ctx
+    }
+
+    /// Point the map at `mem` instead (`cuTensorMapReplaceAddress`), keeping every
+    /// other field: `mem` must be memory of the same device, aligned as the map
+    /// needs and at least as large as the map reaches. The map now borrows `mem`.
+    ///
+    /// # Errors
+    /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
+    /// rule before the driver; the driver's status otherwise.
+    #[inline]
+    pub fn replace_address<'b, M: DeviceMemory<T>>(self, mem: &'b M) -> Result<TensorMap<'b, T>> {
+        let (raw, base) = self.moved_to(mem)?;
+        Ok(TensorMap {
+            raw,
+            base,
+            extent: self.extent,
+            ctx: mem.memory_context(),
+            data_type: self.data_type,
+            interleave: self.interleave,
+            _mem: PhantomData,
+        })
+    }
+
+    /// [`replace_address`](TensorMap::replace_address) in place, for memory that
+    /// lives as long as the memory the map borrows now (no copy of the map).
+    /// On an error the map is unchanged.
+    ///
+    /// # Errors
+    /// As [`replace_address`](TensorMap::replace_address).
+    #[inline]
+    pub fn set_address<M: DeviceMemory<T>>(&mut self, mem: &'a M) -> Result<()> {
+        let (raw, base) = self.moved_to(mem)?;
+        self.raw = raw;
+        self.base = base;
+        Ok(())
+    }
+
+    /// The map's bytes pointed at `mem`, after the checks; `self` is unchanged.
+    #[inline]
+    fn moved_to<M: DeviceMemory<T>>(&self, mem: &M) -> Result<(sys::CUtensorMap, CUdeviceptr)> {
+        let ctx = mem.memory_context();
+        if !Arc::ptr_eq(ctx, self.ctx) {
+            return Err(refuse(format_args!(
+                "a map of device {}: replace_address with memory of device {}",
+                self.ctx.ordinal(),
+                ctx.ordinal()
+            )));
+        }
+        let base = mem.device_ptr();
+        let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        check_address(base, self.interleave)?;
+        if self.extent > bytes {
+            return Err(refuse(format_args!(
+                "the map reaches {} bytes, beyond the {bytes} bytes of the memory",
+                self.extent
+            )));
+        }
+        let mut raw = self.raw;
+        ctx.call_unbound(
+            // Encoding is host work on the caller's arrays: no context is bound.
+            || format!("tensor map at {base:#x}"),
+            |d| {
+                // SAFETY: `raw` is a copy of a map the driver encoded, in a local
+                // of the 128-byte aligned CUtensorMap type; the new address was
+                // checked above against the map's alignment and extent, and the
+                // caller ties that memory's borrow to the map it builds.
+                unsafe { cu!(d, cuTensorMapReplaceAddress(&mut raw, base as *mut c_void)) }
+            },
+        )?;
+        Ok((raw, base))
+    }
+}
+
+// SAFETY: the pointer is to the `raw` field, the driver's 128 bytes, borrowed with
+// the map; a `CUtensorMap` kernel parameter is exactly those bytes.
+unsafe impl<T: TensorElement> crate::launch::KernelArg for &TensorMap<'_, T> {
+    const SIZE: usize = std::mem::size_of::<sys::CUtensorMap>();
+    #[inline]
+    fn param_ptr(&self) -> *mut c_void {
+        (&self.raw as *const sys::CUtensorMap).cast_mut().cast()
+    }
+}
+
+/// A refusal's error, built out of line (the checks' hot path only compares).
+#[cold]
+#[inline(never)]
+pub(super) fn refuse(text: fmt::Arguments<'_>) -> MetraleError {
+    invalid_arg(format!("tensor map: {text}"))
+}
+
+#[inline]
+pub(super) fn check_address(base: CUdeviceptr, interleave: Interleave) -> Result<()> {
+    let align = if interleave == Interleave::B32 {
+        32
+    } else {
+        16
+    };
+    if !base.is_multiple_of(align) {
+        return Err(refuse(format_args!(
+            "the global address must be aligned to {align} bytes{}: {base:#x} is not",
+            if align == 32 {
+                " (32-byte interleave)"
+            } else {
+                ""
+            }
+        )));
+    }
+    Ok(())
+}
