@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use metrale_cuda_sys::CUdeviceptr;
 
+use super::rules::Scratch;
 use super::types::{
     Dims, Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement,
 };
@@ -35,6 +36,14 @@ use crate::error::Result;
 #[must_use = "a builder does nothing until `encode` is called"]
 pub struct TensorMapBuilder<'a, T: TensorElement> {
     pub(super) ctx: &'a Arc<CudaContext>,
+    pub(super) spec: Spec,
+    pub(super) _mem: PhantomData<&'a T>,
+}
+
+/// What a builder was given, apart from the memory's context: the input of the
+/// rules (`rules.rs`), which need no driver.
+#[derive(Debug, Clone)]
+pub(super) struct Spec {
     pub(super) base: CUdeviceptr,
     pub(super) bytes: u64,
     pub(super) data_type: TensorDataType,
@@ -50,7 +59,6 @@ pub struct TensorMapBuilder<'a, T: TensorElement> {
     pub(super) too_long: Option<(&'static str, usize)>,
     /// Set by [`TensorMapBuilder::im2col`]: an im2col map instead of a tiled one.
     pub(super) im2col: Option<Im2col>,
-    pub(super) _mem: PhantomData<&'a T>,
 }
 
 /// The im2col part of a map: the pixel bounding box (corners of the spatial
@@ -64,26 +72,23 @@ pub(super) struct Im2col {
 }
 
 impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
-    #[inline]
-    fn list<V: Copy + Default>(&mut self, what: &'static str, v: &[V]) -> Option<Dims<V>> {
-        let d = Dims::new(v);
-        if d.is_none() {
-            self.too_long = Some((what, v.len()));
-        }
-        d
-    }
-
     /// Elements of each dimension, innermost first (the rank is their count).
     #[inline]
     pub fn dims(mut self, dims: &[u64]) -> Self {
-        self.dims = self.list("sizes", dims);
+        self.spec.dims = Dims::new(dims);
+        if self.spec.dims.is_none() {
+            self.spec.too_long = Some(("sizes", dims.len()));
+        }
         self
     }
 
     /// Byte strides of dimensions 1.. (one fewer than the rank). Default: packed.
     #[inline]
     pub fn strides(mut self, strides: &[u64]) -> Self {
-        self.strides = self.list("strides", strides);
+        self.spec.strides = Dims::new(strides);
+        if self.spec.strides.is_none() {
+            self.spec.too_long = Some(("strides", strides.len()));
+        }
         self
     }
 
@@ -91,14 +96,20 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// each dimension's size, capped at 256.
     #[inline]
     pub fn box_dims(mut self, box_dims: &[u32]) -> Self {
-        self.box_dims = self.list("box sizes", box_dims);
+        self.spec.box_dims = Dims::new(box_dims);
+        if self.spec.box_dims.is_none() {
+            self.spec.too_long = Some(("box sizes", box_dims.len()));
+        }
         self
     }
 
     /// Step between elements read in each dimension. Default: 1.
     #[inline]
     pub fn element_strides(mut self, element_strides: &[u32]) -> Self {
-        self.element_strides = self.list("element strides", element_strides);
+        self.spec.element_strides = Dims::new(element_strides);
+        if self.spec.element_strides.is_none() {
+            self.spec.too_long = Some(("element strides", element_strides.len()));
+        }
         self
     }
 
@@ -115,12 +126,15 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         channels_per_pixel: u32,
         pixels_per_column: u32,
     ) -> Self {
-        let (l, u) = (
-            self.list("lower corners", lower),
-            self.list("upper corners", upper),
-        );
+        let (l, u) = (Dims::new(lower), Dims::new(upper));
+        if l.is_none() {
+            self.spec.too_long = Some(("lower corners", lower.len()));
+        }
+        if u.is_none() {
+            self.spec.too_long = Some(("upper corners", upper.len()));
+        }
         if let (Some(lower), Some(upper)) = (l, u) {
-            self.im2col = Some(Im2col {
+            self.spec.im2col = Some(Im2col {
                 lower,
                 upper,
                 channels_per_pixel,
@@ -133,35 +147,35 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// Another data type of the same element size (`Tf32` over `f32` memory).
     #[inline]
     pub fn data_type(mut self, data_type: TensorDataType) -> Self {
-        self.data_type = data_type;
+        self.spec.data_type = data_type;
         self
     }
 
     /// The interleave layout.
     #[inline]
     pub fn interleave(mut self, interleave: Interleave) -> Self {
-        self.interleave = interleave;
+        self.spec.interleave = interleave;
         self
     }
 
     /// The shared-memory swizzle.
     #[inline]
     pub fn swizzle(mut self, swizzle: Swizzle) -> Self {
-        self.swizzle = swizzle;
+        self.spec.swizzle = swizzle;
         self
     }
 
     /// The L2 promotion.
     #[inline]
     pub fn l2_promotion(mut self, l2_promotion: L2Promotion) -> Self {
-        self.l2_promotion = l2_promotion;
+        self.spec.l2_promotion = l2_promotion;
         self
     }
 
     /// What loads outside the tensor read.
     #[inline]
     pub fn oob_fill(mut self, oob_fill: OobFill) -> Self {
-        self.oob_fill = oob_fill;
+        self.spec.oob_fill = oob_fill;
         self
     }
 
@@ -173,8 +187,14 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// rule and the value, before the driver; the driver's status (with the
     /// address) otherwise; a missing-symbol error on drivers before CUDA 12.0.
     pub fn encode(self) -> Result<TensorMap<'a, T>> {
-        let layout = self.check()?;
-        layout.encode_at(self.ctx, self.base)
+        let mut scratch = Scratch::default();
+        match self.spec.quick::<T>(&mut scratch) {
+            Some(tiled) => tiled.encode(self.ctx, self.spec.base),
+            None => self
+                .spec
+                .check_each::<T>()?
+                .encode_at(self.ctx, self.spec.base),
+        }
     }
 
     /// Check every rule, against this builder's memory too, and keep the layout
@@ -183,6 +203,6 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
     /// # Errors
     /// As [`TensorMapBuilder::encode`], before the driver.
     pub fn layout(self) -> Result<TensorMapLayout<T>> {
-        self.check()
+        self.spec.check::<T>()
     }
 }

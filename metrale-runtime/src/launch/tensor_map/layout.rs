@@ -99,44 +99,107 @@ impl<T: TensorElement> TensorMapLayout<T> {
         ctx: &'a Arc<CudaContext>,
         base: CUdeviceptr,
     ) -> Result<TensorMap<'a, T>> {
+        let Some(i) = &self.im2col else {
+            return Tiled {
+                data_type: self.data_type,
+                rank: self.rank,
+                dims: &self.dims.v,
+                strides: &self.strides.v,
+                box_dims: &self.box_dims,
+                element_strides: &self.element_strides,
+                interleave: self.interleave,
+                swizzle: self.swizzle,
+                l2_promotion: self.l2_promotion,
+                oob_fill: self.oob_fill,
+                extent: self.extent,
+            }
+            .encode(ctx, base);
+        };
+        let mut raw_map = sys::CUtensorMap { opaque: [0; 16] };
+        let raw = &mut raw_map;
+        ctx.call_unbound(
+            // Encoding is host work on the caller's arrays: no context is bound.
+            || format!("tensor map at {base:#x}"),
+            |d| {
+                // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
+                // holds at least `rank` values and the corner arrays rank - 2
+                // (checked when the layout was made); the caller checked the
+                // address and the extent against the memory, which the map's
+                // lifetime keeps alive.
+                unsafe {
+                    cu!(
+                        d,
+                        cuTensorMapEncodeIm2col(
+                            raw,
+                            self.data_type.to_driver(),
+                            self.rank,
+                            base as *mut c_void,
+                            self.dims.v.as_ptr(),
+                            self.strides.v.as_ptr(),
+                            i.lower.v.as_ptr(),
+                            i.upper.v.as_ptr(),
+                            i.channels_per_pixel,
+                            i.pixels_per_column,
+                            self.element_strides.as_ptr(),
+                            interleave_raw(self.interleave),
+                            swizzle_raw(self.swizzle),
+                            l2_raw(self.l2_promotion),
+                            oob_raw(self.oob_fill),
+                        )
+                    )
+                }
+            },
+        )?;
+        Ok(TensorMap {
+            raw: raw_map,
+            base,
+            extent: self.extent,
+            ctx,
+            data_type: self.data_type,
+            interleave: self.interleave,
+            _mem: PhantomData,
+        })
+    }
+}
+
+/// The arguments of one tiled encoding, the arrays by reference (a builder's
+/// own lists are passed to the driver where they are, without a copy). Made
+/// only from checked values: by a [`TensorMapLayout`], or by the builder's quick
+/// proof (`rules.rs`).
+pub(super) struct Tiled<'s> {
+    pub(super) data_type: TensorDataType,
+    pub(super) rank: u32,
+    pub(super) dims: &'s [u64; TENSOR_MAP_MAX_RANK],
+    pub(super) strides: &'s [u64; TENSOR_MAP_MAX_RANK],
+    pub(super) box_dims: &'s [u32; TENSOR_MAP_MAX_RANK],
+    pub(super) element_strides: &'s [u32; TENSOR_MAP_MAX_RANK],
+    pub(super) interleave: Interleave,
+    pub(super) swizzle: Swizzle,
+    pub(super) l2_promotion: L2Promotion,
+    pub(super) oob_fill: OobFill,
+    pub(super) extent: u64,
+}
+
+impl Tiled<'_> {
+    /// `cuTensorMapEncodeTiled` at `base` (checked by the caller).
+    #[inline(always)]
+    pub(super) fn encode<'a, T: TensorElement>(
+        &self,
+        ctx: &'a Arc<CudaContext>,
+        base: CUdeviceptr,
+    ) -> Result<TensorMap<'a, T>> {
         // Encoded into a local and moved into the map (measured: fewer instructions
         // than encoding inside the returned value, whose address then escapes).
         let mut raw_map = sys::CUtensorMap { opaque: [0; 16] };
         let raw = &mut raw_map;
-        let encoded = ctx.call_unbound(
+        ctx.call_unbound(
             // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
-                if let Some(i) = &self.im2col {
-                    // SAFETY: as below; the corner arrays hold rank - 2 values
-                    // (checked).
-                    return unsafe {
-                        cu!(
-                            d,
-                            cuTensorMapEncodeIm2col(
-                                raw,
-                                self.data_type.to_driver(),
-                                self.rank,
-                                base as *mut c_void,
-                                self.dims.v.as_ptr(),
-                                self.strides.v.as_ptr(),
-                                i.lower.v.as_ptr(),
-                                i.upper.v.as_ptr(),
-                                i.channels_per_pixel,
-                                i.pixels_per_column,
-                                self.element_strides.as_ptr(),
-                                interleave_raw(self.interleave),
-                                swizzle_raw(self.swizzle),
-                                l2_raw(self.l2_promotion),
-                                oob_raw(self.oob_fill),
-                            )
-                        )
-                    };
-                }
                 // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
-                // holds at least `rank` values (checked when the layout was made);
-                // the caller checked the address and the extent against the
-                // memory, which the map's lifetime keeps alive.
+                // holds five values, the first `rank` of them checked; the caller
+                // checked the address and the extent against the memory, which
+                // the map's lifetime keeps alive.
                 unsafe {
                     cu!(
                         d,
@@ -145,8 +208,8 @@ impl<T: TensorElement> TensorMapLayout<T> {
                             self.data_type.to_driver(),
                             self.rank,
                             base as *mut c_void,
-                            self.dims.v.as_ptr(),
-                            self.strides.v.as_ptr(),
+                            self.dims.as_ptr(),
+                            self.strides.as_ptr(),
                             self.box_dims.as_ptr(),
                             self.element_strides.as_ptr(),
                             interleave_raw(self.interleave),
@@ -157,8 +220,7 @@ impl<T: TensorElement> TensorMapLayout<T> {
                     )
                 }
             },
-        );
-        encoded?;
+        )?;
         Ok(TensorMap {
             raw: raw_map,
             base,

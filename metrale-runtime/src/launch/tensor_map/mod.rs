@@ -90,19 +90,21 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
         TensorMapBuilder {
             ctx: mem.memory_context(),
-            base: mem.device_ptr(),
-            bytes,
-            data_type: T::DATA_TYPE,
-            dims: None,
-            strides: None,
-            box_dims: None,
-            element_strides: None,
-            interleave: Interleave::None,
-            swizzle: Swizzle::None,
-            l2_promotion: L2Promotion::None,
-            oob_fill: OobFill::Zero,
-            too_long: None,
-            im2col: None,
+            spec: builder::Spec {
+                base: mem.device_ptr(),
+                bytes,
+                data_type: T::DATA_TYPE,
+                dims: None,
+                strides: None,
+                box_dims: None,
+                element_strides: None,
+                interleave: Interleave::None,
+                swizzle: Swizzle::None,
+                l2_promotion: L2Promotion::None,
+                oob_fill: OobFill::Zero,
+                too_long: None,
+                im2col: None,
+            },
             _mem: PhantomData,
         }
     }
@@ -129,11 +131,17 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
     /// # Errors
     /// [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the
     /// rule before the driver; the driver's status otherwise.
-    #[inline]
-    pub fn replace_address<'b, M: DeviceMemory<T>>(self, mem: &'b M) -> Result<TensorMap<'b, T>> {
-        let (raw, base) = self.moved_to(mem)?;
+    #[inline(always)]
+    pub fn replace_address<'b, M: DeviceMemory<T>>(
+        mut self,
+        mem: &'b M,
+    ) -> Result<TensorMap<'b, T>> {
+        let base = self.admit(mem)?;
+        // The driver rewrites this map's own bytes (no copy before the call); the
+        // bytes then move, unchanged, into the map borrowing `mem`.
+        self.replace_raw(base)?;
         Ok(TensorMap {
-            raw,
+            raw: self.raw,
             base,
             extent: self.extent,
             ctx: mem.memory_context(),
@@ -151,45 +159,77 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
     /// As [`replace_address`](TensorMap::replace_address).
     #[inline]
     pub fn set_address<M: DeviceMemory<T>>(&mut self, mem: &'a M) -> Result<()> {
-        let (raw, base) = self.moved_to(mem)?;
-        self.raw = raw;
+        let base = self.admit(mem)?;
+        if let Err(e) = self.replace_raw(base) {
+            return Err(self.restore(e));
+        }
         self.base = base;
         Ok(())
     }
 
-    /// The map's bytes pointed at `mem`, after the checks; `self` is unchanged.
-    #[inline]
-    fn moved_to<M: DeviceMemory<T>>(&self, mem: &M) -> Result<(sys::CUtensorMap, CUdeviceptr)> {
+    /// The checks that depend on the new memory, and only those (every other
+    /// field was checked when the map was made and is unchanged): the same
+    /// context, the address aligned as the map needs, and the extent within the
+    /// memory. Returns its address.
+    #[inline(always)]
+    fn admit<M: DeviceMemory<T>>(&self, mem: &M) -> Result<CUdeviceptr> {
         let ctx = mem.memory_context();
         if !Arc::ptr_eq(ctx, self.ctx) {
-            return Err(refuse(format_args!(
-                "a map of device {}: replace_address with memory of device {}",
-                self.ctx.ordinal(),
-                ctx.ordinal()
-            )));
+            return Err(self.other_device(ctx));
         }
         let base = mem.device_ptr();
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
         check_address(base, self.interleave)?;
         if self.extent > bytes {
-            return Err(refuse(format_args!(
-                "the map reaches {} bytes, beyond the {bytes} bytes of the memory",
-                self.extent
-            )));
+            return Err(self.too_small(bytes));
         }
-        let mut raw = self.raw;
-        ctx.call_unbound(
+        Ok(base)
+    }
+
+    /// `cuTensorMapReplaceAddress` on the map's own bytes.
+    #[inline(always)]
+    fn replace_raw(&mut self, base: CUdeviceptr) -> Result<()> {
+        let raw = &mut self.raw;
+        self.ctx.call_unbound(
             // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
-                // SAFETY: `raw` is a copy of a map the driver encoded, in a local
-                // of the 128-byte aligned CUtensorMap type; the new address was
-                // checked above against the map's alignment and extent, and the
-                // caller ties that memory's borrow to the map it builds.
-                unsafe { cu!(d, cuTensorMapReplaceAddress(&mut raw, base as *mut c_void)) }
+                // SAFETY: `raw` is a map the driver encoded, in the 128-byte aligned
+                // CUtensorMap field; the new address was checked (`admit`) against
+                // the map's alignment and extent, and the caller ties that memory's
+                // borrow to the map.
+                unsafe { cu!(d, cuTensorMapReplaceAddress(raw, base as *mut c_void)) }
             },
-        )?;
-        Ok((raw, base))
+        )
+    }
+
+    /// After a failed replace in place: point the bytes back at the address the
+    /// map had (which passed the same checks when it was set), so the map is
+    /// unchanged whatever the driver left in them; `e` is the error returned.
+    #[cold]
+    #[inline(never)]
+    fn restore(&mut self, e: MetraleError) -> MetraleError {
+        let _ = self.replace_raw(self.base);
+        e
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn other_device(&self, ctx: &Arc<CudaContext>) -> MetraleError {
+        refuse(format_args!(
+            "a map of device {}: replace_address with memory of device {}",
+            self.ctx.ordinal(),
+            ctx.ordinal()
+        ))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn too_small(&self, bytes: u64) -> MetraleError {
+        refuse(format_args!(
+            "the map reaches {} bytes, beyond the {bytes} bytes of the memory",
+            self.extent
+        ))
     }
 }
 

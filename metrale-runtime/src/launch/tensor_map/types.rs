@@ -192,15 +192,26 @@ pub(super) struct Dims<V: Copy> {
 }
 
 impl<V: Copy + Default> Dims<V> {
-    #[inline]
+    /// Up to five values; `None` for more. Each length is its own fixed copy
+    /// (no call to copy a few words).
+    #[inline(always)]
     pub(super) fn new(values: &[V]) -> Option<Dims<V>> {
-        let mut v = [V::default(); TENSOR_MAP_MAX_RANK];
-        v.get_mut(..values.len())?.copy_from_slice(values);
+        let z = V::default();
+        let v = match *values {
+            [] => [z; TENSOR_MAP_MAX_RANK],
+            [a] => [a, z, z, z, z],
+            [a, b] => [a, b, z, z, z],
+            [a, b, c] => [a, b, c, z, z],
+            [a, b, c, d] => [a, b, c, d, z],
+            [a, b, c, d, e] => [a, b, c, d, e],
+            _ => return None,
+        };
         Some(Dims {
             len: values.len() as u8,
             v,
         })
     }
+
     #[inline]
     pub(super) fn len(&self) -> usize {
         usize::from(self.len)
