@@ -120,8 +120,8 @@ pub use graph::{
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
-    Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, OobFill,
-    Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TensorMapLayout,
+    Im2colWideMode, Interleave, KernelArg, KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig,
+    OobFill, Swizzle, TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TensorMapLayout,
     TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{

@@ -34,8 +34,8 @@ mod tensor_map;
 
 pub use args::{KernelArg, KernelArgs};
 pub use tensor_map::{
-    Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
-    TensorMapBuilder, TensorMapLayout, TENSOR_MAP_MAX_RANK,
+    Im2colWideMode, Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement,
+    TensorMap, TensorMapBuilder, TensorMapLayout, TENSOR_MAP_MAX_RANK,
 };
 
 /// Dynamic shared memory a kernel may use without opting in (48 KiB).

@@ -9,11 +9,12 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
 use super::builder::Im2col;
+use super::rules::address_align;
 use super::types::{
-    interleave_raw, l2_raw, oob_raw, swizzle_raw, Dims, Interleave, L2Promotion, OobFill, Swizzle,
-    TensorDataType, TensorElement, TENSOR_MAP_MAX_RANK,
+    interleave_raw, l2_raw, oob_raw, swizzle_raw, wide_raw, Dims, Interleave, L2Promotion, OobFill,
+    Swizzle, TensorDataType, TensorElement, TENSOR_MAP_MAX_RANK,
 };
-use super::{check_address, refuse, TensorMap};
+use super::{check_address, check_features, refuse, TensorMap};
 use crate::context::CudaContext;
 use crate::error::{cu, MetraleError, Result};
 use crate::memory::DeviceMemory;
@@ -39,6 +40,9 @@ pub struct TensorMapLayout<T: TensorElement> {
     pub(super) im2col: Option<Im2col>,
     /// Bytes from the first element to one past the last the map reaches.
     pub(super) extent: u64,
+    /// Whether it needs compute capability 10.0 and CUDA 12.8 (a packed type,
+    /// an atom swizzle, a wide im2col map): checked against each memory's device.
+    pub(super) sm100: bool,
     pub(super) _t: PhantomData<fn() -> T>,
 }
 
@@ -75,9 +79,23 @@ impl<T: TensorElement> TensorMapLayout<T> {
     pub fn encode<'a, M: DeviceMemory<T>>(&self, mem: &'a M) -> Result<TensorMap<'a, T>> {
         let base = mem.device_ptr();
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        check_address(base, self.interleave)?;
+        check_address(
+            base,
+            address_align(self.interleave, self.data_type),
+            self.interleave,
+            self.data_type,
+        )?;
         if self.extent > bytes {
             return Err(self.too_small(bytes));
+        }
+        if self.sm100 {
+            check_features(
+                mem.memory_context(),
+                self.data_type,
+                self.swizzle,
+                self.im2col.is_some_and(|i| i.wide.is_some()),
+                base,
+            )?;
         }
         self.encode_at(mem.memory_context(), base)
     }
@@ -121,6 +139,33 @@ impl<T: TensorElement> TensorMapLayout<T> {
             // Encoding is host work on the caller's arrays: no context is bound.
             || format!("tensor map at {base:#x}"),
             |d| {
+                if let (Some(mode), [lower], [upper]) = (i.wide, i.lower.get(), i.upper.get()) {
+                    // SAFETY: as for the im2col call below; a wide map takes one
+                    // width offset per corner, passed by value (checked).
+                    return unsafe {
+                        cu!(
+                            d,
+                            cuTensorMapEncodeIm2colWide(
+                                raw,
+                                self.data_type.to_driver(),
+                                self.rank,
+                                base as *mut c_void,
+                                self.dims.v.as_ptr(),
+                                self.strides.v.as_ptr(),
+                                *lower,
+                                *upper,
+                                i.channels_per_pixel,
+                                i.pixels_per_column,
+                                self.element_strides.as_ptr(),
+                                interleave_raw(self.interleave),
+                                wide_raw(mode),
+                                swizzle_raw(self.swizzle),
+                                l2_raw(self.l2_promotion),
+                                oob_raw(self.oob_fill),
+                            )
+                        )
+                    };
+                }
                 // SAFETY: `raw` is a writable, 128-aligned CUtensorMap; each array
                 // holds at least `rank` values and the corner arrays rank - 2
                 // (checked when the layout was made); the caller checked the

@@ -1,6 +1,7 @@
 //! Tensor maps for the Tensor Memory Accelerator (compute capability 9.0+):
 //! [`TensorMap`], a 128-byte descriptor that `cp.async.bulk.tensor` reads, encoded
-//! by `cuTensorMapEncodeTiled` (or `cuTensorMapEncodeIm2col`) from a
+//! by `cuTensorMapEncodeTiled` (or `cuTensorMapEncodeIm2col`,
+//! `cuTensorMapEncodeIm2colWide`) from a
 //! [`TensorMapBuilder`] over metrale device memory.
 //!
 //! Invariants:
@@ -15,10 +16,18 @@
 //!   with the 32-byte swizzle, NaN fill only for floating-point types; for im2col
 //!   maps also rank 3..=5, pixel-box corners within the range the rank allows,
 //!   channels per pixel 1..=256 (a multiple of 16 bytes without interleave,
-//!   within the swizzle span) and pixels per column 1..=1024. (The packed
-//!   sub-byte types and the 128-byte atom swizzles, with rules of their own, are
-//!   not offered.) A [`TensorMapLayout`] is checked by the same code as a map
-//!   built directly.
+//!   within the swizzle span) and pixels per column 1..=1024; for the packed
+//!   sub-byte types (sizes count values) a 32-byte aligned address and strides,
+//!   size 0 a multiple of 128 and a box (or pixel) row of 128 values for the
+//!   16-byte groups, size 0 even for `16U4_ALIGN8B`, the swizzles each allows, no
+//!   interleave for `16U6_ALIGN16B`, no NaN fill; for wide im2col maps one width
+//!   offset per corner in -32768..=32767, the 64-byte, 128-byte and 128-byte
+//!   atom-32 swizzles only, pixels not read in mode `W128`. The packed types, the
+//!   128-byte atom swizzles and wide im2col maps need compute capability 10.0
+//!   and a CUDA 12.8 driver: refused with
+//!   [`ErrorKind::FeatureUnavailable`](crate::ErrorKind::FeatureUnavailable)
+//!   before the driver elsewhere (a layout against each memory's device). A
+//!   [`TensorMapLayout`] is checked by the same code as a map built directly.
 //! - A map never describes memory outside the buffer it was made from: the last
 //!   byte the sizes and strides reach lies inside the memory's extent. The map
 //!   borrows that memory (`'a`), so safe code cannot free it while the map lives;
@@ -29,6 +38,7 @@
 
 mod builder;
 mod layout;
+mod quick;
 mod rules;
 mod types;
 
@@ -42,11 +52,12 @@ use metrale_cuda_sys::{self as sys, CUdeviceptr};
 pub use builder::TensorMapBuilder;
 pub use layout::TensorMapLayout;
 pub use types::{
-    Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TENSOR_MAP_MAX_RANK,
+    Im2colWideMode, Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement,
+    TENSOR_MAP_MAX_RANK,
 };
 
 use crate::context::CudaContext;
-use crate::error::{cu, invalid_arg, MetraleError, Result};
+use crate::error::{cu, invalid_arg, ErrorKind, MetraleError, Result};
 use crate::memory::DeviceMemory;
 
 /// A tensor map: the driver's 128-byte `CUtensorMap` describing tiles of device
@@ -114,6 +125,16 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         &self.raw
     }
 
+    /// The driver's 128 bytes, as bytes (what a kernel parameter or a buffer of
+    /// maps holds).
+    pub fn as_bytes(&self) -> &[u8; 128] {
+        const _: () = assert!(std::mem::size_of::<sys::CUtensorMap>() == 128);
+        // SAFETY: `CUtensorMap` is 16 `u64`s, exactly 128 initialised bytes with
+        // no padding (asserted above); `[u8; 128]` has alignment 1, and the
+        // borrow is tied to `self`.
+        unsafe { &*std::ptr::from_ref(&self.raw).cast::<[u8; 128]>() }
+    }
+
     /// The global address the map points at.
     pub fn address(&self) -> CUdeviceptr {
         self.base
@@ -179,7 +200,12 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         }
         let base = mem.device_ptr();
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        check_address(base, self.interleave)?;
+        check_address(
+            base,
+            rules::address_align(self.interleave, self.data_type),
+            self.interleave,
+            self.data_type,
+        )?;
         if self.extent > bytes {
             return Err(self.too_small(bytes));
         }
@@ -250,22 +276,84 @@ pub(super) fn refuse(text: fmt::Arguments<'_>) -> MetraleError {
     invalid_arg(format!("tensor map: {text}"))
 }
 
-#[inline]
-pub(super) fn check_address(base: CUdeviceptr, interleave: Interleave) -> Result<()> {
-    let align = if interleave == Interleave::B32 {
-        32
-    } else {
-        16
-    };
+/// The global address aligned to `align` bytes (16, or 32: the reason from the
+/// interleave or the data type).
+#[inline(always)]
+pub(super) fn check_address(
+    base: CUdeviceptr,
+    align: u64,
+    interleave: Interleave,
+    ty: TensorDataType,
+) -> Result<()> {
     if !base.is_multiple_of(align) {
-        return Err(refuse(format_args!(
-            "the global address must be aligned to {align} bytes{}: {base:#x} is not",
-            if align == 32 {
-                " (32-byte interleave)"
-            } else {
-                ""
-            }
-        )));
+        return Err(misaligned(base, align, interleave, ty));
     }
     Ok(())
+}
+
+#[cold]
+#[inline(never)]
+fn misaligned(
+    base: CUdeviceptr,
+    align: u64,
+    interleave: Interleave,
+    ty: TensorDataType,
+) -> MetraleError {
+    refuse(format_args!(
+        "the global address must be aligned to {align} bytes{}: {base:#x} is not",
+        rules::align_reason(align, interleave, ty)
+    ))
+}
+
+/// The device and driver have what a map of `spec` needs beyond compute
+/// capability 9.0 (called only when it needs some: a packed type, an atom
+/// swizzle, a wide im2col map): compute capability 10.0 and CUDA 12.8.
+#[cold]
+#[inline(never)]
+fn check_sm100(ctx: &CudaContext, spec: &builder::Spec, base: CUdeviceptr) -> Result<()> {
+    check_features(
+        ctx,
+        spec.data_type,
+        spec.swizzle,
+        spec.im2col.is_some_and(|i| i.wide.is_some()),
+        base,
+    )
+}
+
+/// As [`check_sm100`], from the parts a layout keeps.
+#[cold]
+#[inline(never)]
+fn check_features(
+    ctx: &CudaContext,
+    data_type: TensorDataType,
+    swizzle: Swizzle,
+    wide: bool,
+    base: CUdeviceptr,
+) -> Result<()> {
+    const NEEDS: (u32, u32) = (10, 0);
+    const NEEDS_DRIVER: i32 = 12080;
+    let has = ctx.limits().compute_capability;
+    let driver = ctx.driver_version();
+    if has >= NEEDS && driver >= NEEDS_DRIVER {
+        return Ok(());
+    }
+    let feature = if data_type.is_packed() {
+        format!("data type {}", data_type.driver_name())
+    } else if swizzle.is_atom() {
+        format!("swizzle {swizzle:?}")
+    } else if wide {
+        "a wide im2col map".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(ErrorKind::FeatureUnavailable {
+        subject: format!("tensor map at {base:#x}"),
+        feature,
+        device: ctx.ordinal(),
+        needs: NEEDS,
+        has,
+        needs_driver: NEEDS_DRIVER,
+        driver,
+    }
+    .into())
 }

@@ -5,8 +5,8 @@
 use std::fmt;
 
 use metrale_cuda_sys::{
-    CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave, CUtensorMapL2promotion,
-    CUtensorMapSwizzle,
+    CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapIm2ColWideMode, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle,
 };
 
 use crate::memory::DeviceRepr;
@@ -44,13 +44,29 @@ pub enum TensorDataType {
     Tf32,
     /// TensorFloat-32, denormals flushed to zero.
     Tf32Ftz,
+    /// `16U4_ALIGN8B`: groups of sixteen 4-bit values packed in 8 bytes, no gaps
+    /// (compute capability 10.0+, CUDA 12.8+). Over `u8` memory; sizes count
+    /// values.
+    U4x16Align8,
+    /// `16U4_ALIGN16B`: groups of sixteen 4-bit values, 8 bytes of values then an
+    /// 8-byte gap (compute capability 10.0+, CUDA 12.8+; loads only). Over `u8`
+    /// memory; sizes count values.
+    U4x16Align16,
+    /// `16U6_ALIGN16B`: groups of sixteen 6-bit values, 12 bytes of values then
+    /// a 4-byte gap (compute capability 10.0+, CUDA 12.8+). Over `u8` memory;
+    /// sizes count values.
+    U6x16Align16,
 }
 
 impl TensorDataType {
-    /// Bytes of one element.
+    /// Bytes of one element; for the packed types, of the memory's element they
+    /// are read over (`u8`: 1).
     pub const fn size(self) -> usize {
         match self {
-            TensorDataType::U8 => 1,
+            TensorDataType::U8
+            | TensorDataType::U4x16Align8
+            | TensorDataType::U4x16Align16
+            | TensorDataType::U6x16Align16 => 1,
             TensorDataType::U16 | TensorDataType::F16 | TensorDataType::Bf16 => 2,
             TensorDataType::U32
             | TensorDataType::I32
@@ -60,6 +76,36 @@ impl TensorDataType {
             | TensorDataType::Tf32Ftz => 4,
             TensorDataType::U64 | TensorDataType::I64 | TensorDataType::F64 => 8,
         }
+    }
+
+    /// Bits of memory one value takes, gaps included: 4 for `U4x16Align8`, 8 for
+    /// `U4x16Align16` and `U6x16Align16` (sixteen values in 16 bytes), else eight
+    /// times [`size`](TensorDataType::size).
+    pub const fn bits(self) -> u64 {
+        match self {
+            TensorDataType::U4x16Align8 => 4,
+            _ => 8 * self.size() as u64,
+        }
+    }
+
+    /// Whether it is one of the packed sub-byte types (compute capability 10.0+).
+    pub const fn is_packed(self) -> bool {
+        matches!(
+            self,
+            TensorDataType::U4x16Align8
+                | TensorDataType::U4x16Align16
+                | TensorDataType::U6x16Align16
+        )
+    }
+
+    /// Whether it is a packed type of 16-byte groups (`U4x16Align16`,
+    /// `U6x16Align16`), with rules of their own: a 32-byte aligned address and
+    /// strides, sizes 0 a multiple of 128, a box (or pixel) row of 128 values.
+    pub const fn is_packed_16(self) -> bool {
+        matches!(
+            self,
+            TensorDataType::U4x16Align16 | TensorDataType::U6x16Align16
+        )
     }
 
     /// Whether it is a floating-point type (NaN fill is allowed).
@@ -72,7 +118,20 @@ impl TensorDataType {
                 | TensorDataType::I32
                 | TensorDataType::U64
                 | TensorDataType::I64
+                | TensorDataType::U4x16Align8
+                | TensorDataType::U4x16Align16
+                | TensorDataType::U6x16Align16
         )
+    }
+
+    /// The driver's name for it, as refusals say it.
+    pub(super) const fn driver_name(self) -> &'static str {
+        match self {
+            TensorDataType::U4x16Align8 => "16U4_ALIGN8B",
+            TensorDataType::U4x16Align16 => "16U4_ALIGN16B",
+            TensorDataType::U6x16Align16 => "16U6_ALIGN16B",
+            _ => "",
+        }
     }
 
     /// The driver's value.
@@ -91,6 +150,9 @@ impl TensorDataType {
             TensorDataType::F32Ftz => 10,
             TensorDataType::Tf32 => 11,
             TensorDataType::Tf32Ftz => 12,
+            TensorDataType::U4x16Align8 => 13,
+            TensorDataType::U4x16Align16 => 14,
+            TensorDataType::U6x16Align16 => 15,
         })
     }
 }
@@ -144,6 +206,15 @@ pub enum Swizzle {
     B64,
     /// 128-byte span.
     B128,
+    /// `128B_ATOM_32B`: 32-byte chunks within a 128-byte span (compute
+    /// capability 10.0+, CUDA 12.8+).
+    B128Atom32,
+    /// `128B_ATOM_32B_FLIP_8B`: as `B128Atom32`, the two 8-byte halves of each
+    /// 16 bytes exchanged on alternate rows (compute capability 10.0+, CUDA 12.8+).
+    B128Atom32Flip8,
+    /// `128B_ATOM_64B`: 64-byte chunks within a 128-byte span (compute
+    /// capability 10.0+, CUDA 12.8+).
+    B128Atom64,
 }
 
 impl Swizzle {
@@ -153,9 +224,32 @@ impl Swizzle {
             Swizzle::None => None,
             Swizzle::B32 => Some(32),
             Swizzle::B64 => Some(64),
-            Swizzle::B128 => Some(128),
+            Swizzle::B128
+            | Swizzle::B128Atom32
+            | Swizzle::B128Atom32Flip8
+            | Swizzle::B128Atom64 => Some(128),
         }
     }
+
+    /// Whether it is one of the 128-byte atom swizzles (compute capability 10.0+).
+    pub const fn is_atom(self) -> bool {
+        matches!(
+            self,
+            Swizzle::B128Atom32 | Swizzle::B128Atom32Flip8 | Swizzle::B128Atom64
+        )
+    }
+}
+
+/// How a wide im2col map ([`TensorMapBuilder::im2col_wide`](super::TensorMapBuilder::im2col_wide))
+/// loads along W.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Im2colWideMode {
+    /// `W`: pixels per column says how many elements a load reads along W.
+    #[default]
+    W,
+    /// `W128`: 128 elements along W (pixels per column is ignored).
+    W128,
 }
 
 /// How much of L2 a TMA load may promote into.
@@ -244,6 +338,9 @@ pub(super) fn swizzle_raw(s: Swizzle) -> CUtensorMapSwizzle {
         Swizzle::B32 => 1,
         Swizzle::B64 => 2,
         Swizzle::B128 => 3,
+        Swizzle::B128Atom32 => 4,
+        Swizzle::B128Atom32Flip8 => 5,
+        Swizzle::B128Atom64 => 6,
     })
 }
 
@@ -253,6 +350,13 @@ pub(super) fn l2_raw(l: L2Promotion) -> CUtensorMapL2promotion {
         L2Promotion::B64 => 1,
         L2Promotion::B128 => 2,
         L2Promotion::B256 => 3,
+    })
+}
+
+pub(super) fn wide_raw(m: Im2colWideMode) -> CUtensorMapIm2ColWideMode {
+    CUtensorMapIm2ColWideMode(match m {
+        Im2colWideMode::W => 0,
+        Im2colWideMode::W128 => 1,
     })
 }
 
