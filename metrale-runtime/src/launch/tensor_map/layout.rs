@@ -202,6 +202,7 @@ impl<T: TensorElement> TensorMapLayout<T> {
             ctx,
             data_type: self.data_type,
             interleave: self.interleave,
+            align: address_align(self.interleave, self.data_type) as u8,
             _mem: PhantomData,
         })
     }
@@ -273,6 +274,7 @@ impl Tiled<'_> {
             ctx,
             data_type: self.data_type,
             interleave: self.interleave,
+            align: address_align(self.interleave, self.data_type) as u8,
             _mem: PhantomData,
         })
     }

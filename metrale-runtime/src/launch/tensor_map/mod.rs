@@ -79,6 +79,9 @@ pub struct TensorMap<'a, T: TensorElement> {
     pub(super) ctx: &'a Arc<CudaContext>,
     pub(super) data_type: TensorDataType,
     pub(super) interleave: Interleave,
+    /// The address alignment the map needs (16 or 32 bytes), kept so a new
+    /// address is checked without deriving it again.
+    pub(super) align: u8,
     pub(super) _mem: PhantomData<&'a T>,
 }
 
@@ -168,6 +171,7 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
             ctx: mem.memory_context(),
             data_type: self.data_type,
             interleave: self.interleave,
+            align: self.align,
             _mem: PhantomData,
         })
     }
@@ -200,12 +204,7 @@ impl<'a, T: TensorElement> TensorMap<'a, T> {
         }
         let base = mem.device_ptr();
         let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
-        check_address(
-            base,
-            rules::address_align(self.interleave, self.data_type),
-            self.interleave,
-            self.data_type,
-        )?;
+        check_address(base, u64::from(self.align), self.interleave, self.data_type)?;
         if self.extent > bytes {
             return Err(self.too_small(bytes));
         }
@@ -276,8 +275,8 @@ pub(super) fn refuse(text: fmt::Arguments<'_>) -> MetraleError {
     invalid_arg(format!("tensor map: {text}"))
 }
 
-/// The global address aligned to `align` bytes (16, or 32: the reason from the
-/// interleave or the data type).
+/// The global address aligned to `align` bytes (a power of two: 16, or 32 with
+/// the reason from the interleave or the data type).
 #[inline(always)]
 pub(super) fn check_address(
     base: CUdeviceptr,
@@ -285,7 +284,8 @@ pub(super) fn check_address(
     interleave: Interleave,
     ty: TensorDataType,
 ) -> Result<()> {
-    if !base.is_multiple_of(align) {
+    // `align` is 16 or 32: a mask, not a division.
+    if base & align.wrapping_sub(1) != 0 {
         return Err(misaligned(base, align, interleave, ty));
     }
     Ok(())
