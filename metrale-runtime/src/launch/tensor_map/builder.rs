@@ -249,7 +249,8 @@ impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {
         .encode()
     }
 
-    /// Another data type of the same element size (`Tf32` over `f32` memory).
+    /// Another data type of the same element size (`Tf32` over `f32` memory), or a
+    /// packed sub-byte type over `u8` memory (sizes then count values).
     #[inline]
     pub fn data_type(mut self, data_type: TensorDataType) -> Self {
         self.spec.data_type = data_type;

@@ -21,7 +21,7 @@ use crate::memory::DeviceMemory;
 
 /// The layout of a tensor map (sizes, strides, box, element strides, data type,
 /// interleave, swizzle, L2 promotion, fill, im2col corners), checked against
-/// every documented rule once by [`TensorMapBuilder::layout`], then encoded over
+/// every documented rule once by [`TensorMapBuilder::layout`](super::TensorMapBuilder::layout), then encoded over
 /// any memory it fits by [`TensorMapLayout::encode`]: one map per buffer of the
 /// same shape (per layer, per batch slot) pays only the checks that depend on the
 /// memory (its device's context, the address alignment and the extent).
