@@ -542,6 +542,33 @@ pub enum ErrorKind {
         attribute: &'static str,
     },
 
+    /// A feature the device or the loaded driver is too old for (the packed
+    /// sub-byte tensor-map types, the 128-byte atom swizzles and wide im2col maps
+    /// need compute capability 10.0 and a CUDA 12.8 driver), refused before the
+    /// driver is asked.
+    #[error(
+        "{subject}: {feature} needs compute capability {}.{} and a CUDA {}.{} driver: \
+         device {device} has compute capability {}.{}, the driver is CUDA {}.{}",
+        needs.0, needs.1, needs_driver / 1000, needs_driver % 1000 / 10,
+        has.0, has.1, driver / 1000, driver % 1000 / 10
+    )]
+    FeatureUnavailable {
+        /// What was being made (`tensor map at 0x...`).
+        subject: String,
+        /// The feature (`data type 16U4_ALIGN8B`).
+        feature: String,
+        /// The device.
+        device: usize,
+        /// The compute capability the feature needs.
+        needs: (u32, u32),
+        /// The device's.
+        has: (u32, u32),
+        /// The driver version it needs (`cuDriverGetVersion`'s form: 12080).
+        needs_driver: i32,
+        /// The loaded driver's.
+        driver: i32,
+    },
+
     // nvrtc feature
     /// Run-time compilation or linking failed (NVRTC, nvJitLink, the compile
     /// cache); the data is the `nvrtc` room's.

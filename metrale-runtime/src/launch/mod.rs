@@ -1,7 +1,7 @@
 //! Launching kernels: [`LaunchConfig`] and its checks, [`LaunchAttributes`] for
 //! `cuLaunchKernelEx`, typed arguments ([`KernelArgs`], in `args.rs`), argument
 //! lists built at run time ([`KernelArgList`], in `arg_list.rs`), tensor maps
-//! ([`TensorMap`], in `tensor_map.rs`), and the one
+//! ([`TensorMap`], in `tensor_map/`), and the one
 //! launch path every launch of the crate goes through (plain or extended, typed or
 //! raw, from a stream, the registry or a graph update).
 //!
@@ -38,8 +38,8 @@ mod tensor_map;
 pub use arg_list::{KernelArgList, MAX_ARG_ALIGN};
 pub use args::{ArgLayout, KernelArg, KernelArgs, NullPtr};
 pub use tensor_map::{
-    Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
-    TensorMapBuilder, TensorMapLayout, TENSOR_MAP_MAX_RANK,
+    Im2colWideMode, Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement,
+    TensorMap, TensorMapBuilder, TensorMapLayout, TENSOR_MAP_MAX_RANK,
 };
 
 /// Dynamic shared memory a kernel may use without opting in (48 KiB).
