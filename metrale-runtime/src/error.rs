@@ -421,24 +421,6 @@ pub enum ErrorKind {
         given: usize,
     },
 
-    /// An argument whose alignment the kernel's parameter does not have: the
-    /// parameter's offset is not a multiple of it, so the kernel takes another
-    /// type there (checked before the driver, against `cuFuncGetParamInfo`).
-    #[error(
-        "kernel '{kernel}': launch not attempted, argument {index} is aligned to {align} bytes, \
-         the kernel's parameter {index} is at offset {offset} (not a multiple of {align})"
-    )]
-    ArgumentMisaligned {
-        /// `module::kernel`.
-        kernel: String,
-        /// The parameter index.
-        index: usize,
-        /// The argument's alignment in bytes.
-        align: usize,
-        /// The parameter's offset in the kernel's parameter buffer.
-        offset: usize,
-    },
-
     /// A handle of one device (or context) used with another's.
     #[error("{}", wrong_device_text(what, *belongs_to, used_with, *used_device))]
     WrongDevice {
