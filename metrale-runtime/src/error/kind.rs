@@ -6,6 +6,7 @@ use std::fmt;
 
 use metrale_cuda_sys::{self as sys, CUresult};
 
+use super::library::LibraryError;
 use super::text::{cuda_error_text, version_suffix};
 
 /// What a name lookup was looking for.
@@ -310,19 +311,11 @@ pub enum ErrorKind {
         attribute: &'static str,
     },
 
-    // nvrtc feature
-    /// Run-time compilation or linking failed (NVRTC, nvJitLink, the compile
-    /// cache); the data is the `nvrtc` room's.
-    #[cfg(feature = "nvrtc")]
+    /// A companion library (NCCL, NVRTC, nvJitLink) failed, or refused before it
+    /// was called; the data is the library room's, in one shape
+    /// ([`LibraryError`]).
     #[error(transparent)]
-    Nvrtc(Box<crate::nvrtc::NvrtcError>),
-
-    // nccl feature
-    /// A communicator, a collective or NCCL itself failed, or a collective was
-    /// refused before NCCL; the data is the `nccl` room's.
-    #[cfg(feature = "nccl")]
-    #[error(transparent)]
-    Nccl(Box<crate::nccl::NcclError>),
+    Library(LibraryError),
 }
 
 impl fmt::Debug for ErrorKind {

@@ -13,6 +13,14 @@
 //!   that refused the input), the status name and number with the driver's
 //!   description, and the device, module, kernel, symbol or copy involved.
 //! - `{:?}` of an error is its message, so `fn main() -> Result<()>` prints words.
+//!
+//! Companion libraries (NCCL, NVRTC, nvJitLink, next cuBLAS) fill one shape,
+//! [`LibraryFailure`], carried as [`ErrorKind::Library`]; this room names none of
+//! them (`library.rs`).
+//!
+//! Files: `mod.rs` [`MetraleError`]; `kind.rs` [`ErrorKind`] and its words;
+//! `call.rs` [`CallError`] and `cu!`; `library.rs` the library shape; `text.rs`
+//! [`cuda_error_text`] and [`is_teardown_noop`].
 
 use std::fmt;
 
@@ -20,12 +28,14 @@ use metrale_cuda_sys::{self as sys, CUresult};
 
 mod call;
 mod kind;
+mod library;
 mod text;
 
 pub(crate) use call::cu;
 pub use call::CallError;
 pub(crate) use call::{invalid_arg, report_drop_failures, report_line};
 pub use kind::{ErrorKind, LaunchFailure, LaunchShape, NameKind};
+pub use library::{LibraryError, LibraryFailure};
 pub use text::{
     cuda_error_text, is_teardown_noop, CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED,
     CUDA_ERROR_INVALID_CONTEXT,
