@@ -1,5 +1,5 @@
 //! The one shape every companion library's error fills: [`LibraryFailure`], carried
-//! as a [`LibraryError`] in [`ErrorKind::Library`].
+//! as a [`LibraryError`] in [`ErrorKind::Library`](super::ErrorKind::Library).
 //!
 //! NCCL, NVRTC and nvJitLink (and next cuBLAS) each keep their own error type in
 //! their own room, with the data a caller of that library matches on. That type
@@ -16,8 +16,6 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use super::{ErrorKind, MetraleError};
-
 /// What a companion library's error gives: implemented by each library room's own
 /// error type (`NcclError`, `NvrtcError`, ...).
 ///
@@ -27,7 +25,8 @@ use super::{ErrorKind, MetraleError};
 /// library was called has no status.
 ///
 /// A library room fills it for its own error type, turns that into a
-/// [`MetraleError`] in one function, and gives its typed view back by downcast:
+/// [`MetraleError`](super::MetraleError) in one function, and gives its typed
+/// view back by downcast:
 ///
 /// ```
 /// use std::borrow::Cow;
@@ -89,8 +88,9 @@ pub trait LibraryFailure: fmt::Display + Send + Sync + Any {
     }
 }
 
-/// A companion library's failure, as [`ErrorKind::Library`] carries it: one
-/// pointer to the library room's own error.
+/// A companion library's failure, as
+/// [`ErrorKind::Library`](super::ErrorKind::Library) carries it: one pointer to
+/// the library room's own error.
 #[derive(Clone)]
 pub struct LibraryError(Arc<dyn LibraryFailure>);
 
@@ -150,28 +150,10 @@ impl fmt::Display for LibraryError {
 }
 
 impl fmt::Debug for LibraryError {
-    /// The message itself, like [`MetraleError`]'s.
+    /// The message itself, like [`MetraleError`](super::MetraleError)'s.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&*self.0, f)
     }
 }
 
 impl std::error::Error for LibraryError {}
-
-impl From<LibraryError> for MetraleError {
-    #[cold]
-    fn from(e: LibraryError) -> Self {
-        ErrorKind::Library(e).into()
-    }
-}
-
-impl MetraleError {
-    /// This error's companion-library data (NCCL, NVRTC, nvJitLink), when a
-    /// library call failed or was refused.
-    pub fn as_library(&self) -> Option<&LibraryError> {
-        match self.kind() {
-            ErrorKind::Library(e) => Some(e),
-            _ => None,
-        }
-    }
-}

@@ -214,3 +214,21 @@ impl MetraleError {
         }
     }
 }
+
+impl From<LibraryError> for MetraleError {
+    #[cold]
+    fn from(e: LibraryError) -> Self {
+        ErrorKind::Library(e).into()
+    }
+}
+
+impl MetraleError {
+    /// This error's companion-library data (NCCL, NVRTC, nvJitLink), when a
+    /// library call failed or was refused.
+    pub fn as_library(&self) -> Option<&LibraryError> {
+        match self.kind() {
+            ErrorKind::Library(e) => Some(e),
+            _ => None,
+        }
+    }
+}
