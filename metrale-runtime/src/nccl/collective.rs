@@ -12,7 +12,7 @@ use crate::stream::CudaStream;
 use super::agree::Shape;
 use super::comm::Communicator;
 use super::error::{missing, refused};
-use super::group::{in_group, is_listed};
+use super::state::{in_group, is_listed};
 use super::{NcclType, ReduceOp};
 
 /// The device pointer of `mem` as NCCL takes it.

@@ -18,7 +18,7 @@ use super::config::{env_blocking, CommConfig};
 use super::error::{
     self, call_error, into_error, missing, refused, CommInfo, NcclError, NcclStatus,
 };
-use super::group::{in_group, is_listed, DeferredAbort};
+use super::state::{in_group, is_listed, DeferredAbort};
 use super::teardown::{
     abort_bounded, abort_raw, backoff, bound_deadline, bound_deadline_at, on_helper, settle,
     DropJob, Handle, Helped, Settled, ABORT_GRACE,
@@ -85,7 +85,7 @@ pub struct Communicator {
     unsettled: Cell<bool>,
     /// Made inside a group: usable only in that group (its thread) until the
     /// group ends, when NCCL runs the init.
-    group_init: Option<Arc<super::group::GroupInit>>,
+    group_init: Option<Arc<super::state::GroupInit>>,
     /// Shared with the parent or children this communicator shares resources
     /// with (`splitShare`): NCCL forbids using them concurrently, so every NCCL
     /// call on any of them holds it. `None` (no lock taken) otherwise.
@@ -455,7 +455,7 @@ impl Communicator {
             streams: RefCell::new(Vec::new()),
             last_op: Cell::new("no operation"),
             unsettled: Cell::new(false),
-            group_init: in_group().then(super::group::GroupInit::pending),
+            group_init: in_group().then(super::state::GroupInit::pending),
             serial: parts.serial,
             _names: parts.names,
         }
@@ -702,7 +702,7 @@ impl Communicator {
             // This thread's open group still lists it, with work queued that
             // NCCL launches at the group's end: aborting now would free the
             // communicator under it. The outermost group's end runs it.
-            super::group::defer_abort(DeferredAbort {
+            super::state::defer_abort(DeferredAbort {
                 lib: self.lib,
                 raw: self.raw,
                 ctx: Arc::clone(&self.ctx),

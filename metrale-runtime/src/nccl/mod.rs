@@ -94,6 +94,7 @@ mod comm;
 mod config;
 mod error;
 mod group;
+mod state;
 mod teardown;
 
 pub use comm::Communicator;
