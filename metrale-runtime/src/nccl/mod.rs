@@ -94,8 +94,10 @@ mod comm;
 mod config;
 mod error;
 mod group;
+mod init;
 mod state;
 mod teardown;
+mod wait;
 
 pub use comm::Communicator;
 pub use config::CommConfig;
