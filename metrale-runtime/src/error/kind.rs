@@ -71,7 +71,7 @@ pub enum LaunchFailure {
     /// Refused before the driver was called; the reason names the rule.
     Refused(String),
 }
-/// The data of a [`MetraleError`]: which check or call failed, with its status and
+/// The data of a [`MetraleError`](super::MetraleError): which check or call failed, with its status and
 /// subject. Grows with the crate (`#[non_exhaustive]`): match with a `_` arm.
 #[derive(Clone, thiserror::Error)]
 #[non_exhaustive]
@@ -319,7 +319,7 @@ pub enum ErrorKind {
 }
 
 impl fmt::Debug for ErrorKind {
-    /// The message itself, as for [`MetraleError`].
+    /// The message itself, as for [`MetraleError`](super::MetraleError).
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(self, f)
     }

@@ -29,7 +29,7 @@ use super::teardown::{
 ///
 /// `Send`, not `Sync`: NCCL communicators are not thread-safe, so one thread at a
 /// time uses it (move it to the thread that drives its rank). A communicator
-/// split with shared resources ([`CommConfig::split_share`]) and its parent
+/// split with shared resources ([`CommConfig::split_share`](super::CommConfig::split_share)) and its parent
 /// take turns: each NCCL call on either holds a lock they share. Drop finalizes
 /// and destroys it within the config's drop timeout, and aborts it past that,
 /// on a helper thread (NCCL's teardown can wait for the device's queued work):
@@ -201,7 +201,7 @@ impl Communicator {
     }
 
     /// Whether NCCL calls on this communicator block (see
-    /// [`CommConfig::blocking`]).
+    /// [`CommConfig::blocking`](super::CommConfig::blocking)).
     pub fn is_blocking(&self) -> bool {
         self.blocking
     }
@@ -226,7 +226,7 @@ impl Communicator {
     /// Bounded: NCCL's abort can wait for the device's queued work (on any
     /// stream of the device), so it runs on a helper thread, and this returns
     /// when it has finished or at the latest the config's
-    /// [`drop_timeout`](CommConfig::drop_timeout) plus 200 ms after the call;
+    /// [`drop_timeout`](super::CommConfig::drop_timeout) plus 200 ms after the call;
     /// an abort still running then finishes alone (one line on stderr says so).
     /// The communicator counts as aborted from the call on.
     ///
