@@ -112,8 +112,8 @@ pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, D
 pub use device::{enable_peer_access, memory_info, Device, PeerLink};
 pub use error::{
     cuda_error_text, is_teardown_noop, CallError, ErrorKind, LaunchFailure, LaunchShape,
-    MetraleError, NameKind, Result, CUDA_ERROR_CONTEXT_IS_DESTROYED, CUDA_ERROR_DEINITIALIZED,
-    CUDA_ERROR_INVALID_CONTEXT,
+    LibraryError, LibraryFailure, MetraleError, NameKind, Result, CUDA_ERROR_CONTEXT_IS_DESTROYED,
+    CUDA_ERROR_DEINITIALIZED, CUDA_ERROR_INVALID_CONTEXT,
 };
 pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};
 pub use graph::{

@@ -9,9 +9,8 @@
 //! - A launch is refused before the driver is called when the kernel belongs to
 //!   another context than the stream, when the shape breaks the device's limits or
 //!   the attributes' rules, or when typed arguments (a tuple or a run-time list)
-//!   do not match the kernel's parameter layout (the count, each size, and each
-//!   parameter's offset a multiple of its argument's alignment; skipped when the
-//!   driver cannot report the layout).
+//!   do not match the kernel's parameter layout (the count and each size; skipped
+//!   when the driver cannot report the layout).
 //! - The hot path (bind, those checks, the shared-memory check, the launch call)
 //!   allocates nothing and takes no lock; text is made only on failure.
 //! - Dynamic shared memory above what the kernel is set to is opted in once

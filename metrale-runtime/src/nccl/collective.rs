@@ -1,9 +1,14 @@
-//! The collectives on a [`Communicator`], checked before NCCL sees them.
+//! The collectives on a [`Communicator`], checked before NCCL sees them: each
+//! checks its own sizes and ranks, then takes the one checked path
+//! (`Communicator::submit`) to NCCL.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-use metrale_cuda_sys::nccl::{self as raw, cudaStream_t, ncclResult_t};
+use metrale_cuda_sys::nccl::{
+    self as raw, cudaStream_t, ncclComm_t, ncclDataType_t, ncclResult_t, Nccl,
+};
+use metrale_cuda_sys::LibraryMissingSymbol;
 
 use crate::error::Result;
 use crate::memory::{note_use, DeviceMemory, DeviceMemoryMut};
@@ -12,7 +17,7 @@ use crate::stream::CudaStream;
 use super::agree::Shape;
 use super::comm::Communicator;
 use super::error::{missing, refused};
-use super::group::{in_group, is_listed};
+use super::state::{in_group, is_listed};
 use super::{NcclType, ReduceOp};
 
 /// The device pointer of `mem` as NCCL takes it.
@@ -26,7 +31,229 @@ fn nccl_stream(stream: &CudaStream) -> cudaStream_t {
     stream.raw().cast::<raw::CUstream_st>()
 }
 
+/// One NCCL call of this file, with what it takes besides the buffers: every
+/// collective, send and receive goes through [`Communicator::submit`] with one,
+/// which checks it by the rules here.
+#[derive(Clone, Copy)]
+enum Op {
+    AllReduce(ReduceOp),
+    /// From this root.
+    Broadcast(usize),
+    /// To this root.
+    Reduce(ReduceOp, usize),
+    AllGather,
+    ReduceScatter(ReduceOp),
+    /// To this peer.
+    Send(usize),
+    /// From this peer.
+    Recv(usize),
+}
+
+/// What an [`Op`] asks of its buffers' lengths. NCCL's count is the length
+/// the rule measures against (the second buffer named); with one buffer, its
+/// length.
+enum Sizes {
+    /// The receive buffer has at least the send buffer's elements.
+    RecvAtLeastSend,
+    /// The send buffer has at least the receive buffer's elements.
+    SendAtLeastRecv,
+    /// The receive buffer has exactly ranks × the send buffer's elements.
+    RecvRanksTimesSend,
+    /// The send buffer has exactly ranks × the receive buffer's elements.
+    SendRanksTimesRecv,
+    /// One buffer: nothing to compare.
+    One,
+}
+
+impl Op {
+    /// The NCCL function.
+    const fn call(self) -> &'static str {
+        match self {
+            Op::AllReduce(_) => "ncclAllReduce",
+            Op::Broadcast(_) => "ncclBroadcast",
+            Op::Reduce(..) => "ncclReduce",
+            Op::AllGather => "ncclAllGather",
+            Op::ReduceScatter(_) => "ncclReduceScatter",
+            Op::Send(_) => "ncclSend",
+            Op::Recv(_) => "ncclRecv",
+        }
+    }
+
+    /// The root or peer, and what the call names it.
+    #[inline]
+    fn rank(self) -> Option<(&'static str, usize)> {
+        match self {
+            Op::Broadcast(root) | Op::Reduce(_, root) => Some(("root", root)),
+            Op::Send(peer) | Op::Recv(peer) => Some(("peer", peer)),
+            _ => None,
+        }
+    }
+
+    /// The rule for the buffers' lengths.
+    #[inline]
+    fn sizes(self) -> Sizes {
+        match self {
+            Op::AllReduce(_) | Op::Reduce(..) => Sizes::RecvAtLeastSend,
+            Op::Broadcast(_) => Sizes::SendAtLeastRecv,
+            Op::AllGather => Sizes::RecvRanksTimesSend,
+            Op::ReduceScatter(_) => Sizes::SendRanksTimesRecv,
+            Op::Send(_) | Op::Recv(_) => Sizes::One,
+        }
+    }
+
+    /// What the ranks of a collective must agree on (`rank`: its root); `None`
+    /// for a send or receive (paired instead, see [`p2p`](Self::p2p)).
+    #[inline]
+    fn shape<T: NcclType>(self, count: usize, rank: i32) -> Option<Shape> {
+        let (op, root) = match self {
+            Op::AllReduce(op) | Op::ReduceScatter(op) => (Some(op), None),
+            Op::Broadcast(_) => (None, Some(rank)),
+            Op::Reduce(op, _) => (Some(op), Some(rank)),
+            Op::AllGather => (None, None),
+            Op::Send(_) | Op::Recv(_) => return None,
+        };
+        Shape::of::<T>(self.call(), count, op, root)
+    }
+
+    /// The peer of a send (`true`) or receive (`false`).
+    #[inline]
+    fn p2p(self) -> Option<(usize, bool)> {
+        match self {
+            Op::Send(peer) => Some((peer, true)),
+            Op::Recv(peer) => Some((peer, false)),
+            _ => None,
+        }
+    }
+
+    /// Call NCCL: `count` elements of `ty` from `send` into `recv`, `rank` the
+    /// root or peer (a send reads only `send`, a receive writes only `recv`:
+    /// one buffer's op passes its pointer as both).
+    ///
+    /// # Safety
+    /// `comm` is a live communicator of `lib`, and `stream` a stream of its
+    /// device; `rank` is one of its ranks; `send` and `recv` point to device
+    /// memory of that device holding what the call reads and writes (`count`
+    /// elements, ranks × `count` for an all-gather's `recv` and a
+    /// reduce-scatter's `send`), which stays allocated until the work is done.
+    #[allow(clippy::too_many_arguments)]
+    #[inline]
+    unsafe fn issue(
+        self,
+        lib: &Nccl,
+        (s, r): (*mut c_void, *mut c_void),
+        n: usize,
+        ty: ncclDataType_t,
+        rank: i32,
+        comm: ncclComm_t,
+        stream: cudaStream_t,
+    ) -> std::result::Result<ncclResult_t, LibraryMissingSymbol> {
+        // SAFETY: the caller's contract above is each function's contract;
+        // NCCL allows `send == recv` (in place) for every collective.
+        Ok(unsafe {
+            match self {
+                Op::AllReduce(op) => lib.ncclAllReduce()?(s, r, n, ty, op.to_raw(), comm, stream),
+                Op::Broadcast(_) => lib.ncclBroadcast()?(s, r, n, ty, rank, comm, stream),
+                Op::Reduce(op, _) => {
+                    lib.ncclReduce()?(s, r, n, ty, op.to_raw(), rank, comm, stream)
+                }
+                Op::AllGather => lib.ncclAllGather()?(s, r, n, ty, comm, stream),
+                Op::ReduceScatter(op) => {
+                    lib.ncclReduceScatter()?(s, r, n, ty, op.to_raw(), comm, stream)
+                }
+                Op::Send(_) => lib.ncclSend()?(s, n, ty, rank, comm, stream),
+                Op::Recv(_) => lib.ncclRecv()?(r, n, ty, rank, comm, stream),
+            }
+        })
+    }
+}
+
 impl Communicator {
+    /// The one checked path of every collective, send and receive, in this
+    /// order: the root or peer is a rank, the buffers' lengths keep the op's
+    /// rule, the checks every operation shares ([`prepare`](Self::prepare)), a
+    /// send's or receive's pairing; then NCCL (not called for zero elements).
+    ///
+    /// No context is bound: NCCL selects the communicator's device itself for
+    /// its calls (and restores the caller's), and the stream names the context.
+    /// That keeps a small collective's submit at NCCL's own cost. A
+    /// communicator sharing resources with a parent or child takes its turn (no
+    /// lock otherwise).
+    #[inline]
+    fn submit<T: NcclType>(
+        &self,
+        op: Op,
+        stream: &CudaStream,
+        mems: &[(&'static str, &dyn DeviceMemory<T>)],
+        ptrs: (*mut c_void, *mut c_void),
+        (send_len, recv_len): (usize, usize),
+    ) -> Result<()> {
+        let call = op.call();
+        let rank = match op.rank() {
+            Some((what, rank)) => self.check_root(call, what, rank)?,
+            None => 0,
+        };
+        let (s, r) = (send_len, recv_len);
+        let count = match op.sizes() {
+            Sizes::RecvAtLeastSend => self.at_least(call, ("receive", r), ("send", s))?,
+            Sizes::SendAtLeastRecv => self.at_least(call, ("send", s), ("receive", r))?,
+            Sizes::RecvRanksTimesSend => self.ranks_times(call, ("receive", r), ("send", s))?,
+            Sizes::SendRanksTimesRecv => self.ranks_times(call, ("send", s), ("receive", r))?,
+            Sizes::One => s,
+        };
+        self.prepare::<T>(call, stream, mems, op.shape::<T>(count, rank))?;
+        if let Some((peer, sent)) = op.p2p() {
+            self.p2p_agree::<T>(call, peer, sent, count)?;
+        }
+        if count == 0 {
+            return Ok(());
+        }
+        let status = {
+            let _turn = self.turn();
+            let (lib, ty, comm, s) = (
+                self.lib(),
+                T::DATA_TYPE,
+                self.raw_handle(),
+                nccl_stream(stream),
+            );
+            // SAFETY: a live communicator (`prepare` refused an aborted one) and
+            // a stream of its device (checked); the memory is on that device
+            // (checked) and as large as the op needs (the lengths were checked
+            // by its rule; the root or peer is a rank); memory is freed only
+            // after the work its safe uses queued (`prepare` noted the use).
+            unsafe { op.issue(lib, ptrs, count, ty, rank, comm, s) }
+                .map_err(|m| missing(m, Some(self.info())))?
+        };
+        self.finish(call, status)
+    }
+
+    /// [`submit`](Self::submit) with a send and a receive buffer.
+    #[inline]
+    fn pair<T: NcclType>(
+        &self,
+        op: Op,
+        send: &impl DeviceMemory<T>,
+        recv: &mut impl DeviceMemoryMut<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let lens = (send.len(), recv.len());
+        let mems: [(_, &dyn DeviceMemory<T>); 2] = [("send", send), ("receive", recv)];
+        self.submit(op, stream, &mems, (ptr(send), ptr(recv)), lens)
+    }
+
+    /// [`submit`](Self::submit) with one buffer (`role`): sent and received in
+    /// place, or a send's or a receive's.
+    #[inline]
+    fn single<T: NcclType>(
+        &self,
+        op: Op,
+        role: &'static str,
+        buf: &impl DeviceMemory<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let (p, n) = (ptr(buf), buf.len());
+        self.submit(op, stream, &[(role, buf)], (p, p), (n, n))
+    }
+
     /// Checks shared by every operation: not aborted, the stream and memory on
     /// this device; inside a group, listed and (for a collective, `shape`)
     /// agreeing with the other ranks of its communicator that this thread's
@@ -125,25 +352,6 @@ impl Communicator {
             .map_err(|reason| refused(call, Some(self.info()), reason))
     }
 
-    /// Run one NCCL call.
-    #[inline]
-    fn run(
-        &self,
-        call: &'static str,
-        f: impl FnOnce() -> std::result::Result<ncclResult_t, metrale_cuda_sys::LibraryMissingSymbol>,
-    ) -> Result<()> {
-        // No context is bound: NCCL selects the communicator's device itself for
-        // its calls (and restores the caller's), and the stream names the
-        // context. That keeps a small collective's submit at NCCL's own cost.
-        // A communicator sharing resources with a parent or child takes its
-        // turn (no lock otherwise).
-        let status = {
-            let _turn = self.turn();
-            f().map_err(|m| missing(m, Some(self.info())))?
-        };
-        self.finish(call, status)
-    }
-
     fn count_refused(&self, call: &'static str, reason: String) -> crate::error::MetraleError {
         refused(call, Some(self.info()), reason)
     }
@@ -161,6 +369,49 @@ impl Communicator {
         }
     }
 
+    /// Refuse a `role` buffer of `has` elements, fewer than the `other`
+    /// buffer's `needs`; else `needs`.
+    #[inline]
+    fn at_least(
+        &self,
+        call: &'static str,
+        (role, has): (&str, usize),
+        (other, needs): (&str, usize),
+    ) -> Result<usize> {
+        if has < needs {
+            return Err(self.count_refused(
+                call,
+                format!(
+                    "the {role} buffer has {has} elements, fewer than the {other} buffer's {needs}"
+                ),
+            ));
+        }
+        Ok(needs)
+    }
+
+    /// Refuse a `role` buffer of `has` elements unless it is exactly ranks ×
+    /// the `other` buffer's `per_rank`; else `per_rank`.
+    #[inline]
+    fn ranks_times(
+        &self,
+        call: &'static str,
+        (role, has): (&str, usize),
+        (other, per_rank): (&str, usize),
+    ) -> Result<usize> {
+        let needed = per_rank.checked_mul(self.size());
+        if needed != Some(has) {
+            return Err(self.count_refused(
+                call,
+                format!(
+                    "the {role} buffer has {has} elements; it needs ranks × {other} = {} × {per_rank} = {}",
+                    self.size(),
+                    needed.map_or_else(|| "more than usize".to_owned(), |n| n.to_string())
+                ),
+            ));
+        }
+        Ok(per_rank)
+    }
+
     /// Sum (or another `op`) `send` over all ranks into `recv` of every rank
     /// (`ncclAllReduce`); `recv` needs at least `send.len()` elements (the first
     /// `send.len()` are written).
@@ -176,41 +427,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclAllReduce";
-        if recv.len() < send.len() {
-            return Err(self.count_refused(
-                CALL,
-                format!(
-                    "the receive buffer has {} elements, fewer than the send buffer's {}",
-                    recv.len(),
-                    send.len()
-                ),
-            ));
-        }
-        let shape = Shape::of::<T>(CALL, send.len(), Some(op), None);
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
-        if send.is_empty() {
-            return Ok(());
-        }
-        let (s, r, n) = (ptr(send), ptr(recv), send.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclAllReduce()?;
-            // SAFETY: `n` elements of `T` at both pointers, on this communicator's
-            // device (checked); the stream is of that device; memory is freed
-            // only after the work its safe uses queued.
-            Ok(unsafe {
-                f(
-                    s,
-                    r,
-                    n,
-                    T::DATA_TYPE,
-                    op.to_raw(),
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.pair(Op::AllReduce(op), send, recv, stream)
     }
 
     /// [`all_reduce`](Self::all_reduce) with `buf` both sent and received.
@@ -223,29 +440,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclAllReduce";
-        let shape = Shape::of::<T>(CALL, buf.len(), Some(op), None);
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let (p, n) = (ptr(buf), buf.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclAllReduce()?;
-            // SAFETY: as in all_reduce; NCCL allows send == recv.
-            Ok(unsafe {
-                f(
-                    p,
-                    p,
-                    n,
-                    T::DATA_TYPE,
-                    op.to_raw(),
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.single(Op::AllReduce(op), "in-place", buf, stream)
     }
 
     /// Copy `root`'s `send` into `recv` of every rank (`ncclBroadcast`);
@@ -262,29 +457,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclBroadcast";
-        let root = self.check_root(CALL, "root", root)?;
-        if send.len() < recv.len() {
-            return Err(self.count_refused(
-                CALL,
-                format!(
-                    "the send buffer has {} elements, fewer than the receive buffer's {}",
-                    send.len(),
-                    recv.len()
-                ),
-            ));
-        }
-        let shape = Shape::of::<T>(CALL, recv.len(), None, Some(root));
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
-        self.broadcast_raw(
-            CALL,
-            ptr(send),
-            ptr(recv),
-            recv.len(),
-            root,
-            stream,
-            T::DATA_TYPE,
-        )
+        self.pair(Op::Broadcast(root), send, recv, stream)
     }
 
     /// [`broadcast`](Self::broadcast) from `root`'s `buf` into every rank's `buf`.
@@ -297,42 +470,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclBroadcast";
-        let root = self.check_root(CALL, "root", root)?;
-        let shape = Shape::of::<T>(CALL, buf.len(), None, Some(root));
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
-        self.broadcast_raw(
-            CALL,
-            ptr(buf),
-            ptr(buf),
-            buf.len(),
-            root,
-            stream,
-            T::DATA_TYPE,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn broadcast_raw(
-        &self,
-        call: &'static str,
-        s: *mut c_void,
-        r: *mut c_void,
-        n: usize,
-        root: i32,
-        stream: &CudaStream,
-        ty: raw::ncclDataType_t,
-    ) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let lib = self.lib();
-        self.run(call, || {
-            let f = lib.ncclBroadcast()?;
-            // SAFETY: `n` elements at both pointers on this device (checked by the
-            // callers); the root is a rank.
-            Ok(unsafe { f(s, r, n, ty, root, self.raw_handle(), nccl_stream(stream)) })
-        })
+        self.single(Op::Broadcast(root), "in-place", buf, stream)
     }
 
     /// Reduce `send` over all ranks into `root`'s `recv` (`ncclReduce`); `recv`
@@ -350,29 +488,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclReduce";
-        let root = self.check_root(CALL, "root", root)?;
-        if recv.len() < send.len() {
-            return Err(self.count_refused(
-                CALL,
-                format!(
-                    "the receive buffer has {} elements, fewer than the send buffer's {}",
-                    recv.len(),
-                    send.len()
-                ),
-            ));
-        }
-        let shape = Shape::of::<T>(CALL, send.len(), Some(op), Some(root));
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
-        self.reduce_raw(
-            ptr(send),
-            ptr(recv),
-            send.len(),
-            op,
-            root,
-            stream,
-            T::DATA_TYPE,
-        )
+        self.pair(Op::Reduce(op, root), send, recv, stream)
     }
 
     /// [`reduce`](Self::reduce) with `buf` both sent and (on the root) received.
@@ -386,54 +502,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclReduce";
-        let root = self.check_root(CALL, "root", root)?;
-        let shape = Shape::of::<T>(CALL, buf.len(), Some(op), Some(root));
-        self.prepare::<T>(CALL, stream, &[("in-place", buf)], shape)?;
-        self.reduce_raw(
-            ptr(buf),
-            ptr(buf),
-            buf.len(),
-            op,
-            root,
-            stream,
-            T::DATA_TYPE,
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn reduce_raw(
-        &self,
-        s: *mut c_void,
-        r: *mut c_void,
-        n: usize,
-        op: ReduceOp,
-        root: i32,
-        stream: &CudaStream,
-        ty: raw::ncclDataType_t,
-    ) -> Result<()> {
-        const CALL: &str = "ncclReduce";
-        if n == 0 {
-            return Ok(());
-        }
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclReduce()?;
-            // SAFETY: `n` elements at both pointers on this device (checked by the
-            // callers); the root is a rank.
-            Ok(unsafe {
-                f(
-                    s,
-                    r,
-                    n,
-                    ty,
-                    op.to_raw(),
-                    root,
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.single(Op::Reduce(op, root), "in-place", buf, stream)
     }
 
     /// Gather every rank's `send` into `recv` of every rank, in rank order
@@ -448,42 +517,7 @@ impl Communicator {
         recv: &mut impl DeviceMemoryMut<T>,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclAllGather";
-        let needed = send.len().checked_mul(self.size());
-        if needed != Some(recv.len()) {
-            return Err(self.count_refused(
-                CALL,
-                format!(
-                    "the receive buffer has {} elements; it needs ranks × send = {} × {} = {}",
-                    recv.len(),
-                    self.size(),
-                    send.len(),
-                    needed.map_or_else(|| "more than usize".to_owned(), |n| n.to_string())
-                ),
-            ));
-        }
-        let shape = Shape::of::<T>(CALL, send.len(), None, None);
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
-        if send.is_empty() {
-            return Ok(());
-        }
-        let (s, r, n) = (ptr(send), ptr(recv), send.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclAllGather()?;
-            // SAFETY: `n` elements at `s`, ranks × `n` at `r` (checked), on this
-            // device.
-            Ok(unsafe {
-                f(
-                    s,
-                    r,
-                    n,
-                    T::DATA_TYPE,
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.pair(Op::AllGather, send, recv, stream)
     }
 
     /// Reduce `send` over all ranks and scatter it: rank `i` receives block `i`
@@ -499,43 +533,7 @@ impl Communicator {
         op: ReduceOp,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclReduceScatter";
-        let needed = recv.len().checked_mul(self.size());
-        if needed != Some(send.len()) {
-            return Err(self.count_refused(
-                CALL,
-                format!(
-                    "the send buffer has {} elements; it needs ranks × receive = {} × {} = {}",
-                    send.len(),
-                    self.size(),
-                    recv.len(),
-                    needed.map_or_else(|| "more than usize".to_owned(), |n| n.to_string())
-                ),
-            ));
-        }
-        let shape = Shape::of::<T>(CALL, recv.len(), Some(op), None);
-        self.prepare::<T>(CALL, stream, &[("send", send), ("receive", recv)], shape)?;
-        if recv.is_empty() {
-            return Ok(());
-        }
-        let (s, r, n) = (ptr(send), ptr(recv), recv.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclReduceScatter()?;
-            // SAFETY: ranks × `n` elements at `s`, `n` at `r` (checked), on this
-            // device.
-            Ok(unsafe {
-                f(
-                    s,
-                    r,
-                    n,
-                    T::DATA_TYPE,
-                    op.to_raw(),
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.pair(Op::ReduceScatter(op), send, recv, stream)
     }
 
     /// Send `buf` to rank `peer` (`ncclSend`), which receives it with
@@ -551,30 +549,7 @@ impl Communicator {
         peer: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclSend";
-        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
-        self.prepare::<T>(CALL, stream, &[("send", buf)], None)?;
-        self.p2p_agree::<T>(CALL, peer_rank, true, buf.len())?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let (p, n) = (ptr(buf), buf.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclSend()?;
-            // SAFETY: `n` elements at `p` on this device (checked); the peer is a
-            // rank.
-            Ok(unsafe {
-                f(
-                    p,
-                    n,
-                    T::DATA_TYPE,
-                    peer,
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.single(Op::Send(peer), "send", buf, stream)
     }
 
     /// Receive `buf.len()` elements from rank `peer` into `buf` (`ncclRecv`).
@@ -587,29 +562,6 @@ impl Communicator {
         peer: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        const CALL: &str = "ncclRecv";
-        let (peer_rank, peer) = (peer, self.check_root(CALL, "peer", peer)?);
-        self.prepare::<T>(CALL, stream, &[("receive", buf)], None)?;
-        self.p2p_agree::<T>(CALL, peer_rank, false, buf.len())?;
-        if buf.is_empty() {
-            return Ok(());
-        }
-        let (p, n) = (ptr(buf), buf.len());
-        let lib = self.lib();
-        self.run(CALL, || {
-            let f = lib.ncclRecv()?;
-            // SAFETY: `n` elements at `p` on this device (checked); the peer is a
-            // rank.
-            Ok(unsafe {
-                f(
-                    p,
-                    n,
-                    T::DATA_TYPE,
-                    peer,
-                    self.raw_handle(),
-                    nccl_stream(stream),
-                )
-            })
-        })
+        self.single(Op::Recv(peer), "receive", buf, stream)
     }
 }

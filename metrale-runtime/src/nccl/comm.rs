@@ -1,6 +1,6 @@
-//! [`Communicator`]: init (by rank, for several devices of one
-//! process, by split), what a communicator is, asynchronous errors, the bounded
-//! wait, abort, and the bounded teardown in Drop.
+//! [`Communicator`]: what a communicator is, the checks every call on it makes,
+//! abort, and the bounded teardown in Drop. Its inits are in `init.rs`, its
+//! asynchronous status and bounded wait in `wait.rs`.
 
 use std::cell::{Cell, RefCell};
 use std::ffi::CString;
@@ -8,22 +8,18 @@ use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclResult_t, Nccl};
+use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
 
-use crate::context::{AsContext, CudaContext, Generation};
+use crate::context::{CudaContext, Generation};
 use crate::error::Result;
 use crate::stream::CudaStream;
 
-use super::config::{env_blocking, CommConfig};
-use super::error::{
-    self, call_error, into_error, missing, refused, CommInfo, NcclError, NcclStatus,
-};
-use super::group::{in_group, is_listed, DeferredAbort};
+use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
+use super::state::{in_group, is_listed, DeferredAbort};
 use super::teardown::{
-    abort_bounded, abort_raw, backoff, bound_deadline, bound_deadline_at, on_helper, settle,
-    DropJob, Handle, Helped, Settled, ABORT_GRACE,
+    abort_bounded, bound_deadline, bound_deadline_at, on_helper, settle, DropJob, Handle, Helped,
+    Settled, ABORT_GRACE,
 };
-use super::{lib, NcclId};
 
 /// One rank's NCCL communicator, on one device.
 ///
@@ -33,7 +29,7 @@ use super::{lib, NcclId};
 ///
 /// `Send`, not `Sync`: NCCL communicators are not thread-safe, so one thread at a
 /// time uses it (move it to the thread that drives its rank). A communicator
-/// split with shared resources ([`CommConfig::split_share`]) and its parent
+/// split with shared resources ([`CommConfig::split_share`](super::CommConfig::split_share)) and its parent
 /// take turns: each NCCL call on either holds a lock they share. Drop finalizes
 /// and destroys it within the config's drop timeout, and aborts it past that,
 /// on a helper thread (NCCL's teardown can wait for the device's queued work):
@@ -49,50 +45,50 @@ use super::{lib, NcclId};
 /// sent::<metrale_runtime::nccl::Communicator>();
 /// ```
 pub struct Communicator {
-    raw: ncclComm_t,
-    lib: &'static Nccl,
-    ctx: Arc<CudaContext>,
-    made: Generation,
-    info: CommInfo,
-    blocking: bool,
+    pub(super) raw: ncclComm_t,
+    pub(super) lib: &'static Nccl,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) made: Generation,
+    pub(super) info: CommInfo,
+    pub(super) blocking: bool,
     /// Whether its children share its resources (`splitShare`, as NCCL decides).
-    split_share: bool,
-    timeout: Option<Duration>,
-    drop_timeout: Duration,
+    pub(super) split_share: bool,
+    pub(super) timeout: Option<Duration>,
+    pub(super) drop_timeout: Duration,
     /// Aborted for metrale: set before NCCL's abort starts (which may go on on
     /// a helper thread, or wait for the end of a group that lists it), so no
     /// NCCL call is made on the handle from then on.
-    aborted: Cell<bool>,
+    pub(super) aborted: Cell<bool>,
     /// Which NCCL communicator this is a rank of, as far as this process can
     /// tell (the id and size of `init_rank`, one `init_all`, a split's parent
     /// and color): ranks of one key queued in one group are checked to agree.
-    clique: u64,
+    pub(super) clique: u64,
     /// How many collectives were queued (metrale's count, zero-length ones
     /// included: every rank counts the same calls), for the agreement check.
-    seq: Cell<u64>,
+    pub(super) seq: Cell<u64>,
     /// How many splits were made of this communicator (a child's key).
-    splits: Cell<u64>,
+    pub(super) splits: Cell<u64>,
     /// Sends to each peer, then receives from each peer, so far (made at init
     /// for at most `agree::P2P_CHECKED_RANKS` ranks, empty above: then sends
     /// and receives are not checked).
-    p2p: Box<[Cell<u64>]>,
+    pub(super) p2p: Box<[Cell<u64>]>,
     /// Every stream this communicator queued work on (each once), so Drop can
     /// wait for that work before a blocking finalize.
-    streams: RefCell<Vec<CudaStream>>,
+    pub(super) streams: RefCell<Vec<CudaStream>>,
     /// The last operation queued, for the text of a timed-out wait.
-    last_op: Cell<&'static str>,
+    pub(super) last_op: Cell<&'static str>,
     /// A non-blocking init made inside a group, not yet polled to completion.
-    unsettled: Cell<bool>,
+    pub(super) unsettled: Cell<bool>,
     /// Made inside a group: usable only in that group (its thread) until the
     /// group ends, when NCCL runs the init.
-    group_init: Option<Arc<super::group::GroupInit>>,
+    pub(super) group_init: Option<Arc<super::state::GroupInit>>,
     /// Shared with the parent or children this communicator shares resources
     /// with (`splitShare`): NCCL forbids using them concurrently, so every NCCL
     /// call on any of them holds it. `None` (no lock taken) otherwise.
-    serial: Option<Arc<Mutex<()>>>,
+    pub(super) serial: Option<Arc<Mutex<()>>>,
     /// The strings the config handed to NCCL (`commName`, `netName`): NCCL keeps
     /// the pointers for the communicator's life.
-    _names: Vec<CString>,
+    pub(super) _names: Vec<CString>,
 }
 
 // SAFETY: NCCL lets a communicator be used from any thread, one thread at a time.
@@ -129,338 +125,6 @@ impl fmt::Debug for Communicator {
 const KEPT_STREAMS: usize = 8;
 
 impl Communicator {
-    /// Join the communicator `id` names as `rank` of `nranks`, on `ctx`'s device
-    /// (`ncclCommInitRankConfig`). Every rank calls this, each with its own
-    /// device, in this process (one thread per rank, or inside one
-    /// [`group`](super::group)) or in others.
-    ///
-    /// # Errors
-    /// [`NcclError::Refused`] for a rank not below `nranks` or a bad config
-    /// value (before NCCL); the library's load error; the call's status with
-    /// `ncclGetLastError`'s text; for a non-blocking communicator, an
-    /// asynchronous error or the timeout (the communicator is then aborted).
-    pub fn init_rank(
-        id: &NcclId,
-        nranks: usize,
-        rank: usize,
-        ctx: &impl AsContext,
-        config: &CommConfig,
-    ) -> Result<Communicator> {
-        const CALL: &str = "ncclCommInitRankConfig";
-        let ctx = ctx.context();
-        let info = CommInfo {
-            rank,
-            size: nranks,
-            device: ctx.ordinal(),
-        };
-        let (n, r) = match (i32::try_from(nranks), i32::try_from(rank)) {
-            (Ok(n), Ok(r)) if nranks >= 1 && rank < nranks => (n, r),
-            _ => {
-                return Err(refused(
-                    CALL,
-                    None,
-                    format!("rank {rank} is not below the number of ranks {nranks} (at least 1)"),
-                ))
-            }
-        };
-        let (mut cfg, names) = config.to_raw(CALL)?;
-        let lib = lib()?;
-        let f = lib
-            .ncclCommInitRankConfig()
-            .map_err(|m| missing(m, Some(info)))?;
-        ctx.bind()?;
-        let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: writes one communicator handle; the config outlives the call
-        // and the strings it points to the communicator (kept in it); the device
-        // is the current context's.
-        let status = unsafe { f(&mut comm, n, id.to_raw(), r, &mut cfg) };
-        let serial = config
-            .effective_split_share()
-            .then(|| Arc::new(Mutex::new(())));
-        Communicator::made(
-            lib,
-            comm,
-            status,
-            CALL,
-            ctx,
-            info,
-            config,
-            Made {
-                blocking: config.effective_blocking(),
-                serial,
-                names,
-                clique: super::agree::clique_of_id(id, nranks),
-            },
-        )
-    }
-
-    /// One communicator per context, all of this process (`ncclCommInitAll`):
-    /// rank `i` is on `contexts[i]`'s device. For one process driving several
-    /// GPUs; queue their collectives inside one [`group`](super::group).
-    ///
-    /// # Errors
-    /// [`NcclError::Refused`] for no context or a device given twice; the call's
-    /// status.
-    pub fn init_all(contexts: &[Arc<CudaContext>]) -> Result<Vec<Communicator>> {
-        const CALL: &str = "ncclCommInitAll";
-        if contexts.is_empty() {
-            return Err(refused(CALL, None, "no context given"));
-        }
-        let mut devices = Vec::with_capacity(contexts.len());
-        for (i, c) in contexts.iter().enumerate() {
-            if contexts[..i].iter().any(|o| Arc::ptr_eq(o, c)) {
-                return Err(refused(
-                    CALL,
-                    None,
-                    format!(
-                        "device {} is given twice (one rank per device)",
-                        c.ordinal()
-                    ),
-                ));
-            }
-            let d = i32::try_from(c.ordinal())
-                .map_err(|_| refused(CALL, None, "device ordinal too large"))?;
-            devices.push(d);
-        }
-        let n =
-            i32::try_from(contexts.len()).map_err(|_| refused(CALL, None, "too many devices"))?;
-        let lib = lib()?;
-        let f = lib.ncclCommInitAll().map_err(|m| missing(m, None))?;
-        if let Some(first) = contexts.first() {
-            first.bind()?;
-        }
-        let mut comms: Vec<ncclComm_t> = vec![std::ptr::null_mut(); contexts.len()];
-        // SAFETY: writes one handle per device; the device list has `n` entries.
-        let status = unsafe { f(comms.as_mut_ptr(), n, devices.as_ptr()) };
-        if !status.is_success() {
-            for &c in comms.iter().filter(|c| !c.is_null()) {
-                abort_raw(lib, c);
-            }
-            return Err(call_error(lib, CALL, status, std::ptr::null_mut(), None));
-        }
-        let config = CommConfig::new();
-        let clique = super::agree::fresh_clique();
-        // ncclCommInitAll's communicators block unless NCCL_COMM_BLOCKING=0.
-        let blocking = config.effective_blocking();
-        Ok(comms
-            .into_iter()
-            .zip(contexts)
-            .enumerate()
-            .map(|(rank, (raw, ctx))| {
-                Communicator::wrap(
-                    lib,
-                    raw,
-                    ctx,
-                    CommInfo {
-                        rank,
-                        size: contexts.len(),
-                        device: ctx.ordinal(),
-                    },
-                    &config,
-                    Made {
-                        blocking,
-                        serial: config
-                            .effective_split_share()
-                            .then(|| Arc::new(Mutex::new(()))),
-                        names: Vec::new(),
-                        clique,
-                    },
-                )
-            })
-            .collect())
-    }
-
-    /// Split this communicator (`ncclCommSplit`): every rank calls it; ranks of
-    /// one `color` form a new communicator, ordered by `key` (then by their rank
-    /// here). `None` as the color takes no part (`NCCL_SPLIT_NOCOLOR`) and gives
-    /// `Ok(None)`.
-    ///
-    /// Splits are blocking: a non-blocking parent, a non-blocking config, or
-    /// `NCCL_COMM_BLOCKING=0` is refused (NCCL would write the new handle after
-    /// the call returned). With shared resources (the parent's
-    /// [`CommConfig::split_share`], or `NCCL_COMM_SPLIT_SHARE_RESOURCES=1`) the
-    /// child and the parent take turns on one lock for every NCCL call.
-    ///
-    /// # Errors
-    /// A color above `i32::MAX`, an aborted communicator, a call inside
-    /// [`group`](super::group) (NCCL would write the new handle at the group's
-    /// end), a non-blocking split (all before NCCL); the call's status.
-    pub fn split(
-        &self,
-        color: Option<u32>,
-        key: i32,
-        config: &CommConfig,
-    ) -> Result<Option<Communicator>> {
-        const CALL: &str = "ncclCommSplit";
-        self.enter(CALL)?;
-        if in_group() {
-            return Err(refused(
-                CALL,
-                Some(self.info),
-                "split inside `group` is not supported: NCCL writes the new communicator \
-                 when the group ends, after this call has returned; split outside the group",
-            ));
-        }
-        let c = match color {
-            None => raw::NCCL_SPLIT_NOCOLOR,
-            Some(c) => i32::try_from(c).map_err(|_| {
-                refused(
-                    CALL,
-                    Some(self.info),
-                    format!("color {c} is above i32::MAX"),
-                )
-            })?,
-        };
-        let (mut cfg, names) = config.to_raw(CALL)?;
-        // NCCL writes the new handle of a non-blocking split when the split
-        // completes, after this call has returned: the handle's storage would be
-        // gone. Splits are blocking (inheriting a non-blocking parent's mode would
-        // make them non-blocking); asking for a non-blocking one is refused.
-        if !self.blocking {
-            return Err(into_error(NcclError::Refused {
-                call: "ncclCommSplit",
-                reason: "splitting a non-blocking communicator is not supported: NCCL \
-                         writes the new communicator after the call returns (seen with \
-                         NCCL 2.28.3); split a blocking communicator"
-                    .to_owned(),
-                comm: Some(self.info),
-            }));
-        }
-        if config.blocking == Some(false) || env_blocking() == Some(false) {
-            return Err(into_error(NcclError::Refused {
-                call: "ncclCommSplit",
-                reason: "a non-blocking split is not supported: NCCL writes the new \
-                         communicator after the call returns; split with a blocking \
-                         config, and without NCCL_COMM_BLOCKING=0 (the new communicator \
-                         can be made non-blocking only by its own init)"
-                    .to_owned(),
-                comm: Some(self.info),
-            }));
-        }
-        cfg.blocking = 1;
-        let f = self
-            .lib
-            .ncclCommSplit()
-            .map_err(|m| missing(m, Some(self.info)))?;
-        self.ctx.bind()?;
-        // Every rank counts this split, with a color or without: the children
-        // of one split share a key (see `agree`).
-        let split_index = self.splits.get();
-        self.splits.set(split_index.wrapping_add(1));
-        let mut comm: ncclComm_t = std::ptr::null_mut();
-        let status = {
-            let _turn = self.turn();
-            // SAFETY: a live communicator; writes one handle, before the call
-            // returns (a blocking split, outside any group: both checked); the
-            // config outlives the call and its strings the child (kept in it).
-            unsafe { f(self.raw, c, key, &mut comm, &mut cfg) }
-        };
-        if comm.is_null() && (status.is_success() || status == ncclResult_t::ncclInProgress) {
-            return Ok(None);
-        }
-        // A child of a parent that shares its resources takes turns with it;
-        // one that will share its own with its children gets a lock of its own.
-        let serial = match &self.serial {
-            Some(shared) if self.split_share => Some(Arc::clone(shared)),
-            _ => config
-                .effective_split_share()
-                .then(|| Arc::new(Mutex::new(()))),
-        };
-        let child_config = config.clone().blocking(true);
-
-        let mut made = Communicator::made(
-            self.lib,
-            comm,
-            status,
-            CALL,
-            &self.ctx,
-            self.info,
-            &child_config,
-            Made {
-                blocking: child_config.effective_blocking(),
-                serial,
-                names,
-                clique: super::agree::clique_of_split(self.clique, split_index, c),
-            },
-        )?;
-        made.info.rank = made.query(CALL, |l| l.ncclCommUserRank())?;
-        made.info.size = made.query(CALL, |l| l.ncclCommCount())?;
-        made.p2p = p2p_counters(made.info.size);
-        Ok(Some(made))
-    }
-
-    /// The communicator an init call made (or the error, the handle aborted).
-    #[allow(clippy::too_many_arguments)]
-    fn made(
-        lib: &'static Nccl,
-        comm: ncclComm_t,
-        status: ncclResult_t,
-        call: &'static str,
-        ctx: &Arc<CudaContext>,
-        info: CommInfo,
-        config: &CommConfig,
-        parts: Made,
-    ) -> Result<Communicator> {
-        let in_progress = status == ncclResult_t::ncclInProgress;
-        if !status.is_success() && !in_progress {
-            let e = call_error(lib, call, status, comm, Some(info));
-            if !comm.is_null() {
-                abort_raw(lib, comm);
-            }
-            return Err(e);
-        }
-        if comm.is_null() {
-            return Err(call_error(
-                lib,
-                call,
-                ncclResult_t::ncclInternalError,
-                comm,
-                Some(info),
-            ));
-        }
-        let made = Communicator::wrap(lib, comm, ctx, info, config, parts);
-        if in_progress {
-            if in_group() {
-                made.unsettled.set(true);
-            } else {
-                made.settle_call(call)?;
-            }
-        }
-        Ok(made)
-    }
-
-    fn wrap(
-        lib: &'static Nccl,
-        raw: ncclComm_t,
-        ctx: &Arc<CudaContext>,
-        info: CommInfo,
-        config: &CommConfig,
-        parts: Made,
-    ) -> Communicator {
-        Communicator {
-            raw,
-            lib,
-            ctx: Arc::clone(ctx),
-            made: ctx.generation(),
-            info,
-            blocking: parts.blocking,
-            split_share: config.effective_split_share(),
-            timeout: config.timeout,
-            drop_timeout: config.drop_timeout,
-            aborted: Cell::new(false),
-            clique: parts.clique,
-            seq: Cell::new(0),
-            splits: Cell::new(0),
-            p2p: p2p_counters(info.size),
-            streams: RefCell::new(Vec::new()),
-            last_op: Cell::new("no operation"),
-            unsettled: Cell::new(false),
-            group_init: in_group().then(super::group::GroupInit::pending),
-            serial: parts.serial,
-            _names: parts.names,
-        }
-    }
-
     /// This communicator's turn on the lock it shares with a parent or child
     /// (`None`, nothing taken, when it shares none).
     #[inline]
@@ -478,13 +142,17 @@ impl Communicator {
     /// The error of `call` returning `status` (NCCL's last error read in this
     /// communicator's turn).
     #[cold]
-    fn failed(&self, call: &'static str, status: ncclResult_t) -> crate::error::MetraleError {
+    pub(super) fn failed(
+        &self,
+        call: &'static str,
+        status: ncclResult_t,
+    ) -> crate::error::MetraleError {
         let _turn = self.turn();
         call_error(self.lib, call, status, self.raw, Some(self.info))
     }
 
     /// An int NCCL tells about the communicator (rank, count).
-    fn query(
+    pub(super) fn query(
         &self,
         call: &'static str,
         get: impl FnOnce(
@@ -533,7 +201,7 @@ impl Communicator {
     }
 
     /// Whether NCCL calls on this communicator block (see
-    /// [`CommConfig::blocking`]).
+    /// [`CommConfig::blocking`](super::CommConfig::blocking)).
     pub fn is_blocking(&self) -> bool {
         self.blocking
     }
@@ -551,106 +219,6 @@ impl Communicator {
         self.raw
     }
 
-    /// `ncclCommGetAsyncError`: [`NcclStatus::SUCCESS`],
-    /// [`NcclStatus::IN_PROGRESS`] (a non-blocking operation still running), or
-    /// the error a peer or the network caused ([`NcclStatus::is_error`]).
-    ///
-    /// # Errors
-    /// An aborted communicator; the query's own failure.
-    pub fn async_status(&self) -> Result<NcclStatus> {
-        self.async_raw().map(NcclStatus::from)
-    }
-
-    fn async_raw(&self) -> Result<ncclResult_t> {
-        const CALL: &str = "ncclCommGetAsyncError";
-        self.enter(CALL)?;
-        let f = self
-            .lib
-            .ncclCommGetAsyncError()
-            .map_err(|m| missing(m, Some(self.info)))?;
-        let mut state = ncclResult_t::ncclSuccess;
-        let status = {
-            let _turn = self.turn();
-            // SAFETY: a live communicator; writes one status.
-            unsafe { f(self.raw, &mut state) }
-        };
-        if !status.is_success() {
-            return Err(self.failed(CALL, status));
-        }
-        Ok(state)
-    }
-
-    /// `Ok` unless [`async_status`](Self::async_status) reports an error; then
-    /// the communicator is aborted and the error says so.
-    ///
-    /// # Errors
-    /// [`NcclError::Async`]; the query's own failure.
-    pub fn check_async(&self) -> Result<()> {
-        let state = self.async_raw()?;
-        if state.is_success() || state == ncclResult_t::ncclInProgress {
-            return Ok(());
-        }
-        Err(self.async_failure("ncclCommGetAsyncError", state))
-    }
-
-    /// Wait until the work queued on `stream` (this communicator's collectives
-    /// among it) has finished, or `timeout` passed, polling the stream and
-    /// `ncclCommGetAsyncError`. Past the timeout, or on an asynchronous error,
-    /// the communicator is aborted (`ncclCommAbort`) and the error names the
-    /// operation last queued; the communicator cannot be used again.
-    ///
-    /// The timeout is a bound: NCCL's abort can wait for the device's queued
-    /// work, so it runs on a helper thread and this returns at most 200 ms
-    /// after the timeout (one line on stderr when the abort goes on alone).
-    ///
-    /// # Errors
-    /// [`NcclError::Timeout`], [`NcclError::Async`]; a stream of another device,
-    /// being captured through metrale, or a call inside [`group`](super::group)
-    /// (its work reaches the stream only when the group ends, so the stream
-    /// would read idle before it ran), all refused before anything is polled;
-    /// a failed stream query (a fault of the work).
-    pub fn wait(&self, stream: &CudaStream, timeout: Duration) -> Result<()> {
-        const CALL: &str = "wait";
-        self.enter(CALL)?;
-        if in_group() {
-            return Err(refused(
-                CALL,
-                Some(self.info),
-                "a wait inside `group` is refused: the group's work reaches the stream \
-                 only when the group ends, so the stream would read idle before that work \
-                 ran; wait after the group",
-            ));
-        }
-        self.check_stream(CALL, stream)?;
-        {
-            let section = stream.section();
-            stream.refuse_if_capturing(&section, "a bounded wait on a communicator")?;
-        }
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            let state = self.async_raw()?;
-            if !state.is_success() && state != ncclResult_t::ncclInProgress {
-                return Err(self.async_failure("wait", state));
-            }
-            if stream.query()? {
-                return Ok(());
-            }
-            let waited = start.elapsed();
-            if waited >= timeout {
-                let pending = self.last_op.get();
-                // (The time waited for the work, not for the abort after it.)
-                self.abort_within(Duration::ZERO);
-                return Err(into_error(NcclError::Timeout {
-                    pending: pending.to_owned(),
-                    waited,
-                    comm: self.info,
-                }));
-            }
-            backoff(&mut spins);
-        }
-    }
-
     /// Abort the communicator (`ncclCommAbort`): NCCL stops its pending work and
     /// frees it. Later calls are refused with [`NcclError::Aborted`]; Drop does
     /// nothing more. Aborting twice does nothing.
@@ -658,7 +226,7 @@ impl Communicator {
     /// Bounded: NCCL's abort can wait for the device's queued work (on any
     /// stream of the device), so it runs on a helper thread, and this returns
     /// when it has finished or at the latest the config's
-    /// [`drop_timeout`](CommConfig::drop_timeout) plus 200 ms after the call;
+    /// [`drop_timeout`](super::CommConfig::drop_timeout) plus 200 ms after the call;
     /// an abort still running then finishes alone (one line on stderr says so).
     /// The communicator counts as aborted from the call on.
     ///
@@ -702,7 +270,7 @@ impl Communicator {
             // This thread's open group still lists it, with work queued that
             // NCCL launches at the group's end: aborting now would free the
             // communicator under it. The outermost group's end runs it.
-            super::group::defer_abort(DeferredAbort {
+            super::state::defer_abort(DeferredAbort {
                 lib: self.lib,
                 raw: self.raw,
                 ctx: Arc::clone(&self.ctx),
@@ -724,7 +292,11 @@ impl Communicator {
 
     /// Abort, and the error of `state` seen during `during`.
     #[cold]
-    fn async_failure(&self, during: &str, state: ncclResult_t) -> crate::error::MetraleError {
+    pub(super) fn async_failure(
+        &self,
+        during: &str,
+        state: ncclResult_t,
+    ) -> crate::error::MetraleError {
         let last_error = {
             let _turn = self.turn();
             error::last_error(self.lib, self.raw)
@@ -1009,25 +581,4 @@ impl Drop for Communicator {
             },
         );
     }
-}
-
-/// The per-peer send and receive counters of a communicator of `size` ranks
-/// (none above `agree::P2P_CHECKED_RANKS`).
-fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
-    if size > super::agree::P2P_CHECKED_RANKS {
-        return Box::new([]);
-    }
-    (0..2 * size).map(|_| Cell::new(0)).collect()
-}
-
-/// What an init decided about the communicator it made.
-struct Made {
-    /// Whether it blocks, as NCCL decided (the environment over the config).
-    blocking: bool,
-    /// The lock shared with a parent or children (see `Communicator::serial`).
-    serial: Option<Arc<Mutex<()>>>,
-    /// The config's strings, kept as long as the communicator.
-    names: Vec<CString>,
-    /// The key of the NCCL communicator it is a rank of (see `Communicator::clique`).
-    clique: u64,
 }

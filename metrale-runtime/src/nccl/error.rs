@@ -1,7 +1,8 @@
-//! The room's error data ([`NcclError`]) and the one place it becomes a
-//! [`MetraleError`] ([`into_error`]), so a change of `MetraleError`'s shape
-//! touches this file only.
+//! The room's error data ([`NcclError`]), how it fills the crate's library-error
+//! shape ([`LibraryFailure`]), and the one place it becomes a [`MetraleError`]
+//! ([`into_error`]), so a change of `MetraleError`'s shape touches this file only.
 
+use std::borrow::Cow;
 use std::ffi::CStr;
 use std::fmt;
 use std::time::Duration;
@@ -9,7 +10,7 @@ use std::time::Duration;
 use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
 use metrale_cuda_sys::{LibraryLoadError, LibraryMissingSymbol};
 
-use crate::error::{ErrorKind, MetraleError};
+use crate::error::{LibraryError, LibraryFailure, MetraleError};
 
 /// Which communicator an error is about: its rank, the number of ranks and its
 /// device.
@@ -252,15 +253,71 @@ impl NcclError {
 /// The one constructor of the crate's error from this room's.
 #[cold]
 pub(crate) fn into_error(e: NcclError) -> MetraleError {
-    ErrorKind::Nccl(Box::new(e)).into()
+    LibraryError::new(e).into()
 }
 
 impl MetraleError {
     /// This error's NCCL data, when it came from a communicator or NCCL itself
     /// (feature `nccl`).
     pub fn as_nccl(&self) -> Option<&NcclError> {
-        match self.kind() {
-            ErrorKind::Nccl(e) => Some(e),
+        self.as_library()?.downcast_ref()
+    }
+}
+
+impl LibraryFailure for NcclError {
+    fn library(&self) -> &'static str {
+        "NCCL"
+    }
+
+    fn call(&self) -> Option<&'static str> {
+        match self {
+            NcclError::MissingSymbol { missing, .. } => Some(missing.name),
+            NcclError::Call { call, .. }
+            | NcclError::Refused { call, .. }
+            | NcclError::Aborted { call, .. } => Some(call),
+            _ => None,
+        }
+    }
+
+    fn status_code(&self) -> Option<i64> {
+        self.status().map(|s| i64::from(s.0))
+    }
+
+    fn status_name(&self) -> Option<Cow<'_, str>> {
+        self.status()
+            .map(|s| Cow::Borrowed(s.name().unwrap_or("ncclUnknownResult")))
+    }
+
+    /// `ncclGetErrorString`'s description of the status.
+    fn text(&self) -> Option<Cow<'_, str>> {
+        match self {
+            NcclError::Call { description, .. } | NcclError::Async { description, .. } => {
+                Some(Cow::Borrowed(description))
+            }
+            _ => None,
+        }
+    }
+
+    /// The communicator (`rank 1 of 2, device 0`), when there is one.
+    fn subject(&self) -> Option<Cow<'_, str>> {
+        let comm = match self {
+            NcclError::Unavailable(_) => None,
+            NcclError::MissingSymbol { comm, .. }
+            | NcclError::Call { comm, .. }
+            | NcclError::Refused { comm, .. } => *comm,
+            NcclError::Async { comm, .. }
+            | NcclError::Timeout { comm, .. }
+            | NcclError::Aborted { comm, .. } => Some(*comm),
+        };
+        comm.map(|c| Cow::Owned(format!("communicator {c}")))
+    }
+
+    /// `ncclGetLastError`'s text, when NCCL said more.
+    fn detail(&self) -> Option<&str> {
+        match self {
+            NcclError::Call { last_error, .. } | NcclError::Async { last_error, .. } => {
+                Some(last_error.as_str()).filter(|t| !t.is_empty())
+            }
             _ => None,
         }
     }

@@ -1,120 +1,18 @@
 //! [`group`]: several NCCL calls, of one or several communicators, queued as one
-//! NCCL group from one thread; the thread's group depth, listed communicators
-//! and the aborts deferred to the outermost group's end.
+//! NCCL group from one thread (the thread's group state is `state.rs`).
 
-use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::ThreadId;
 use std::time::Duration;
 
-use metrale_cuda_sys::nccl::{ncclComm_t, ncclResult_t, Nccl};
+use metrale_cuda_sys::nccl::ncclResult_t;
 
-use crate::context::CudaContext;
 use crate::error::Result;
 use crate::memory::NcclGroupOpen;
 
 use super::comm::Communicator;
-use super::error::{call_error, missing, CommInfo};
+use super::error::{call_error, missing};
 use super::lib;
-use super::teardown::{abort_bounded, bound_deadline};
-
-thread_local! {
-    /// Depth of this thread's `group` calls.
-    static DEPTH: Cell<usize> = const { Cell::new(0) };
-    /// The communicators the open groups list (borrowed for the group's length).
-    static LISTED: RefCell<Vec<ncclComm_t>> = const { RefCell::new(Vec::new()) };
-    /// Inits made inside this thread's open groups: NCCL runs them at the
-    /// outermost `ncclGroupEnd`.
-    static PENDING_INITS: RefCell<Vec<Arc<GroupInit>>> = const { RefCell::new(Vec::new()) };
-    /// Aborts asked for while an open group of this thread listed the
-    /// communicator: run after the outermost `ncclGroupEnd`.
-    static DEFERRED_ABORTS: RefCell<Vec<DeferredAbort>> = const { RefCell::new(Vec::new()) };
-}
-
-/// An abort of a communicator that this thread's open group lists (its queued
-/// work still names it): NCCL's abort runs after the outermost group's end.
-/// The communicator is marked aborted meanwhile (no NCCL call on it) and, being
-/// borrowed by the group, outlives the group's end; this owns what the abort
-/// needs.
-pub(crate) struct DeferredAbort {
-    pub(crate) lib: &'static Nccl,
-    pub(crate) raw: ncclComm_t,
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) serial: Option<Arc<Mutex<()>>>,
-    pub(crate) info: CommInfo,
-    /// How long the abort may take (plus the grace) before it is left to a
-    /// helper thread.
-    pub(crate) bound: Duration,
-}
-
-/// Defer `abort` to the outermost group's end.
-pub(crate) fn defer_abort(abort: DeferredAbort) {
-    DEFERRED_ABORTS.with(|d| d.borrow_mut().push(abort));
-}
-
-/// Run the aborts deferred to the end of this thread's outermost group (after
-/// its `ncclGroupEnd`), each bounded.
-fn run_deferred_aborts() {
-    let aborts = DEFERRED_ABORTS.with(|d| std::mem::take(&mut *d.borrow_mut()));
-    for a in aborts {
-        abort_bounded(
-            a.lib,
-            a.raw,
-            &a.ctx,
-            a.serial.as_ref(),
-            a.info,
-            bound_deadline(a.bound),
-        );
-    }
-}
-
-/// A communicator made inside a group: NCCL initializes it only when the
-/// outermost group of the thread that made it ends. Until then it may be used
-/// only inside that group, on that thread.
-#[derive(Debug)]
-pub(crate) struct GroupInit {
-    thread: ThreadId,
-    ended: AtomicBool,
-}
-
-impl GroupInit {
-    /// Record an init made now, inside this thread's open group.
-    pub(crate) fn pending() -> Arc<GroupInit> {
-        let init = Arc::new(GroupInit {
-            thread: std::thread::current().id(),
-            ended: AtomicBool::new(false),
-        });
-        PENDING_INITS.with(|p| p.borrow_mut().push(Arc::clone(&init)));
-        init
-    }
-
-    /// Whether NCCL may be called on the communicator here: its group ended, or
-    /// this is the thread whose open group holds its init.
-    pub(crate) fn usable_here(&self) -> bool {
-        self.ended() || (self.thread == std::thread::current().id() && in_group())
-    }
-
-    /// Whether the group it was made in has ended (NCCL ran the init).
-    pub(crate) fn ended(&self) -> bool {
-        self.ended.load(Ordering::Acquire)
-    }
-}
-
-/// The outermost group ended (its `ncclGroupEnd` was called): the inits made in
-/// it have run (or failed, which their communicators report).
-fn inits_ended() {
-    let done = PENDING_INITS.with(|p| std::mem::take(&mut *p.borrow_mut()));
-    for init in done {
-        init.ended.store(true, Ordering::Release);
-    }
-}
-
-/// Whether this thread is inside [`group`].
-#[inline]
-pub(crate) fn in_group() -> bool {
-    DEPTH.with(Cell::get) > 0
-}
+use super::state::{self, in_group, is_listed};
 
 /// Queue NCCL calls of one or several communicators as one group
 /// (`ncclGroupStart` / `ncclGroupEnd`): what `f` queues is launched when it
@@ -218,12 +116,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     // The outermost group holds frees back until it has ended (also on
     // unwind, after the NCCL group: `Open` is dropped first).
     let frees_wait = (!in_group()).then(NcclGroupOpen::new);
-    let mark = LISTED.with(|l| {
-        let mut l = l.borrow_mut();
-        let mark = l.len();
-        l.extend(comms.iter().map(|c| c.raw_handle()));
-        mark
-    });
+    let mark = state::list(comms.iter().map(|c| c.raw_handle()));
     /// Ends the depth and the listing, and when `f` unwinds the NCCL group too
     /// (its status ignored), so the thread is not left inside a group.
     struct Open {
@@ -232,9 +125,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     }
     impl Drop for Open {
         fn drop(&mut self) {
-            DEPTH.with(|d| d.set(d.get().saturating_sub(1)));
-            let mark = self.mark;
-            LISTED.with(|l| l.borrow_mut().truncate(mark));
+            state::leave(self.mark);
             if let Some(end) = self.end.take() {
                 // SAFETY: ends the group `group` started, once.
                 let _ = unsafe { end() };
@@ -249,7 +140,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     impl Drop for InitsEnd {
         fn drop(&mut self) {
             if self.outermost {
-                inits_ended();
+                state::inits_ended();
             }
         }
     }
@@ -263,7 +154,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
         fn run(&mut self) {
             if std::mem::take(&mut self.outermost) {
                 super::agree::clear();
-                run_deferred_aborts();
+                state::run_deferred_aborts();
             }
         }
     }
@@ -279,7 +170,7 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     let mut aborts_end = AbortsEnd {
         outermost: !in_group(),
     };
-    DEPTH.with(|d| d.set(d.get() + 1));
+    state::deepen();
     let mut open = Open {
         mark,
         end: Some(end),
@@ -336,9 +227,4 @@ pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Resul
     drop(frees_wait);
     let value = result?;
     ended.map(|()| value)
-}
-
-/// Whether an open group of this thread lists the communicator `raw`.
-pub(crate) fn is_listed(raw: ncclComm_t) -> bool {
-    LISTED.with(|l| l.borrow().contains(&raw))
 }

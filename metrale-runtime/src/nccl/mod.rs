@@ -13,8 +13,10 @@
 //!   [`ReduceOp`], and [`group`];
 //! - the agreement check of the ranks one thread drives in one group
 //!   (`agree.rs`);
-//! - [`NcclError`] and [`NcclStatus`] (`error.rs`), the one constructor of
-//!   `MetraleError::Nccl`;
+//! - [`NcclError`] and [`NcclStatus`] (`error.rs`): the room's error data, which
+//!   fills the crate's library-error shape
+//!   ([`LibraryFailure`](crate::error::LibraryFailure)), and the one constructor
+//!   of its [`MetraleError`];
 //! - the helper thread that bounds NCCL's blocking abort, finalize and destroy
 //!   (`teardown.rs`).
 //!
@@ -92,7 +94,10 @@ mod comm;
 mod config;
 mod error;
 mod group;
+mod init;
+mod state;
 mod teardown;
+mod wait;
 
 pub use comm::Communicator;
 pub use config::CommConfig;

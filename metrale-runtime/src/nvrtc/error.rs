@@ -1,15 +1,15 @@
-//! The room's error data ([`NvrtcError`]) and the one place it becomes a
-//! [`MetraleError`] ([`into_error`]), so a change of `MetraleError`'s shape
-//! touches this file only.
+//! The room's error data ([`NvrtcError`]), how it fills the crate's library-error
+//! shape ([`LibraryFailure`]), and the one place it becomes a [`MetraleError`]
+//! ([`into_error`]), so a change of `MetraleError`'s shape touches this file only.
 
+use std::borrow::Cow;
 use std::fmt;
 
 use metrale_cuda_sys::nvjitlink::nvJitLinkResult;
 use metrale_cuda_sys::nvrtc::nvrtcResult;
 use metrale_cuda_sys::{self as sys};
 
-use crate::error::ErrorKind;
-use crate::error::MetraleError;
+use crate::error::{LibraryError, LibraryFailure, MetraleError};
 
 use super::Target;
 
@@ -182,16 +182,105 @@ impl NvrtcError {
 /// The one constructor of the crate's error from this room's.
 #[cold]
 pub(crate) fn into_error(e: NvrtcError) -> MetraleError {
-    ErrorKind::Nvrtc(Box::new(e)).into()
+    LibraryError::new(e).into()
 }
 
 impl MetraleError {
     /// This error's NVRTC / nvJitLink data, when it came from run-time
     /// compilation (feature `nvrtc`).
     pub fn as_nvrtc(&self) -> Option<&NvrtcError> {
-        match self.kind() {
-            ErrorKind::Nvrtc(e) => Some(e),
+        self.as_library()?.downcast_ref()
+    }
+}
+
+impl LibraryStatus {
+    fn library(self) -> &'static str {
+        match self {
+            LibraryStatus::Nvrtc(_) => "NVRTC",
+            LibraryStatus::NvJitLink(_) => "nvJitLink",
+        }
+    }
+
+    fn code(self) -> i64 {
+        match self {
+            LibraryStatus::Nvrtc(s) => i64::from(s.0),
+            LibraryStatus::NvJitLink(s) => i64::from(s.0),
+        }
+    }
+
+    fn name(self) -> Cow<'static, str> {
+        match self {
+            LibraryStatus::Nvrtc(s) => Cow::Owned(nvrtc_status_name(s)),
+            LibraryStatus::NvJitLink(s) => match s.name() {
+                Some(n) => Cow::Borrowed(n),
+                None => Cow::Borrowed("NVJITLINK_UNKNOWN"),
+            },
+        }
+    }
+}
+
+impl LibraryFailure for NvrtcError {
+    /// `"NVRTC"` or `"nvJitLink"`: the library that failed (NVRTC for this room's
+    /// own refusals and the compile cache).
+    fn library(&self) -> &'static str {
+        match self {
+            NvrtcError::Unavailable(e) => e.library,
+            NvrtcError::MissingSymbol { missing, .. } => missing.library,
+            NvrtcError::Call { status, .. } => status.library(),
+            NvrtcError::Link { .. } => "nvJitLink",
+            NvrtcError::Compile { .. } | NvrtcError::Invalid { .. } | NvrtcError::Cache { .. } => {
+                "NVRTC"
+            }
+        }
+    }
+
+    fn call(&self) -> Option<&'static str> {
+        match self {
+            NvrtcError::MissingSymbol { missing, .. } => Some(missing.name),
+            NvrtcError::Call { call, .. } | NvrtcError::Link { call, .. } => Some(call),
+            NvrtcError::Compile { .. } => Some("nvrtcCompileProgram"),
             _ => None,
         }
+    }
+
+    fn status_code(&self) -> Option<i64> {
+        match self {
+            NvrtcError::Call { status, .. } => Some(status.code()),
+            NvrtcError::Compile { status, .. } => Some(LibraryStatus::Nvrtc(*status).code()),
+            NvrtcError::Link { status, .. } => Some(LibraryStatus::NvJitLink(*status).code()),
+            _ => None,
+        }
+    }
+
+    fn status_name(&self) -> Option<Cow<'_, str>> {
+        match self {
+            NvrtcError::Call { status, .. } => Some(status.name()),
+            NvrtcError::Compile { status, .. } => Some(LibraryStatus::Nvrtc(*status).name()),
+            NvrtcError::Link { status, .. } => Some(LibraryStatus::NvJitLink(*status).name()),
+            _ => None,
+        }
+    }
+
+    /// NVRTC's and nvJitLink's only words for a status are its name: `None`.
+    fn text(&self) -> Option<Cow<'_, str>> {
+        None
+    }
+
+    fn subject(&self) -> Option<Cow<'_, str>> {
+        match self {
+            NvrtcError::Unavailable(_) => None,
+            NvrtcError::MissingSymbol { subject, .. }
+            | NvrtcError::Call { subject, .. }
+            | NvrtcError::Link { subject, .. }
+            | NvrtcError::Invalid { subject, .. } => Some(Cow::Borrowed(subject)),
+            NvrtcError::Compile { program, .. } => Some(Cow::Owned(format!("program '{program}'"))),
+            NvrtcError::Cache { path, .. } => Some(Cow::Owned(format!("compile cache at {path}"))),
+        }
+    }
+
+    /// The program log of a failed compile, or the link log of a failed link,
+    /// when not empty.
+    fn detail(&self) -> Option<&str> {
+        self.log().filter(|l| !l.trim().is_empty())
     }
 }

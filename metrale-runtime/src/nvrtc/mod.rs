@@ -12,8 +12,9 @@
 //! - [`CompileCache`] (`cache.rs`): outputs keyed by everything that decides them,
 //!   in memory (bounded) and, opt-in, in a folder; `fingerprint.rs` gives the
 //!   key the loaded NVRTC build (build IDs) and the include folders' listing.
-//! - [`NvrtcError`] (`error.rs`): the room's error data, and the one function
-//!   that turns it into a [`MetraleError`](crate::MetraleError).
+//! - [`NvrtcError`] (`error.rs`): the room's error data, which fills the crate's
+//!   library-error shape ([`LibraryFailure`](crate::error::LibraryFailure)), and
+//!   the one function that turns it into a [`MetraleError`](crate::MetraleError).
 //!
 //! Invariants:
 //! - NVRTC and nvJitLink handles never leave the call that created them: they
