@@ -300,10 +300,16 @@ fn opt(v: Option<u64>, unit: &str) -> String {
 }
 
 fn kernel_text(out: &mut String, k: &Kernel, from_ptx: bool) {
-    let size = k
-        .param_bytes
-        .or_else(|| k.params.last().map(|p| p.offset + p.size))
-        .unwrap_or(0);
+    // The end of the last parameter; a sum past u64 (a hand-made file) shows
+    // as a note instead of a number.
+    let size = match k.param_bytes {
+        Some(n) => n.to_string(),
+        None => k.params.last().map_or("0".to_owned(), |p| {
+            p.offset
+                .checked_add(p.size)
+                .map_or("past 2^64".to_owned(), |n| n.to_string())
+        }),
+    };
     let _ = writeln!(out, "  {}", k.name);
     let params = if k.params.is_empty() {
         "none".to_owned()
@@ -452,20 +458,25 @@ fn on_devices(
 }
 
 /// `metrale inspect FILE`.
-pub fn run(file: &str, offline: bool) -> Outcome {
+pub fn run(path: &std::path::Path, offline: bool) -> Outcome {
+    // The name as text (a name that is not UTF-8 is shown lossily).
+    let file = path.to_string_lossy();
     let failed = |why: String| Outcome {
         text: String::new(),
-        json: Json::obj().with("file", file).with("error", why.as_str()),
+        json: Json::obj()
+            .with("file", file.as_ref())
+            .with("error", why.as_str()),
         error: Some(why),
         code: FAILED,
     };
-    let data = match std::fs::read(file) {
+    let data = match std::fs::read(path) {
         Ok(d) => d,
         Err(e) => return failed(format!("cannot read {file}: {e}")),
     };
-    let module = std::path::Path::new(file)
-        .file_name()
-        .map_or_else(|| file.to_owned(), |n| n.to_string_lossy().into_owned());
+    let module = path.file_name().map_or_else(
+        || file.clone().into_owned(),
+        |n| n.to_string_lossy().into_owned(),
+    );
     let outer = BlobKind::of(&data);
     let kind = match blob::check(&module, &data) {
         Ok(k) => k,

@@ -22,7 +22,9 @@ mod inspect;
 mod json;
 mod locate;
 
+use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
+use std::path::Path;
 use std::process::ExitCode;
 
 use json::Json;
@@ -75,51 +77,64 @@ Exit status: 0 done, 1 the command failed, 2 usage, 3 no CUDA driver loaded.
 ";
 
 fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    // `args_os`: a file name need not be UTF-8 (`std::env::args` panics on one).
+    let args: Vec<OsString> = std::env::args_os().skip(1).collect();
     let json = args.iter().any(|a| a == "--json");
-    let rest: Vec<&str> = args
+    let rest: Vec<&OsStr> = args
         .iter()
-        .map(String::as_str)
+        .map(OsString::as_os_str)
         .filter(|a| *a != "--json")
         .collect();
     let outcome = match rest.split_first() {
         None => usage("no command given"),
-        Some((&("-h" | "--help" | "help"), _)) => {
-            print!("{HELP}");
-            return ExitCode::SUCCESS;
-        }
-        Some((&("-V" | "--version"), _)) => {
-            println!("metrale {}", env!("CARGO_PKG_VERSION"));
-            return ExitCode::SUCCESS;
-        }
-        Some((&"doctor", [])) => doctor::run(),
-        Some((&"devices", [])) => devices::run(),
-        Some((&"inspect", opts)) => match inspect_args(opts) {
-            Ok((file, offline)) => inspect::run(file, offline),
-            Err(why) => usage(&why),
+        Some((cmd, opts)) => match cmd.to_str() {
+            Some("-h" | "--help" | "help") => {
+                // A closed or full stdout (`metrale --help > /dev/full`) is not
+                // worth a panic: write, and ignore the failure.
+                write_out(HELP);
+                return ExitCode::SUCCESS;
+            }
+            Some("-V" | "--version") => {
+                write_out(&format!("metrale {}\n", env!("CARGO_PKG_VERSION")));
+                return ExitCode::SUCCESS;
+            }
+            Some("doctor") if opts.is_empty() => doctor::run(),
+            Some("devices") if opts.is_empty() => devices::run(),
+            Some("inspect") => match inspect_args(opts) {
+                Ok((file, offline)) => inspect::run(file, offline),
+                Err(why) => usage(&why),
+            },
+            Some("bench") => match bench_args(opts) {
+                Ok(options) => bench::run(options),
+                Err(why) => usage(&why),
+            },
+            Some(cmd @ ("doctor" | "devices")) => usage(&format!(
+                "`{cmd}` takes no arguments (got `{}`)",
+                opts.first()
+                    .map_or_else(String::new, |a| a.to_string_lossy().into_owned())
+            )),
+            _ => usage(&format!("unknown command `{}`", cmd.to_string_lossy())),
         },
-        Some((&"bench", opts)) => match bench_args(opts) {
-            Ok(options) => bench::run(options),
-            Err(why) => usage(&why),
-        },
-        Some((&cmd @ ("doctor" | "devices"), [extra, ..])) => {
-            usage(&format!("`{cmd}` takes no arguments (got `{extra}`)"))
-        }
-        Some((other, _)) => usage(&format!("unknown command `{other}`")),
     };
-    let mut stdout = std::io::stdout().lock();
     let body = if json {
         outcome.json.render()
     } else {
         outcome.text
     };
     // A closed stdout (`metrale doctor | head -1`) is not worth a panic.
-    let _ = stdout.write_all(body.as_bytes());
-    let _ = stdout.flush();
+    write_out(&body);
     if let Some(error) = &outcome.error {
-        eprintln!("metrale: {error}");
+        let _ = writeln!(std::io::stderr().lock(), "metrale: {error}");
     }
     ExitCode::from(outcome.code)
+}
+
+/// Write `text` to stdout, ignoring a failure (a closed pipe, a full disk):
+/// `print!` would panic there.
+fn write_out(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(text.as_bytes());
+    let _ = stdout.flush();
 }
 
 fn usage(why: &str) -> Outcome {
@@ -131,16 +146,17 @@ fn usage(why: &str) -> Outcome {
     }
 }
 
-fn inspect_args<'a>(opts: &[&'a str]) -> Result<(&'a str, bool), String> {
+fn inspect_args<'a>(opts: &[&'a OsStr]) -> Result<(&'a Path, bool), String> {
     let mut file = None;
     let mut offline = false;
     for &opt in opts {
-        match opt {
+        let text = opt.to_string_lossy();
+        match text.as_ref() {
             "--offline" => offline = true,
             flag if flag.starts_with("--") => {
                 return Err(format!("`inspect` has no option `{flag}`"))
             }
-            path if file.is_none() => file = Some(path),
+            _ if file.is_none() => file = Some(Path::new(opt)),
             extra => return Err(format!("`inspect` takes one file (got also `{extra}`)")),
         }
     }
@@ -148,11 +164,11 @@ fn inspect_args<'a>(opts: &[&'a str]) -> Result<(&'a str, bool), String> {
         .ok_or_else(|| "`inspect` needs a file: metrale inspect FILE".to_owned())
 }
 
-fn bench_args(opts: &[&str]) -> Result<bench::Options, String> {
+fn bench_args(opts: &[&OsStr]) -> Result<bench::Options, String> {
     let mut options = bench::Options::default();
-    let mut it = opts.iter();
-    while let Some(&opt) = it.next() {
-        let slot = match opt {
+    let mut it = opts.iter().map(|o| o.to_string_lossy());
+    while let Some(opt) = it.next() {
+        let slot = match opt.as_ref() {
             "--rounds" => &mut options.rounds,
             "--launches" => &mut options.launches,
             other => return Err(format!("`bench` has no option `{other}`")),

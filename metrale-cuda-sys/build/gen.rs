@@ -324,15 +324,16 @@ fn emit_table(out: &mut String, spec: &Spec, decls: &[Decl<'_>]) {
          /// `lib` must be {} whose exported functions have the \
          signatures of the header these bindings were generated from.\n\
          unsafe fn resolve(lib: &::libloading::Library) -> Self {{\n\
-         // SAFETY: the caller promises the symbols have the declared types; a \
-         symbol that is absent is kept as `None` and never called.\n\
+         // SAFETY: the caller promises the symbols have the declared types; each \
+         is read as `Option<PFN_x>`, so a null address is `None`, never a null fn \
+         pointer, and a symbol absent or null is kept as `None` and never called.\n\
          unsafe {{ Self {{",
         spec.library
     );
     for d in decls {
         let _ = write!(
             out,
-            "{0}: lib.get::<PFN_{0}>(b\"{0}\\0\").ok().map(|s| *s),",
+            "{0}: lib.get::<Option<PFN_{0}>>(b\"{0}\\0\").ok().and_then(|s| *s),",
             d.name
         );
     }

@@ -9437,1870 +9437,1997 @@ impl crate::Table for DriverFns {
     /// # Safety
     /// `lib` must be a CUDA driver library whose exported functions have the signatures of the header these bindings were generated from.
     unsafe fn resolve(lib: &::libloading::Library) -> Self {
-        // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
+        // SAFETY: the caller promises the symbols have the declared types; each is read as `Option<PFN_x>`, so a null address is `None`, never a null fn pointer, and a symbol absent or null is kept as `None` and never called.
         unsafe {
             Self {
                 cuGetErrorString: lib
-                    .get::<PFN_cuGetErrorString>(b"cuGetErrorString\0")
+                    .get::<Option<PFN_cuGetErrorString>>(b"cuGetErrorString\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGetErrorName: lib
-                    .get::<PFN_cuGetErrorName>(b"cuGetErrorName\0")
+                    .get::<Option<PFN_cuGetErrorName>>(b"cuGetErrorName\0")
                     .ok()
-                    .map(|s| *s),
-                cuInit: lib.get::<PFN_cuInit>(b"cuInit\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuInit: lib
+                    .get::<Option<PFN_cuInit>>(b"cuInit\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuDriverGetVersion: lib
-                    .get::<PFN_cuDriverGetVersion>(b"cuDriverGetVersion\0")
+                    .get::<Option<PFN_cuDriverGetVersion>>(b"cuDriverGetVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGet: lib
-                    .get::<PFN_cuDeviceGet>(b"cuDeviceGet\0")
+                    .get::<Option<PFN_cuDeviceGet>>(b"cuDeviceGet\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetCount: lib
-                    .get::<PFN_cuDeviceGetCount>(b"cuDeviceGetCount\0")
+                    .get::<Option<PFN_cuDeviceGetCount>>(b"cuDeviceGetCount\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetName: lib
-                    .get::<PFN_cuDeviceGetName>(b"cuDeviceGetName\0")
+                    .get::<Option<PFN_cuDeviceGetName>>(b"cuDeviceGetName\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetUuid_v2: lib
-                    .get::<PFN_cuDeviceGetUuid_v2>(b"cuDeviceGetUuid_v2\0")
+                    .get::<Option<PFN_cuDeviceGetUuid_v2>>(b"cuDeviceGetUuid_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetLuid: lib
-                    .get::<PFN_cuDeviceGetLuid>(b"cuDeviceGetLuid\0")
+                    .get::<Option<PFN_cuDeviceGetLuid>>(b"cuDeviceGetLuid\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceTotalMem_v2: lib
-                    .get::<PFN_cuDeviceTotalMem_v2>(b"cuDeviceTotalMem_v2\0")
+                    .get::<Option<PFN_cuDeviceTotalMem_v2>>(b"cuDeviceTotalMem_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetTexture1DLinearMaxWidth: lib
-                    .get::<PFN_cuDeviceGetTexture1DLinearMaxWidth>(
+                    .get::<Option<PFN_cuDeviceGetTexture1DLinearMaxWidth>>(
                         b"cuDeviceGetTexture1DLinearMaxWidth\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetAttribute: lib
-                    .get::<PFN_cuDeviceGetAttribute>(b"cuDeviceGetAttribute\0")
+                    .get::<Option<PFN_cuDeviceGetAttribute>>(b"cuDeviceGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetHostAtomicCapabilities: lib
-                    .get::<PFN_cuDeviceGetHostAtomicCapabilities>(
+                    .get::<Option<PFN_cuDeviceGetHostAtomicCapabilities>>(
                         b"cuDeviceGetHostAtomicCapabilities\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetNvSciSyncAttributes: lib
-                    .get::<PFN_cuDeviceGetNvSciSyncAttributes>(b"cuDeviceGetNvSciSyncAttributes\0")
+                    .get::<Option<PFN_cuDeviceGetNvSciSyncAttributes>>(
+                        b"cuDeviceGetNvSciSyncAttributes\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceSetMemPool: lib
-                    .get::<PFN_cuDeviceSetMemPool>(b"cuDeviceSetMemPool\0")
+                    .get::<Option<PFN_cuDeviceSetMemPool>>(b"cuDeviceSetMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetMemPool: lib
-                    .get::<PFN_cuDeviceGetMemPool>(b"cuDeviceGetMemPool\0")
+                    .get::<Option<PFN_cuDeviceGetMemPool>>(b"cuDeviceGetMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetDefaultMemPool: lib
-                    .get::<PFN_cuDeviceGetDefaultMemPool>(b"cuDeviceGetDefaultMemPool\0")
+                    .get::<Option<PFN_cuDeviceGetDefaultMemPool>>(b"cuDeviceGetDefaultMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetExecAffinitySupport: lib
-                    .get::<PFN_cuDeviceGetExecAffinitySupport>(b"cuDeviceGetExecAffinitySupport\0")
+                    .get::<Option<PFN_cuDeviceGetExecAffinitySupport>>(
+                        b"cuDeviceGetExecAffinitySupport\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFlushGPUDirectRDMAWrites: lib
-                    .get::<PFN_cuFlushGPUDirectRDMAWrites>(b"cuFlushGPUDirectRDMAWrites\0")
+                    .get::<Option<PFN_cuFlushGPUDirectRDMAWrites>>(b"cuFlushGPUDirectRDMAWrites\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetProperties: lib
-                    .get::<PFN_cuDeviceGetProperties>(b"cuDeviceGetProperties\0")
+                    .get::<Option<PFN_cuDeviceGetProperties>>(b"cuDeviceGetProperties\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceComputeCapability: lib
-                    .get::<PFN_cuDeviceComputeCapability>(b"cuDeviceComputeCapability\0")
+                    .get::<Option<PFN_cuDeviceComputeCapability>>(b"cuDeviceComputeCapability\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevicePrimaryCtxRetain: lib
-                    .get::<PFN_cuDevicePrimaryCtxRetain>(b"cuDevicePrimaryCtxRetain\0")
+                    .get::<Option<PFN_cuDevicePrimaryCtxRetain>>(b"cuDevicePrimaryCtxRetain\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevicePrimaryCtxRelease_v2: lib
-                    .get::<PFN_cuDevicePrimaryCtxRelease_v2>(b"cuDevicePrimaryCtxRelease_v2\0")
+                    .get::<Option<PFN_cuDevicePrimaryCtxRelease_v2>>(
+                        b"cuDevicePrimaryCtxRelease_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevicePrimaryCtxSetFlags_v2: lib
-                    .get::<PFN_cuDevicePrimaryCtxSetFlags_v2>(b"cuDevicePrimaryCtxSetFlags_v2\0")
+                    .get::<Option<PFN_cuDevicePrimaryCtxSetFlags_v2>>(
+                        b"cuDevicePrimaryCtxSetFlags_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevicePrimaryCtxGetState: lib
-                    .get::<PFN_cuDevicePrimaryCtxGetState>(b"cuDevicePrimaryCtxGetState\0")
+                    .get::<Option<PFN_cuDevicePrimaryCtxGetState>>(b"cuDevicePrimaryCtxGetState\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevicePrimaryCtxReset_v2: lib
-                    .get::<PFN_cuDevicePrimaryCtxReset_v2>(b"cuDevicePrimaryCtxReset_v2\0")
+                    .get::<Option<PFN_cuDevicePrimaryCtxReset_v2>>(b"cuDevicePrimaryCtxReset_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxCreate_v4: lib
-                    .get::<PFN_cuCtxCreate_v4>(b"cuCtxCreate_v4\0")
+                    .get::<Option<PFN_cuCtxCreate_v4>>(b"cuCtxCreate_v4\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxDestroy_v2: lib
-                    .get::<PFN_cuCtxDestroy_v2>(b"cuCtxDestroy_v2\0")
+                    .get::<Option<PFN_cuCtxDestroy_v2>>(b"cuCtxDestroy_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxPushCurrent_v2: lib
-                    .get::<PFN_cuCtxPushCurrent_v2>(b"cuCtxPushCurrent_v2\0")
+                    .get::<Option<PFN_cuCtxPushCurrent_v2>>(b"cuCtxPushCurrent_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxPopCurrent_v2: lib
-                    .get::<PFN_cuCtxPopCurrent_v2>(b"cuCtxPopCurrent_v2\0")
+                    .get::<Option<PFN_cuCtxPopCurrent_v2>>(b"cuCtxPopCurrent_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSetCurrent: lib
-                    .get::<PFN_cuCtxSetCurrent>(b"cuCtxSetCurrent\0")
+                    .get::<Option<PFN_cuCtxSetCurrent>>(b"cuCtxSetCurrent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetCurrent: lib
-                    .get::<PFN_cuCtxGetCurrent>(b"cuCtxGetCurrent\0")
+                    .get::<Option<PFN_cuCtxGetCurrent>>(b"cuCtxGetCurrent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetDevice: lib
-                    .get::<PFN_cuCtxGetDevice>(b"cuCtxGetDevice\0")
+                    .get::<Option<PFN_cuCtxGetDevice>>(b"cuCtxGetDevice\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetDevice_v2: lib
-                    .get::<PFN_cuCtxGetDevice_v2>(b"cuCtxGetDevice_v2\0")
+                    .get::<Option<PFN_cuCtxGetDevice_v2>>(b"cuCtxGetDevice_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetFlags: lib
-                    .get::<PFN_cuCtxGetFlags>(b"cuCtxGetFlags\0")
+                    .get::<Option<PFN_cuCtxGetFlags>>(b"cuCtxGetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSetFlags: lib
-                    .get::<PFN_cuCtxSetFlags>(b"cuCtxSetFlags\0")
+                    .get::<Option<PFN_cuCtxSetFlags>>(b"cuCtxSetFlags\0")
                     .ok()
-                    .map(|s| *s),
-                cuCtxGetId: lib.get::<PFN_cuCtxGetId>(b"cuCtxGetId\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuCtxGetId: lib
+                    .get::<Option<PFN_cuCtxGetId>>(b"cuCtxGetId\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuCtxSynchronize: lib
-                    .get::<PFN_cuCtxSynchronize>(b"cuCtxSynchronize\0")
+                    .get::<Option<PFN_cuCtxSynchronize>>(b"cuCtxSynchronize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSynchronize_v2: lib
-                    .get::<PFN_cuCtxSynchronize_v2>(b"cuCtxSynchronize_v2\0")
+                    .get::<Option<PFN_cuCtxSynchronize_v2>>(b"cuCtxSynchronize_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSetLimit: lib
-                    .get::<PFN_cuCtxSetLimit>(b"cuCtxSetLimit\0")
+                    .get::<Option<PFN_cuCtxSetLimit>>(b"cuCtxSetLimit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetLimit: lib
-                    .get::<PFN_cuCtxGetLimit>(b"cuCtxGetLimit\0")
+                    .get::<Option<PFN_cuCtxGetLimit>>(b"cuCtxGetLimit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetCacheConfig: lib
-                    .get::<PFN_cuCtxGetCacheConfig>(b"cuCtxGetCacheConfig\0")
+                    .get::<Option<PFN_cuCtxGetCacheConfig>>(b"cuCtxGetCacheConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSetCacheConfig: lib
-                    .get::<PFN_cuCtxSetCacheConfig>(b"cuCtxSetCacheConfig\0")
+                    .get::<Option<PFN_cuCtxSetCacheConfig>>(b"cuCtxSetCacheConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetApiVersion: lib
-                    .get::<PFN_cuCtxGetApiVersion>(b"cuCtxGetApiVersion\0")
+                    .get::<Option<PFN_cuCtxGetApiVersion>>(b"cuCtxGetApiVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetStreamPriorityRange: lib
-                    .get::<PFN_cuCtxGetStreamPriorityRange>(b"cuCtxGetStreamPriorityRange\0")
+                    .get::<Option<PFN_cuCtxGetStreamPriorityRange>>(
+                        b"cuCtxGetStreamPriorityRange\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxResetPersistingL2Cache: lib
-                    .get::<PFN_cuCtxResetPersistingL2Cache>(b"cuCtxResetPersistingL2Cache\0")
+                    .get::<Option<PFN_cuCtxResetPersistingL2Cache>>(
+                        b"cuCtxResetPersistingL2Cache\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetExecAffinity: lib
-                    .get::<PFN_cuCtxGetExecAffinity>(b"cuCtxGetExecAffinity\0")
+                    .get::<Option<PFN_cuCtxGetExecAffinity>>(b"cuCtxGetExecAffinity\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxRecordEvent: lib
-                    .get::<PFN_cuCtxRecordEvent>(b"cuCtxRecordEvent\0")
+                    .get::<Option<PFN_cuCtxRecordEvent>>(b"cuCtxRecordEvent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxWaitEvent: lib
-                    .get::<PFN_cuCtxWaitEvent>(b"cuCtxWaitEvent\0")
+                    .get::<Option<PFN_cuCtxWaitEvent>>(b"cuCtxWaitEvent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxAttach: lib
-                    .get::<PFN_cuCtxAttach>(b"cuCtxAttach\0")
+                    .get::<Option<PFN_cuCtxAttach>>(b"cuCtxAttach\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxDetach: lib
-                    .get::<PFN_cuCtxDetach>(b"cuCtxDetach\0")
+                    .get::<Option<PFN_cuCtxDetach>>(b"cuCtxDetach\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetSharedMemConfig: lib
-                    .get::<PFN_cuCtxGetSharedMemConfig>(b"cuCtxGetSharedMemConfig\0")
+                    .get::<Option<PFN_cuCtxGetSharedMemConfig>>(b"cuCtxGetSharedMemConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxSetSharedMemConfig: lib
-                    .get::<PFN_cuCtxSetSharedMemConfig>(b"cuCtxSetSharedMemConfig\0")
+                    .get::<Option<PFN_cuCtxSetSharedMemConfig>>(b"cuCtxSetSharedMemConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleLoad: lib
-                    .get::<PFN_cuModuleLoad>(b"cuModuleLoad\0")
+                    .get::<Option<PFN_cuModuleLoad>>(b"cuModuleLoad\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleLoadData: lib
-                    .get::<PFN_cuModuleLoadData>(b"cuModuleLoadData\0")
+                    .get::<Option<PFN_cuModuleLoadData>>(b"cuModuleLoadData\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleLoadDataEx: lib
-                    .get::<PFN_cuModuleLoadDataEx>(b"cuModuleLoadDataEx\0")
+                    .get::<Option<PFN_cuModuleLoadDataEx>>(b"cuModuleLoadDataEx\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleLoadFatBinary: lib
-                    .get::<PFN_cuModuleLoadFatBinary>(b"cuModuleLoadFatBinary\0")
+                    .get::<Option<PFN_cuModuleLoadFatBinary>>(b"cuModuleLoadFatBinary\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleUnload: lib
-                    .get::<PFN_cuModuleUnload>(b"cuModuleUnload\0")
+                    .get::<Option<PFN_cuModuleUnload>>(b"cuModuleUnload\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetLoadingMode: lib
-                    .get::<PFN_cuModuleGetLoadingMode>(b"cuModuleGetLoadingMode\0")
+                    .get::<Option<PFN_cuModuleGetLoadingMode>>(b"cuModuleGetLoadingMode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetFunction: lib
-                    .get::<PFN_cuModuleGetFunction>(b"cuModuleGetFunction\0")
+                    .get::<Option<PFN_cuModuleGetFunction>>(b"cuModuleGetFunction\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetFunctionCount: lib
-                    .get::<PFN_cuModuleGetFunctionCount>(b"cuModuleGetFunctionCount\0")
+                    .get::<Option<PFN_cuModuleGetFunctionCount>>(b"cuModuleGetFunctionCount\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleEnumerateFunctions: lib
-                    .get::<PFN_cuModuleEnumerateFunctions>(b"cuModuleEnumerateFunctions\0")
+                    .get::<Option<PFN_cuModuleEnumerateFunctions>>(b"cuModuleEnumerateFunctions\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetGlobal_v2: lib
-                    .get::<PFN_cuModuleGetGlobal_v2>(b"cuModuleGetGlobal_v2\0")
+                    .get::<Option<PFN_cuModuleGetGlobal_v2>>(b"cuModuleGetGlobal_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLinkCreate_v2: lib
-                    .get::<PFN_cuLinkCreate_v2>(b"cuLinkCreate_v2\0")
+                    .get::<Option<PFN_cuLinkCreate_v2>>(b"cuLinkCreate_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLinkAddData_v2: lib
-                    .get::<PFN_cuLinkAddData_v2>(b"cuLinkAddData_v2\0")
+                    .get::<Option<PFN_cuLinkAddData_v2>>(b"cuLinkAddData_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLinkAddFile_v2: lib
-                    .get::<PFN_cuLinkAddFile_v2>(b"cuLinkAddFile_v2\0")
+                    .get::<Option<PFN_cuLinkAddFile_v2>>(b"cuLinkAddFile_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLinkComplete: lib
-                    .get::<PFN_cuLinkComplete>(b"cuLinkComplete\0")
+                    .get::<Option<PFN_cuLinkComplete>>(b"cuLinkComplete\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLinkDestroy: lib
-                    .get::<PFN_cuLinkDestroy>(b"cuLinkDestroy\0")
+                    .get::<Option<PFN_cuLinkDestroy>>(b"cuLinkDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetTexRef: lib
-                    .get::<PFN_cuModuleGetTexRef>(b"cuModuleGetTexRef\0")
+                    .get::<Option<PFN_cuModuleGetTexRef>>(b"cuModuleGetTexRef\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuModuleGetSurfRef: lib
-                    .get::<PFN_cuModuleGetSurfRef>(b"cuModuleGetSurfRef\0")
+                    .get::<Option<PFN_cuModuleGetSurfRef>>(b"cuModuleGetSurfRef\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryLoadData: lib
-                    .get::<PFN_cuLibraryLoadData>(b"cuLibraryLoadData\0")
+                    .get::<Option<PFN_cuLibraryLoadData>>(b"cuLibraryLoadData\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryLoadFromFile: lib
-                    .get::<PFN_cuLibraryLoadFromFile>(b"cuLibraryLoadFromFile\0")
+                    .get::<Option<PFN_cuLibraryLoadFromFile>>(b"cuLibraryLoadFromFile\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryUnload: lib
-                    .get::<PFN_cuLibraryUnload>(b"cuLibraryUnload\0")
+                    .get::<Option<PFN_cuLibraryUnload>>(b"cuLibraryUnload\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetKernel: lib
-                    .get::<PFN_cuLibraryGetKernel>(b"cuLibraryGetKernel\0")
+                    .get::<Option<PFN_cuLibraryGetKernel>>(b"cuLibraryGetKernel\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetKernelCount: lib
-                    .get::<PFN_cuLibraryGetKernelCount>(b"cuLibraryGetKernelCount\0")
+                    .get::<Option<PFN_cuLibraryGetKernelCount>>(b"cuLibraryGetKernelCount\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryEnumerateKernels: lib
-                    .get::<PFN_cuLibraryEnumerateKernels>(b"cuLibraryEnumerateKernels\0")
+                    .get::<Option<PFN_cuLibraryEnumerateKernels>>(b"cuLibraryEnumerateKernels\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetModule: lib
-                    .get::<PFN_cuLibraryGetModule>(b"cuLibraryGetModule\0")
+                    .get::<Option<PFN_cuLibraryGetModule>>(b"cuLibraryGetModule\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelGetFunction: lib
-                    .get::<PFN_cuKernelGetFunction>(b"cuKernelGetFunction\0")
+                    .get::<Option<PFN_cuKernelGetFunction>>(b"cuKernelGetFunction\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelGetLibrary: lib
-                    .get::<PFN_cuKernelGetLibrary>(b"cuKernelGetLibrary\0")
+                    .get::<Option<PFN_cuKernelGetLibrary>>(b"cuKernelGetLibrary\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetGlobal: lib
-                    .get::<PFN_cuLibraryGetGlobal>(b"cuLibraryGetGlobal\0")
+                    .get::<Option<PFN_cuLibraryGetGlobal>>(b"cuLibraryGetGlobal\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetManaged: lib
-                    .get::<PFN_cuLibraryGetManaged>(b"cuLibraryGetManaged\0")
+                    .get::<Option<PFN_cuLibraryGetManaged>>(b"cuLibraryGetManaged\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLibraryGetUnifiedFunction: lib
-                    .get::<PFN_cuLibraryGetUnifiedFunction>(b"cuLibraryGetUnifiedFunction\0")
+                    .get::<Option<PFN_cuLibraryGetUnifiedFunction>>(
+                        b"cuLibraryGetUnifiedFunction\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelGetAttribute: lib
-                    .get::<PFN_cuKernelGetAttribute>(b"cuKernelGetAttribute\0")
+                    .get::<Option<PFN_cuKernelGetAttribute>>(b"cuKernelGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelSetAttribute: lib
-                    .get::<PFN_cuKernelSetAttribute>(b"cuKernelSetAttribute\0")
+                    .get::<Option<PFN_cuKernelSetAttribute>>(b"cuKernelSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelSetCacheConfig: lib
-                    .get::<PFN_cuKernelSetCacheConfig>(b"cuKernelSetCacheConfig\0")
+                    .get::<Option<PFN_cuKernelSetCacheConfig>>(b"cuKernelSetCacheConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelGetName: lib
-                    .get::<PFN_cuKernelGetName>(b"cuKernelGetName\0")
+                    .get::<Option<PFN_cuKernelGetName>>(b"cuKernelGetName\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuKernelGetParamInfo: lib
-                    .get::<PFN_cuKernelGetParamInfo>(b"cuKernelGetParamInfo\0")
+                    .get::<Option<PFN_cuKernelGetParamInfo>>(b"cuKernelGetParamInfo\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetInfo_v2: lib
-                    .get::<PFN_cuMemGetInfo_v2>(b"cuMemGetInfo_v2\0")
+                    .get::<Option<PFN_cuMemGetInfo_v2>>(b"cuMemGetInfo_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAlloc_v2: lib
-                    .get::<PFN_cuMemAlloc_v2>(b"cuMemAlloc_v2\0")
+                    .get::<Option<PFN_cuMemAlloc_v2>>(b"cuMemAlloc_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAllocPitch_v2: lib
-                    .get::<PFN_cuMemAllocPitch_v2>(b"cuMemAllocPitch_v2\0")
+                    .get::<Option<PFN_cuMemAllocPitch_v2>>(b"cuMemAllocPitch_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemFree_v2: lib
-                    .get::<PFN_cuMemFree_v2>(b"cuMemFree_v2\0")
+                    .get::<Option<PFN_cuMemFree_v2>>(b"cuMemFree_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetAddressRange_v2: lib
-                    .get::<PFN_cuMemGetAddressRange_v2>(b"cuMemGetAddressRange_v2\0")
+                    .get::<Option<PFN_cuMemGetAddressRange_v2>>(b"cuMemGetAddressRange_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAllocHost_v2: lib
-                    .get::<PFN_cuMemAllocHost_v2>(b"cuMemAllocHost_v2\0")
+                    .get::<Option<PFN_cuMemAllocHost_v2>>(b"cuMemAllocHost_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemFreeHost: lib
-                    .get::<PFN_cuMemFreeHost>(b"cuMemFreeHost\0")
+                    .get::<Option<PFN_cuMemFreeHost>>(b"cuMemFreeHost\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemHostAlloc: lib
-                    .get::<PFN_cuMemHostAlloc>(b"cuMemHostAlloc\0")
+                    .get::<Option<PFN_cuMemHostAlloc>>(b"cuMemHostAlloc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemHostGetDevicePointer_v2: lib
-                    .get::<PFN_cuMemHostGetDevicePointer_v2>(b"cuMemHostGetDevicePointer_v2\0")
+                    .get::<Option<PFN_cuMemHostGetDevicePointer_v2>>(
+                        b"cuMemHostGetDevicePointer_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemHostGetFlags: lib
-                    .get::<PFN_cuMemHostGetFlags>(b"cuMemHostGetFlags\0")
+                    .get::<Option<PFN_cuMemHostGetFlags>>(b"cuMemHostGetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAllocManaged: lib
-                    .get::<PFN_cuMemAllocManaged>(b"cuMemAllocManaged\0")
+                    .get::<Option<PFN_cuMemAllocManaged>>(b"cuMemAllocManaged\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceRegisterAsyncNotification: lib
-                    .get::<PFN_cuDeviceRegisterAsyncNotification>(
+                    .get::<Option<PFN_cuDeviceRegisterAsyncNotification>>(
                         b"cuDeviceRegisterAsyncNotification\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceUnregisterAsyncNotification: lib
-                    .get::<PFN_cuDeviceUnregisterAsyncNotification>(
+                    .get::<Option<PFN_cuDeviceUnregisterAsyncNotification>>(
                         b"cuDeviceUnregisterAsyncNotification\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetByPCIBusId: lib
-                    .get::<PFN_cuDeviceGetByPCIBusId>(b"cuDeviceGetByPCIBusId\0")
+                    .get::<Option<PFN_cuDeviceGetByPCIBusId>>(b"cuDeviceGetByPCIBusId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetPCIBusId: lib
-                    .get::<PFN_cuDeviceGetPCIBusId>(b"cuDeviceGetPCIBusId\0")
+                    .get::<Option<PFN_cuDeviceGetPCIBusId>>(b"cuDeviceGetPCIBusId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuIpcGetEventHandle: lib
-                    .get::<PFN_cuIpcGetEventHandle>(b"cuIpcGetEventHandle\0")
+                    .get::<Option<PFN_cuIpcGetEventHandle>>(b"cuIpcGetEventHandle\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuIpcOpenEventHandle: lib
-                    .get::<PFN_cuIpcOpenEventHandle>(b"cuIpcOpenEventHandle\0")
+                    .get::<Option<PFN_cuIpcOpenEventHandle>>(b"cuIpcOpenEventHandle\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuIpcGetMemHandle: lib
-                    .get::<PFN_cuIpcGetMemHandle>(b"cuIpcGetMemHandle\0")
+                    .get::<Option<PFN_cuIpcGetMemHandle>>(b"cuIpcGetMemHandle\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuIpcOpenMemHandle_v2: lib
-                    .get::<PFN_cuIpcOpenMemHandle_v2>(b"cuIpcOpenMemHandle_v2\0")
+                    .get::<Option<PFN_cuIpcOpenMemHandle_v2>>(b"cuIpcOpenMemHandle_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuIpcCloseMemHandle: lib
-                    .get::<PFN_cuIpcCloseMemHandle>(b"cuIpcCloseMemHandle\0")
+                    .get::<Option<PFN_cuIpcCloseMemHandle>>(b"cuIpcCloseMemHandle\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemHostRegister_v2: lib
-                    .get::<PFN_cuMemHostRegister_v2>(b"cuMemHostRegister_v2\0")
+                    .get::<Option<PFN_cuMemHostRegister_v2>>(b"cuMemHostRegister_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemHostUnregister: lib
-                    .get::<PFN_cuMemHostUnregister>(b"cuMemHostUnregister\0")
+                    .get::<Option<PFN_cuMemHostUnregister>>(b"cuMemHostUnregister\0")
                     .ok()
-                    .map(|s| *s),
-                cuMemcpy: lib.get::<PFN_cuMemcpy>(b"cuMemcpy\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuMemcpy: lib
+                    .get::<Option<PFN_cuMemcpy>>(b"cuMemcpy\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuMemcpyPeer: lib
-                    .get::<PFN_cuMemcpyPeer>(b"cuMemcpyPeer\0")
+                    .get::<Option<PFN_cuMemcpyPeer>>(b"cuMemcpyPeer\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyHtoD_v2: lib
-                    .get::<PFN_cuMemcpyHtoD_v2>(b"cuMemcpyHtoD_v2\0")
+                    .get::<Option<PFN_cuMemcpyHtoD_v2>>(b"cuMemcpyHtoD_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyDtoH_v2: lib
-                    .get::<PFN_cuMemcpyDtoH_v2>(b"cuMemcpyDtoH_v2\0")
+                    .get::<Option<PFN_cuMemcpyDtoH_v2>>(b"cuMemcpyDtoH_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyDtoD_v2: lib
-                    .get::<PFN_cuMemcpyDtoD_v2>(b"cuMemcpyDtoD_v2\0")
+                    .get::<Option<PFN_cuMemcpyDtoD_v2>>(b"cuMemcpyDtoD_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyDtoA_v2: lib
-                    .get::<PFN_cuMemcpyDtoA_v2>(b"cuMemcpyDtoA_v2\0")
+                    .get::<Option<PFN_cuMemcpyDtoA_v2>>(b"cuMemcpyDtoA_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyAtoD_v2: lib
-                    .get::<PFN_cuMemcpyAtoD_v2>(b"cuMemcpyAtoD_v2\0")
+                    .get::<Option<PFN_cuMemcpyAtoD_v2>>(b"cuMemcpyAtoD_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyHtoA_v2: lib
-                    .get::<PFN_cuMemcpyHtoA_v2>(b"cuMemcpyHtoA_v2\0")
+                    .get::<Option<PFN_cuMemcpyHtoA_v2>>(b"cuMemcpyHtoA_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyAtoH_v2: lib
-                    .get::<PFN_cuMemcpyAtoH_v2>(b"cuMemcpyAtoH_v2\0")
+                    .get::<Option<PFN_cuMemcpyAtoH_v2>>(b"cuMemcpyAtoH_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyAtoA_v2: lib
-                    .get::<PFN_cuMemcpyAtoA_v2>(b"cuMemcpyAtoA_v2\0")
+                    .get::<Option<PFN_cuMemcpyAtoA_v2>>(b"cuMemcpyAtoA_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy2D_v2: lib
-                    .get::<PFN_cuMemcpy2D_v2>(b"cuMemcpy2D_v2\0")
+                    .get::<Option<PFN_cuMemcpy2D_v2>>(b"cuMemcpy2D_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy2DUnaligned_v2: lib
-                    .get::<PFN_cuMemcpy2DUnaligned_v2>(b"cuMemcpy2DUnaligned_v2\0")
+                    .get::<Option<PFN_cuMemcpy2DUnaligned_v2>>(b"cuMemcpy2DUnaligned_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy3D_v2: lib
-                    .get::<PFN_cuMemcpy3D_v2>(b"cuMemcpy3D_v2\0")
+                    .get::<Option<PFN_cuMemcpy3D_v2>>(b"cuMemcpy3D_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy3DPeer: lib
-                    .get::<PFN_cuMemcpy3DPeer>(b"cuMemcpy3DPeer\0")
+                    .get::<Option<PFN_cuMemcpy3DPeer>>(b"cuMemcpy3DPeer\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyAsync: lib
-                    .get::<PFN_cuMemcpyAsync>(b"cuMemcpyAsync\0")
+                    .get::<Option<PFN_cuMemcpyAsync>>(b"cuMemcpyAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyPeerAsync: lib
-                    .get::<PFN_cuMemcpyPeerAsync>(b"cuMemcpyPeerAsync\0")
+                    .get::<Option<PFN_cuMemcpyPeerAsync>>(b"cuMemcpyPeerAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyHtoDAsync_v2: lib
-                    .get::<PFN_cuMemcpyHtoDAsync_v2>(b"cuMemcpyHtoDAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyHtoDAsync_v2>>(b"cuMemcpyHtoDAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyDtoHAsync_v2: lib
-                    .get::<PFN_cuMemcpyDtoHAsync_v2>(b"cuMemcpyDtoHAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyDtoHAsync_v2>>(b"cuMemcpyDtoHAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyDtoDAsync_v2: lib
-                    .get::<PFN_cuMemcpyDtoDAsync_v2>(b"cuMemcpyDtoDAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyDtoDAsync_v2>>(b"cuMemcpyDtoDAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyHtoAAsync_v2: lib
-                    .get::<PFN_cuMemcpyHtoAAsync_v2>(b"cuMemcpyHtoAAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyHtoAAsync_v2>>(b"cuMemcpyHtoAAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyAtoHAsync_v2: lib
-                    .get::<PFN_cuMemcpyAtoHAsync_v2>(b"cuMemcpyAtoHAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyAtoHAsync_v2>>(b"cuMemcpyAtoHAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy2DAsync_v2: lib
-                    .get::<PFN_cuMemcpy2DAsync_v2>(b"cuMemcpy2DAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpy2DAsync_v2>>(b"cuMemcpy2DAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy3DAsync_v2: lib
-                    .get::<PFN_cuMemcpy3DAsync_v2>(b"cuMemcpy3DAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpy3DAsync_v2>>(b"cuMemcpy3DAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy3DPeerAsync: lib
-                    .get::<PFN_cuMemcpy3DPeerAsync>(b"cuMemcpy3DPeerAsync\0")
+                    .get::<Option<PFN_cuMemcpy3DPeerAsync>>(b"cuMemcpy3DPeerAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpyBatchAsync_v2: lib
-                    .get::<PFN_cuMemcpyBatchAsync_v2>(b"cuMemcpyBatchAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpyBatchAsync_v2>>(b"cuMemcpyBatchAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemcpy3DBatchAsync_v2: lib
-                    .get::<PFN_cuMemcpy3DBatchAsync_v2>(b"cuMemcpy3DBatchAsync_v2\0")
+                    .get::<Option<PFN_cuMemcpy3DBatchAsync_v2>>(b"cuMemcpy3DBatchAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD8_v2: lib
-                    .get::<PFN_cuMemsetD8_v2>(b"cuMemsetD8_v2\0")
+                    .get::<Option<PFN_cuMemsetD8_v2>>(b"cuMemsetD8_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD16_v2: lib
-                    .get::<PFN_cuMemsetD16_v2>(b"cuMemsetD16_v2\0")
+                    .get::<Option<PFN_cuMemsetD16_v2>>(b"cuMemsetD16_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD32_v2: lib
-                    .get::<PFN_cuMemsetD32_v2>(b"cuMemsetD32_v2\0")
+                    .get::<Option<PFN_cuMemsetD32_v2>>(b"cuMemsetD32_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D8_v2: lib
-                    .get::<PFN_cuMemsetD2D8_v2>(b"cuMemsetD2D8_v2\0")
+                    .get::<Option<PFN_cuMemsetD2D8_v2>>(b"cuMemsetD2D8_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D16_v2: lib
-                    .get::<PFN_cuMemsetD2D16_v2>(b"cuMemsetD2D16_v2\0")
+                    .get::<Option<PFN_cuMemsetD2D16_v2>>(b"cuMemsetD2D16_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D32_v2: lib
-                    .get::<PFN_cuMemsetD2D32_v2>(b"cuMemsetD2D32_v2\0")
+                    .get::<Option<PFN_cuMemsetD2D32_v2>>(b"cuMemsetD2D32_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD8Async: lib
-                    .get::<PFN_cuMemsetD8Async>(b"cuMemsetD8Async\0")
+                    .get::<Option<PFN_cuMemsetD8Async>>(b"cuMemsetD8Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD16Async: lib
-                    .get::<PFN_cuMemsetD16Async>(b"cuMemsetD16Async\0")
+                    .get::<Option<PFN_cuMemsetD16Async>>(b"cuMemsetD16Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD32Async: lib
-                    .get::<PFN_cuMemsetD32Async>(b"cuMemsetD32Async\0")
+                    .get::<Option<PFN_cuMemsetD32Async>>(b"cuMemsetD32Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D8Async: lib
-                    .get::<PFN_cuMemsetD2D8Async>(b"cuMemsetD2D8Async\0")
+                    .get::<Option<PFN_cuMemsetD2D8Async>>(b"cuMemsetD2D8Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D16Async: lib
-                    .get::<PFN_cuMemsetD2D16Async>(b"cuMemsetD2D16Async\0")
+                    .get::<Option<PFN_cuMemsetD2D16Async>>(b"cuMemsetD2D16Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemsetD2D32Async: lib
-                    .get::<PFN_cuMemsetD2D32Async>(b"cuMemsetD2D32Async\0")
+                    .get::<Option<PFN_cuMemsetD2D32Async>>(b"cuMemsetD2D32Async\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayCreate_v2: lib
-                    .get::<PFN_cuArrayCreate_v2>(b"cuArrayCreate_v2\0")
+                    .get::<Option<PFN_cuArrayCreate_v2>>(b"cuArrayCreate_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayGetDescriptor_v2: lib
-                    .get::<PFN_cuArrayGetDescriptor_v2>(b"cuArrayGetDescriptor_v2\0")
+                    .get::<Option<PFN_cuArrayGetDescriptor_v2>>(b"cuArrayGetDescriptor_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayGetSparseProperties: lib
-                    .get::<PFN_cuArrayGetSparseProperties>(b"cuArrayGetSparseProperties\0")
+                    .get::<Option<PFN_cuArrayGetSparseProperties>>(b"cuArrayGetSparseProperties\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMipmappedArrayGetSparseProperties: lib
-                    .get::<PFN_cuMipmappedArrayGetSparseProperties>(
+                    .get::<Option<PFN_cuMipmappedArrayGetSparseProperties>>(
                         b"cuMipmappedArrayGetSparseProperties\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayGetMemoryRequirements: lib
-                    .get::<PFN_cuArrayGetMemoryRequirements>(b"cuArrayGetMemoryRequirements\0")
+                    .get::<Option<PFN_cuArrayGetMemoryRequirements>>(
+                        b"cuArrayGetMemoryRequirements\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMipmappedArrayGetMemoryRequirements: lib
-                    .get::<PFN_cuMipmappedArrayGetMemoryRequirements>(
+                    .get::<Option<PFN_cuMipmappedArrayGetMemoryRequirements>>(
                         b"cuMipmappedArrayGetMemoryRequirements\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayGetPlane: lib
-                    .get::<PFN_cuArrayGetPlane>(b"cuArrayGetPlane\0")
+                    .get::<Option<PFN_cuArrayGetPlane>>(b"cuArrayGetPlane\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArrayDestroy: lib
-                    .get::<PFN_cuArrayDestroy>(b"cuArrayDestroy\0")
+                    .get::<Option<PFN_cuArrayDestroy>>(b"cuArrayDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArray3DCreate_v2: lib
-                    .get::<PFN_cuArray3DCreate_v2>(b"cuArray3DCreate_v2\0")
+                    .get::<Option<PFN_cuArray3DCreate_v2>>(b"cuArray3DCreate_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuArray3DGetDescriptor_v2: lib
-                    .get::<PFN_cuArray3DGetDescriptor_v2>(b"cuArray3DGetDescriptor_v2\0")
+                    .get::<Option<PFN_cuArray3DGetDescriptor_v2>>(b"cuArray3DGetDescriptor_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMipmappedArrayCreate: lib
-                    .get::<PFN_cuMipmappedArrayCreate>(b"cuMipmappedArrayCreate\0")
+                    .get::<Option<PFN_cuMipmappedArrayCreate>>(b"cuMipmappedArrayCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMipmappedArrayGetLevel: lib
-                    .get::<PFN_cuMipmappedArrayGetLevel>(b"cuMipmappedArrayGetLevel\0")
+                    .get::<Option<PFN_cuMipmappedArrayGetLevel>>(b"cuMipmappedArrayGetLevel\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMipmappedArrayDestroy: lib
-                    .get::<PFN_cuMipmappedArrayDestroy>(b"cuMipmappedArrayDestroy\0")
+                    .get::<Option<PFN_cuMipmappedArrayDestroy>>(b"cuMipmappedArrayDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetHandleForAddressRange: lib
-                    .get::<PFN_cuMemGetHandleForAddressRange>(b"cuMemGetHandleForAddressRange\0")
+                    .get::<Option<PFN_cuMemGetHandleForAddressRange>>(
+                        b"cuMemGetHandleForAddressRange\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemBatchDecompressAsync: lib
-                    .get::<PFN_cuMemBatchDecompressAsync>(b"cuMemBatchDecompressAsync\0")
+                    .get::<Option<PFN_cuMemBatchDecompressAsync>>(b"cuMemBatchDecompressAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAddressReserve: lib
-                    .get::<PFN_cuMemAddressReserve>(b"cuMemAddressReserve\0")
+                    .get::<Option<PFN_cuMemAddressReserve>>(b"cuMemAddressReserve\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAddressFree: lib
-                    .get::<PFN_cuMemAddressFree>(b"cuMemAddressFree\0")
+                    .get::<Option<PFN_cuMemAddressFree>>(b"cuMemAddressFree\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemCreate: lib
-                    .get::<PFN_cuMemCreate>(b"cuMemCreate\0")
+                    .get::<Option<PFN_cuMemCreate>>(b"cuMemCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemRelease: lib
-                    .get::<PFN_cuMemRelease>(b"cuMemRelease\0")
+                    .get::<Option<PFN_cuMemRelease>>(b"cuMemRelease\0")
                     .ok()
-                    .map(|s| *s),
-                cuMemMap: lib.get::<PFN_cuMemMap>(b"cuMemMap\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuMemMap: lib
+                    .get::<Option<PFN_cuMemMap>>(b"cuMemMap\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuMemMapArrayAsync: lib
-                    .get::<PFN_cuMemMapArrayAsync>(b"cuMemMapArrayAsync\0")
+                    .get::<Option<PFN_cuMemMapArrayAsync>>(b"cuMemMapArrayAsync\0")
                     .ok()
-                    .map(|s| *s),
-                cuMemUnmap: lib.get::<PFN_cuMemUnmap>(b"cuMemUnmap\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuMemUnmap: lib
+                    .get::<Option<PFN_cuMemUnmap>>(b"cuMemUnmap\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuMemSetAccess: lib
-                    .get::<PFN_cuMemSetAccess>(b"cuMemSetAccess\0")
+                    .get::<Option<PFN_cuMemSetAccess>>(b"cuMemSetAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetAccess: lib
-                    .get::<PFN_cuMemGetAccess>(b"cuMemGetAccess\0")
+                    .get::<Option<PFN_cuMemGetAccess>>(b"cuMemGetAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemExportToShareableHandle: lib
-                    .get::<PFN_cuMemExportToShareableHandle>(b"cuMemExportToShareableHandle\0")
+                    .get::<Option<PFN_cuMemExportToShareableHandle>>(
+                        b"cuMemExportToShareableHandle\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemImportFromShareableHandle: lib
-                    .get::<PFN_cuMemImportFromShareableHandle>(b"cuMemImportFromShareableHandle\0")
+                    .get::<Option<PFN_cuMemImportFromShareableHandle>>(
+                        b"cuMemImportFromShareableHandle\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetAllocationGranularity: lib
-                    .get::<PFN_cuMemGetAllocationGranularity>(b"cuMemGetAllocationGranularity\0")
+                    .get::<Option<PFN_cuMemGetAllocationGranularity>>(
+                        b"cuMemGetAllocationGranularity\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetAllocationPropertiesFromHandle: lib
-                    .get::<PFN_cuMemGetAllocationPropertiesFromHandle>(
+                    .get::<Option<PFN_cuMemGetAllocationPropertiesFromHandle>>(
                         b"cuMemGetAllocationPropertiesFromHandle\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemRetainAllocationHandle: lib
-                    .get::<PFN_cuMemRetainAllocationHandle>(b"cuMemRetainAllocationHandle\0")
+                    .get::<Option<PFN_cuMemRetainAllocationHandle>>(
+                        b"cuMemRetainAllocationHandle\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemFreeAsync: lib
-                    .get::<PFN_cuMemFreeAsync>(b"cuMemFreeAsync\0")
+                    .get::<Option<PFN_cuMemFreeAsync>>(b"cuMemFreeAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAllocAsync: lib
-                    .get::<PFN_cuMemAllocAsync>(b"cuMemAllocAsync\0")
+                    .get::<Option<PFN_cuMemAllocAsync>>(b"cuMemAllocAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolTrimTo: lib
-                    .get::<PFN_cuMemPoolTrimTo>(b"cuMemPoolTrimTo\0")
+                    .get::<Option<PFN_cuMemPoolTrimTo>>(b"cuMemPoolTrimTo\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolSetAttribute: lib
-                    .get::<PFN_cuMemPoolSetAttribute>(b"cuMemPoolSetAttribute\0")
+                    .get::<Option<PFN_cuMemPoolSetAttribute>>(b"cuMemPoolSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolGetAttribute: lib
-                    .get::<PFN_cuMemPoolGetAttribute>(b"cuMemPoolGetAttribute\0")
+                    .get::<Option<PFN_cuMemPoolGetAttribute>>(b"cuMemPoolGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolSetAccess: lib
-                    .get::<PFN_cuMemPoolSetAccess>(b"cuMemPoolSetAccess\0")
+                    .get::<Option<PFN_cuMemPoolSetAccess>>(b"cuMemPoolSetAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolGetAccess: lib
-                    .get::<PFN_cuMemPoolGetAccess>(b"cuMemPoolGetAccess\0")
+                    .get::<Option<PFN_cuMemPoolGetAccess>>(b"cuMemPoolGetAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolCreate: lib
-                    .get::<PFN_cuMemPoolCreate>(b"cuMemPoolCreate\0")
+                    .get::<Option<PFN_cuMemPoolCreate>>(b"cuMemPoolCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolDestroy: lib
-                    .get::<PFN_cuMemPoolDestroy>(b"cuMemPoolDestroy\0")
+                    .get::<Option<PFN_cuMemPoolDestroy>>(b"cuMemPoolDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetDefaultMemPool: lib
-                    .get::<PFN_cuMemGetDefaultMemPool>(b"cuMemGetDefaultMemPool\0")
+                    .get::<Option<PFN_cuMemGetDefaultMemPool>>(b"cuMemGetDefaultMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemGetMemPool: lib
-                    .get::<PFN_cuMemGetMemPool>(b"cuMemGetMemPool\0")
+                    .get::<Option<PFN_cuMemGetMemPool>>(b"cuMemGetMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemSetMemPool: lib
-                    .get::<PFN_cuMemSetMemPool>(b"cuMemSetMemPool\0")
+                    .get::<Option<PFN_cuMemSetMemPool>>(b"cuMemSetMemPool\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAllocFromPoolAsync: lib
-                    .get::<PFN_cuMemAllocFromPoolAsync>(b"cuMemAllocFromPoolAsync\0")
+                    .get::<Option<PFN_cuMemAllocFromPoolAsync>>(b"cuMemAllocFromPoolAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolExportToShareableHandle: lib
-                    .get::<PFN_cuMemPoolExportToShareableHandle>(
+                    .get::<Option<PFN_cuMemPoolExportToShareableHandle>>(
                         b"cuMemPoolExportToShareableHandle\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolImportFromShareableHandle: lib
-                    .get::<PFN_cuMemPoolImportFromShareableHandle>(
+                    .get::<Option<PFN_cuMemPoolImportFromShareableHandle>>(
                         b"cuMemPoolImportFromShareableHandle\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolExportPointer: lib
-                    .get::<PFN_cuMemPoolExportPointer>(b"cuMemPoolExportPointer\0")
+                    .get::<Option<PFN_cuMemPoolExportPointer>>(b"cuMemPoolExportPointer\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPoolImportPointer: lib
-                    .get::<PFN_cuMemPoolImportPointer>(b"cuMemPoolImportPointer\0")
+                    .get::<Option<PFN_cuMemPoolImportPointer>>(b"cuMemPoolImportPointer\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastCreate: lib
-                    .get::<PFN_cuMulticastCreate>(b"cuMulticastCreate\0")
+                    .get::<Option<PFN_cuMulticastCreate>>(b"cuMulticastCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastAddDevice: lib
-                    .get::<PFN_cuMulticastAddDevice>(b"cuMulticastAddDevice\0")
+                    .get::<Option<PFN_cuMulticastAddDevice>>(b"cuMulticastAddDevice\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastBindMem: lib
-                    .get::<PFN_cuMulticastBindMem>(b"cuMulticastBindMem\0")
+                    .get::<Option<PFN_cuMulticastBindMem>>(b"cuMulticastBindMem\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastBindAddr: lib
-                    .get::<PFN_cuMulticastBindAddr>(b"cuMulticastBindAddr\0")
+                    .get::<Option<PFN_cuMulticastBindAddr>>(b"cuMulticastBindAddr\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastUnbind: lib
-                    .get::<PFN_cuMulticastUnbind>(b"cuMulticastUnbind\0")
+                    .get::<Option<PFN_cuMulticastUnbind>>(b"cuMulticastUnbind\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMulticastGetGranularity: lib
-                    .get::<PFN_cuMulticastGetGranularity>(b"cuMulticastGetGranularity\0")
+                    .get::<Option<PFN_cuMulticastGetGranularity>>(b"cuMulticastGetGranularity\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuPointerGetAttribute: lib
-                    .get::<PFN_cuPointerGetAttribute>(b"cuPointerGetAttribute\0")
+                    .get::<Option<PFN_cuPointerGetAttribute>>(b"cuPointerGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPrefetchAsync_v2: lib
-                    .get::<PFN_cuMemPrefetchAsync_v2>(b"cuMemPrefetchAsync_v2\0")
+                    .get::<Option<PFN_cuMemPrefetchAsync_v2>>(b"cuMemPrefetchAsync_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemAdvise_v2: lib
-                    .get::<PFN_cuMemAdvise_v2>(b"cuMemAdvise_v2\0")
+                    .get::<Option<PFN_cuMemAdvise_v2>>(b"cuMemAdvise_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemPrefetchBatchAsync: lib
-                    .get::<PFN_cuMemPrefetchBatchAsync>(b"cuMemPrefetchBatchAsync\0")
+                    .get::<Option<PFN_cuMemPrefetchBatchAsync>>(b"cuMemPrefetchBatchAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemDiscardBatchAsync: lib
-                    .get::<PFN_cuMemDiscardBatchAsync>(b"cuMemDiscardBatchAsync\0")
+                    .get::<Option<PFN_cuMemDiscardBatchAsync>>(b"cuMemDiscardBatchAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemDiscardAndPrefetchBatchAsync: lib
-                    .get::<PFN_cuMemDiscardAndPrefetchBatchAsync>(
+                    .get::<Option<PFN_cuMemDiscardAndPrefetchBatchAsync>>(
                         b"cuMemDiscardAndPrefetchBatchAsync\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemRangeGetAttribute: lib
-                    .get::<PFN_cuMemRangeGetAttribute>(b"cuMemRangeGetAttribute\0")
+                    .get::<Option<PFN_cuMemRangeGetAttribute>>(b"cuMemRangeGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuMemRangeGetAttributes: lib
-                    .get::<PFN_cuMemRangeGetAttributes>(b"cuMemRangeGetAttributes\0")
+                    .get::<Option<PFN_cuMemRangeGetAttributes>>(b"cuMemRangeGetAttributes\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuPointerSetAttribute: lib
-                    .get::<PFN_cuPointerSetAttribute>(b"cuPointerSetAttribute\0")
+                    .get::<Option<PFN_cuPointerSetAttribute>>(b"cuPointerSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuPointerGetAttributes: lib
-                    .get::<PFN_cuPointerGetAttributes>(b"cuPointerGetAttributes\0")
+                    .get::<Option<PFN_cuPointerGetAttributes>>(b"cuPointerGetAttributes\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamCreate: lib
-                    .get::<PFN_cuStreamCreate>(b"cuStreamCreate\0")
+                    .get::<Option<PFN_cuStreamCreate>>(b"cuStreamCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamCreateWithPriority: lib
-                    .get::<PFN_cuStreamCreateWithPriority>(b"cuStreamCreateWithPriority\0")
+                    .get::<Option<PFN_cuStreamCreateWithPriority>>(b"cuStreamCreateWithPriority\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetPriority: lib
-                    .get::<PFN_cuStreamGetPriority>(b"cuStreamGetPriority\0")
+                    .get::<Option<PFN_cuStreamGetPriority>>(b"cuStreamGetPriority\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetDevice: lib
-                    .get::<PFN_cuStreamGetDevice>(b"cuStreamGetDevice\0")
+                    .get::<Option<PFN_cuStreamGetDevice>>(b"cuStreamGetDevice\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetFlags: lib
-                    .get::<PFN_cuStreamGetFlags>(b"cuStreamGetFlags\0")
+                    .get::<Option<PFN_cuStreamGetFlags>>(b"cuStreamGetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetId: lib
-                    .get::<PFN_cuStreamGetId>(b"cuStreamGetId\0")
+                    .get::<Option<PFN_cuStreamGetId>>(b"cuStreamGetId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetCtx: lib
-                    .get::<PFN_cuStreamGetCtx>(b"cuStreamGetCtx\0")
+                    .get::<Option<PFN_cuStreamGetCtx>>(b"cuStreamGetCtx\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetCtx_v2: lib
-                    .get::<PFN_cuStreamGetCtx_v2>(b"cuStreamGetCtx_v2\0")
+                    .get::<Option<PFN_cuStreamGetCtx_v2>>(b"cuStreamGetCtx_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamWaitEvent: lib
-                    .get::<PFN_cuStreamWaitEvent>(b"cuStreamWaitEvent\0")
+                    .get::<Option<PFN_cuStreamWaitEvent>>(b"cuStreamWaitEvent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamAddCallback: lib
-                    .get::<PFN_cuStreamAddCallback>(b"cuStreamAddCallback\0")
+                    .get::<Option<PFN_cuStreamAddCallback>>(b"cuStreamAddCallback\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamBeginCapture_v2: lib
-                    .get::<PFN_cuStreamBeginCapture_v2>(b"cuStreamBeginCapture_v2\0")
+                    .get::<Option<PFN_cuStreamBeginCapture_v2>>(b"cuStreamBeginCapture_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamBeginCaptureToGraph: lib
-                    .get::<PFN_cuStreamBeginCaptureToGraph>(b"cuStreamBeginCaptureToGraph\0")
+                    .get::<Option<PFN_cuStreamBeginCaptureToGraph>>(
+                        b"cuStreamBeginCaptureToGraph\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuThreadExchangeStreamCaptureMode: lib
-                    .get::<PFN_cuThreadExchangeStreamCaptureMode>(
+                    .get::<Option<PFN_cuThreadExchangeStreamCaptureMode>>(
                         b"cuThreadExchangeStreamCaptureMode\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamEndCapture: lib
-                    .get::<PFN_cuStreamEndCapture>(b"cuStreamEndCapture\0")
+                    .get::<Option<PFN_cuStreamEndCapture>>(b"cuStreamEndCapture\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamIsCapturing: lib
-                    .get::<PFN_cuStreamIsCapturing>(b"cuStreamIsCapturing\0")
+                    .get::<Option<PFN_cuStreamIsCapturing>>(b"cuStreamIsCapturing\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetCaptureInfo_v3: lib
-                    .get::<PFN_cuStreamGetCaptureInfo_v3>(b"cuStreamGetCaptureInfo_v3\0")
+                    .get::<Option<PFN_cuStreamGetCaptureInfo_v3>>(b"cuStreamGetCaptureInfo_v3\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamUpdateCaptureDependencies_v2: lib
-                    .get::<PFN_cuStreamUpdateCaptureDependencies_v2>(
+                    .get::<Option<PFN_cuStreamUpdateCaptureDependencies_v2>>(
                         b"cuStreamUpdateCaptureDependencies_v2\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamAttachMemAsync: lib
-                    .get::<PFN_cuStreamAttachMemAsync>(b"cuStreamAttachMemAsync\0")
+                    .get::<Option<PFN_cuStreamAttachMemAsync>>(b"cuStreamAttachMemAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamQuery: lib
-                    .get::<PFN_cuStreamQuery>(b"cuStreamQuery\0")
+                    .get::<Option<PFN_cuStreamQuery>>(b"cuStreamQuery\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamSynchronize: lib
-                    .get::<PFN_cuStreamSynchronize>(b"cuStreamSynchronize\0")
+                    .get::<Option<PFN_cuStreamSynchronize>>(b"cuStreamSynchronize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamDestroy_v2: lib
-                    .get::<PFN_cuStreamDestroy_v2>(b"cuStreamDestroy_v2\0")
+                    .get::<Option<PFN_cuStreamDestroy_v2>>(b"cuStreamDestroy_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamCopyAttributes: lib
-                    .get::<PFN_cuStreamCopyAttributes>(b"cuStreamCopyAttributes\0")
+                    .get::<Option<PFN_cuStreamCopyAttributes>>(b"cuStreamCopyAttributes\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetAttribute: lib
-                    .get::<PFN_cuStreamGetAttribute>(b"cuStreamGetAttribute\0")
+                    .get::<Option<PFN_cuStreamGetAttribute>>(b"cuStreamGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamSetAttribute: lib
-                    .get::<PFN_cuStreamSetAttribute>(b"cuStreamSetAttribute\0")
+                    .get::<Option<PFN_cuStreamSetAttribute>>(b"cuStreamSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventCreate: lib
-                    .get::<PFN_cuEventCreate>(b"cuEventCreate\0")
+                    .get::<Option<PFN_cuEventCreate>>(b"cuEventCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventRecord: lib
-                    .get::<PFN_cuEventRecord>(b"cuEventRecord\0")
+                    .get::<Option<PFN_cuEventRecord>>(b"cuEventRecord\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventRecordWithFlags: lib
-                    .get::<PFN_cuEventRecordWithFlags>(b"cuEventRecordWithFlags\0")
+                    .get::<Option<PFN_cuEventRecordWithFlags>>(b"cuEventRecordWithFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventQuery: lib
-                    .get::<PFN_cuEventQuery>(b"cuEventQuery\0")
+                    .get::<Option<PFN_cuEventQuery>>(b"cuEventQuery\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventSynchronize: lib
-                    .get::<PFN_cuEventSynchronize>(b"cuEventSynchronize\0")
+                    .get::<Option<PFN_cuEventSynchronize>>(b"cuEventSynchronize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventDestroy_v2: lib
-                    .get::<PFN_cuEventDestroy_v2>(b"cuEventDestroy_v2\0")
+                    .get::<Option<PFN_cuEventDestroy_v2>>(b"cuEventDestroy_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuEventElapsedTime_v2: lib
-                    .get::<PFN_cuEventElapsedTime_v2>(b"cuEventElapsedTime_v2\0")
+                    .get::<Option<PFN_cuEventElapsedTime_v2>>(b"cuEventElapsedTime_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuImportExternalMemory: lib
-                    .get::<PFN_cuImportExternalMemory>(b"cuImportExternalMemory\0")
+                    .get::<Option<PFN_cuImportExternalMemory>>(b"cuImportExternalMemory\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuExternalMemoryGetMappedBuffer: lib
-                    .get::<PFN_cuExternalMemoryGetMappedBuffer>(
+                    .get::<Option<PFN_cuExternalMemoryGetMappedBuffer>>(
                         b"cuExternalMemoryGetMappedBuffer\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuExternalMemoryGetMappedMipmappedArray: lib
-                    .get::<PFN_cuExternalMemoryGetMappedMipmappedArray>(
+                    .get::<Option<PFN_cuExternalMemoryGetMappedMipmappedArray>>(
                         b"cuExternalMemoryGetMappedMipmappedArray\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDestroyExternalMemory: lib
-                    .get::<PFN_cuDestroyExternalMemory>(b"cuDestroyExternalMemory\0")
+                    .get::<Option<PFN_cuDestroyExternalMemory>>(b"cuDestroyExternalMemory\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuImportExternalSemaphore: lib
-                    .get::<PFN_cuImportExternalSemaphore>(b"cuImportExternalSemaphore\0")
+                    .get::<Option<PFN_cuImportExternalSemaphore>>(b"cuImportExternalSemaphore\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSignalExternalSemaphoresAsync: lib
-                    .get::<PFN_cuSignalExternalSemaphoresAsync>(
+                    .get::<Option<PFN_cuSignalExternalSemaphoresAsync>>(
                         b"cuSignalExternalSemaphoresAsync\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuWaitExternalSemaphoresAsync: lib
-                    .get::<PFN_cuWaitExternalSemaphoresAsync>(b"cuWaitExternalSemaphoresAsync\0")
+                    .get::<Option<PFN_cuWaitExternalSemaphoresAsync>>(
+                        b"cuWaitExternalSemaphoresAsync\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDestroyExternalSemaphore: lib
-                    .get::<PFN_cuDestroyExternalSemaphore>(b"cuDestroyExternalSemaphore\0")
+                    .get::<Option<PFN_cuDestroyExternalSemaphore>>(b"cuDestroyExternalSemaphore\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamWaitValue32_v2: lib
-                    .get::<PFN_cuStreamWaitValue32_v2>(b"cuStreamWaitValue32_v2\0")
+                    .get::<Option<PFN_cuStreamWaitValue32_v2>>(b"cuStreamWaitValue32_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamWaitValue64_v2: lib
-                    .get::<PFN_cuStreamWaitValue64_v2>(b"cuStreamWaitValue64_v2\0")
+                    .get::<Option<PFN_cuStreamWaitValue64_v2>>(b"cuStreamWaitValue64_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamWriteValue32_v2: lib
-                    .get::<PFN_cuStreamWriteValue32_v2>(b"cuStreamWriteValue32_v2\0")
+                    .get::<Option<PFN_cuStreamWriteValue32_v2>>(b"cuStreamWriteValue32_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamWriteValue64_v2: lib
-                    .get::<PFN_cuStreamWriteValue64_v2>(b"cuStreamWriteValue64_v2\0")
+                    .get::<Option<PFN_cuStreamWriteValue64_v2>>(b"cuStreamWriteValue64_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamBatchMemOp_v2: lib
-                    .get::<PFN_cuStreamBatchMemOp_v2>(b"cuStreamBatchMemOp_v2\0")
+                    .get::<Option<PFN_cuStreamBatchMemOp_v2>>(b"cuStreamBatchMemOp_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncGetAttribute: lib
-                    .get::<PFN_cuFuncGetAttribute>(b"cuFuncGetAttribute\0")
+                    .get::<Option<PFN_cuFuncGetAttribute>>(b"cuFuncGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncSetAttribute: lib
-                    .get::<PFN_cuFuncSetAttribute>(b"cuFuncSetAttribute\0")
+                    .get::<Option<PFN_cuFuncSetAttribute>>(b"cuFuncSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncSetCacheConfig: lib
-                    .get::<PFN_cuFuncSetCacheConfig>(b"cuFuncSetCacheConfig\0")
+                    .get::<Option<PFN_cuFuncSetCacheConfig>>(b"cuFuncSetCacheConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncGetModule: lib
-                    .get::<PFN_cuFuncGetModule>(b"cuFuncGetModule\0")
+                    .get::<Option<PFN_cuFuncGetModule>>(b"cuFuncGetModule\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncGetName: lib
-                    .get::<PFN_cuFuncGetName>(b"cuFuncGetName\0")
+                    .get::<Option<PFN_cuFuncGetName>>(b"cuFuncGetName\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncGetParamInfo: lib
-                    .get::<PFN_cuFuncGetParamInfo>(b"cuFuncGetParamInfo\0")
+                    .get::<Option<PFN_cuFuncGetParamInfo>>(b"cuFuncGetParamInfo\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncIsLoaded: lib
-                    .get::<PFN_cuFuncIsLoaded>(b"cuFuncIsLoaded\0")
+                    .get::<Option<PFN_cuFuncIsLoaded>>(b"cuFuncIsLoaded\0")
                     .ok()
-                    .map(|s| *s),
-                cuFuncLoad: lib.get::<PFN_cuFuncLoad>(b"cuFuncLoad\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuFuncLoad: lib
+                    .get::<Option<PFN_cuFuncLoad>>(b"cuFuncLoad\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuLaunchKernel: lib
-                    .get::<PFN_cuLaunchKernel>(b"cuLaunchKernel\0")
+                    .get::<Option<PFN_cuLaunchKernel>>(b"cuLaunchKernel\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLaunchKernelEx: lib
-                    .get::<PFN_cuLaunchKernelEx>(b"cuLaunchKernelEx\0")
+                    .get::<Option<PFN_cuLaunchKernelEx>>(b"cuLaunchKernelEx\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLaunchCooperativeKernel: lib
-                    .get::<PFN_cuLaunchCooperativeKernel>(b"cuLaunchCooperativeKernel\0")
+                    .get::<Option<PFN_cuLaunchCooperativeKernel>>(b"cuLaunchCooperativeKernel\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLaunchCooperativeKernelMultiDevice: lib
-                    .get::<PFN_cuLaunchCooperativeKernelMultiDevice>(
+                    .get::<Option<PFN_cuLaunchCooperativeKernelMultiDevice>>(
                         b"cuLaunchCooperativeKernelMultiDevice\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLaunchHostFunc: lib
-                    .get::<PFN_cuLaunchHostFunc>(b"cuLaunchHostFunc\0")
+                    .get::<Option<PFN_cuLaunchHostFunc>>(b"cuLaunchHostFunc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncSetBlockShape: lib
-                    .get::<PFN_cuFuncSetBlockShape>(b"cuFuncSetBlockShape\0")
+                    .get::<Option<PFN_cuFuncSetBlockShape>>(b"cuFuncSetBlockShape\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncSetSharedSize: lib
-                    .get::<PFN_cuFuncSetSharedSize>(b"cuFuncSetSharedSize\0")
+                    .get::<Option<PFN_cuFuncSetSharedSize>>(b"cuFuncSetSharedSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuParamSetSize: lib
-                    .get::<PFN_cuParamSetSize>(b"cuParamSetSize\0")
+                    .get::<Option<PFN_cuParamSetSize>>(b"cuParamSetSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuParamSeti: lib
-                    .get::<PFN_cuParamSeti>(b"cuParamSeti\0")
+                    .get::<Option<PFN_cuParamSeti>>(b"cuParamSeti\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuParamSetf: lib
-                    .get::<PFN_cuParamSetf>(b"cuParamSetf\0")
+                    .get::<Option<PFN_cuParamSetf>>(b"cuParamSetf\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuParamSetv: lib
-                    .get::<PFN_cuParamSetv>(b"cuParamSetv\0")
+                    .get::<Option<PFN_cuParamSetv>>(b"cuParamSetv\0")
                     .ok()
-                    .map(|s| *s),
-                cuLaunch: lib.get::<PFN_cuLaunch>(b"cuLaunch\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                cuLaunch: lib
+                    .get::<Option<PFN_cuLaunch>>(b"cuLaunch\0")
+                    .ok()
+                    .and_then(|s| *s),
                 cuLaunchGrid: lib
-                    .get::<PFN_cuLaunchGrid>(b"cuLaunchGrid\0")
+                    .get::<Option<PFN_cuLaunchGrid>>(b"cuLaunchGrid\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLaunchGridAsync: lib
-                    .get::<PFN_cuLaunchGridAsync>(b"cuLaunchGridAsync\0")
+                    .get::<Option<PFN_cuLaunchGridAsync>>(b"cuLaunchGridAsync\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuParamSetTexRef: lib
-                    .get::<PFN_cuParamSetTexRef>(b"cuParamSetTexRef\0")
+                    .get::<Option<PFN_cuParamSetTexRef>>(b"cuParamSetTexRef\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuFuncSetSharedMemConfig: lib
-                    .get::<PFN_cuFuncSetSharedMemConfig>(b"cuFuncSetSharedMemConfig\0")
+                    .get::<Option<PFN_cuFuncSetSharedMemConfig>>(b"cuFuncSetSharedMemConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphCreate: lib
-                    .get::<PFN_cuGraphCreate>(b"cuGraphCreate\0")
+                    .get::<Option<PFN_cuGraphCreate>>(b"cuGraphCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddKernelNode_v2: lib
-                    .get::<PFN_cuGraphAddKernelNode_v2>(b"cuGraphAddKernelNode_v2\0")
+                    .get::<Option<PFN_cuGraphAddKernelNode_v2>>(b"cuGraphAddKernelNode_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphKernelNodeGetParams_v2: lib
-                    .get::<PFN_cuGraphKernelNodeGetParams_v2>(b"cuGraphKernelNodeGetParams_v2\0")
+                    .get::<Option<PFN_cuGraphKernelNodeGetParams_v2>>(
+                        b"cuGraphKernelNodeGetParams_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphKernelNodeSetParams_v2: lib
-                    .get::<PFN_cuGraphKernelNodeSetParams_v2>(b"cuGraphKernelNodeSetParams_v2\0")
+                    .get::<Option<PFN_cuGraphKernelNodeSetParams_v2>>(
+                        b"cuGraphKernelNodeSetParams_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddMemcpyNode: lib
-                    .get::<PFN_cuGraphAddMemcpyNode>(b"cuGraphAddMemcpyNode\0")
+                    .get::<Option<PFN_cuGraphAddMemcpyNode>>(b"cuGraphAddMemcpyNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemcpyNodeGetParams: lib
-                    .get::<PFN_cuGraphMemcpyNodeGetParams>(b"cuGraphMemcpyNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphMemcpyNodeGetParams>>(b"cuGraphMemcpyNodeGetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemcpyNodeSetParams: lib
-                    .get::<PFN_cuGraphMemcpyNodeSetParams>(b"cuGraphMemcpyNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphMemcpyNodeSetParams>>(b"cuGraphMemcpyNodeSetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddMemsetNode: lib
-                    .get::<PFN_cuGraphAddMemsetNode>(b"cuGraphAddMemsetNode\0")
+                    .get::<Option<PFN_cuGraphAddMemsetNode>>(b"cuGraphAddMemsetNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemsetNodeGetParams: lib
-                    .get::<PFN_cuGraphMemsetNodeGetParams>(b"cuGraphMemsetNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphMemsetNodeGetParams>>(b"cuGraphMemsetNodeGetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemsetNodeSetParams: lib
-                    .get::<PFN_cuGraphMemsetNodeSetParams>(b"cuGraphMemsetNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphMemsetNodeSetParams>>(b"cuGraphMemsetNodeSetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddHostNode: lib
-                    .get::<PFN_cuGraphAddHostNode>(b"cuGraphAddHostNode\0")
+                    .get::<Option<PFN_cuGraphAddHostNode>>(b"cuGraphAddHostNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphHostNodeGetParams: lib
-                    .get::<PFN_cuGraphHostNodeGetParams>(b"cuGraphHostNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphHostNodeGetParams>>(b"cuGraphHostNodeGetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphHostNodeSetParams: lib
-                    .get::<PFN_cuGraphHostNodeSetParams>(b"cuGraphHostNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphHostNodeSetParams>>(b"cuGraphHostNodeSetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddChildGraphNode: lib
-                    .get::<PFN_cuGraphAddChildGraphNode>(b"cuGraphAddChildGraphNode\0")
+                    .get::<Option<PFN_cuGraphAddChildGraphNode>>(b"cuGraphAddChildGraphNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphChildGraphNodeGetGraph: lib
-                    .get::<PFN_cuGraphChildGraphNodeGetGraph>(b"cuGraphChildGraphNodeGetGraph\0")
+                    .get::<Option<PFN_cuGraphChildGraphNodeGetGraph>>(
+                        b"cuGraphChildGraphNodeGetGraph\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddEmptyNode: lib
-                    .get::<PFN_cuGraphAddEmptyNode>(b"cuGraphAddEmptyNode\0")
+                    .get::<Option<PFN_cuGraphAddEmptyNode>>(b"cuGraphAddEmptyNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddEventRecordNode: lib
-                    .get::<PFN_cuGraphAddEventRecordNode>(b"cuGraphAddEventRecordNode\0")
+                    .get::<Option<PFN_cuGraphAddEventRecordNode>>(b"cuGraphAddEventRecordNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphEventRecordNodeGetEvent: lib
-                    .get::<PFN_cuGraphEventRecordNodeGetEvent>(b"cuGraphEventRecordNodeGetEvent\0")
+                    .get::<Option<PFN_cuGraphEventRecordNodeGetEvent>>(
+                        b"cuGraphEventRecordNodeGetEvent\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphEventRecordNodeSetEvent: lib
-                    .get::<PFN_cuGraphEventRecordNodeSetEvent>(b"cuGraphEventRecordNodeSetEvent\0")
+                    .get::<Option<PFN_cuGraphEventRecordNodeSetEvent>>(
+                        b"cuGraphEventRecordNodeSetEvent\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddEventWaitNode: lib
-                    .get::<PFN_cuGraphAddEventWaitNode>(b"cuGraphAddEventWaitNode\0")
+                    .get::<Option<PFN_cuGraphAddEventWaitNode>>(b"cuGraphAddEventWaitNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphEventWaitNodeGetEvent: lib
-                    .get::<PFN_cuGraphEventWaitNodeGetEvent>(b"cuGraphEventWaitNodeGetEvent\0")
+                    .get::<Option<PFN_cuGraphEventWaitNodeGetEvent>>(
+                        b"cuGraphEventWaitNodeGetEvent\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphEventWaitNodeSetEvent: lib
-                    .get::<PFN_cuGraphEventWaitNodeSetEvent>(b"cuGraphEventWaitNodeSetEvent\0")
+                    .get::<Option<PFN_cuGraphEventWaitNodeSetEvent>>(
+                        b"cuGraphEventWaitNodeSetEvent\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddExternalSemaphoresSignalNode: lib
-                    .get::<PFN_cuGraphAddExternalSemaphoresSignalNode>(
+                    .get::<Option<PFN_cuGraphAddExternalSemaphoresSignalNode>>(
                         b"cuGraphAddExternalSemaphoresSignalNode\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExternalSemaphoresSignalNodeGetParams: lib
-                    .get::<PFN_cuGraphExternalSemaphoresSignalNodeGetParams>(
+                    .get::<Option<PFN_cuGraphExternalSemaphoresSignalNodeGetParams>>(
                         b"cuGraphExternalSemaphoresSignalNodeGetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExternalSemaphoresSignalNodeSetParams: lib
-                    .get::<PFN_cuGraphExternalSemaphoresSignalNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExternalSemaphoresSignalNodeSetParams>>(
                         b"cuGraphExternalSemaphoresSignalNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddExternalSemaphoresWaitNode: lib
-                    .get::<PFN_cuGraphAddExternalSemaphoresWaitNode>(
+                    .get::<Option<PFN_cuGraphAddExternalSemaphoresWaitNode>>(
                         b"cuGraphAddExternalSemaphoresWaitNode\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExternalSemaphoresWaitNodeGetParams: lib
-                    .get::<PFN_cuGraphExternalSemaphoresWaitNodeGetParams>(
+                    .get::<Option<PFN_cuGraphExternalSemaphoresWaitNodeGetParams>>(
                         b"cuGraphExternalSemaphoresWaitNodeGetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExternalSemaphoresWaitNodeSetParams: lib
-                    .get::<PFN_cuGraphExternalSemaphoresWaitNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExternalSemaphoresWaitNodeSetParams>>(
                         b"cuGraphExternalSemaphoresWaitNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddBatchMemOpNode: lib
-                    .get::<PFN_cuGraphAddBatchMemOpNode>(b"cuGraphAddBatchMemOpNode\0")
+                    .get::<Option<PFN_cuGraphAddBatchMemOpNode>>(b"cuGraphAddBatchMemOpNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphBatchMemOpNodeGetParams: lib
-                    .get::<PFN_cuGraphBatchMemOpNodeGetParams>(b"cuGraphBatchMemOpNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphBatchMemOpNodeGetParams>>(
+                        b"cuGraphBatchMemOpNodeGetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphBatchMemOpNodeSetParams: lib
-                    .get::<PFN_cuGraphBatchMemOpNodeSetParams>(b"cuGraphBatchMemOpNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphBatchMemOpNodeSetParams>>(
+                        b"cuGraphBatchMemOpNodeSetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecBatchMemOpNodeSetParams: lib
-                    .get::<PFN_cuGraphExecBatchMemOpNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExecBatchMemOpNodeSetParams>>(
                         b"cuGraphExecBatchMemOpNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddMemAllocNode: lib
-                    .get::<PFN_cuGraphAddMemAllocNode>(b"cuGraphAddMemAllocNode\0")
+                    .get::<Option<PFN_cuGraphAddMemAllocNode>>(b"cuGraphAddMemAllocNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemAllocNodeGetParams: lib
-                    .get::<PFN_cuGraphMemAllocNodeGetParams>(b"cuGraphMemAllocNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphMemAllocNodeGetParams>>(
+                        b"cuGraphMemAllocNodeGetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddMemFreeNode: lib
-                    .get::<PFN_cuGraphAddMemFreeNode>(b"cuGraphAddMemFreeNode\0")
+                    .get::<Option<PFN_cuGraphAddMemFreeNode>>(b"cuGraphAddMemFreeNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphMemFreeNodeGetParams: lib
-                    .get::<PFN_cuGraphMemFreeNodeGetParams>(b"cuGraphMemFreeNodeGetParams\0")
+                    .get::<Option<PFN_cuGraphMemFreeNodeGetParams>>(
+                        b"cuGraphMemFreeNodeGetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGraphMemTrim: lib
-                    .get::<PFN_cuDeviceGraphMemTrim>(b"cuDeviceGraphMemTrim\0")
+                    .get::<Option<PFN_cuDeviceGraphMemTrim>>(b"cuDeviceGraphMemTrim\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetGraphMemAttribute: lib
-                    .get::<PFN_cuDeviceGetGraphMemAttribute>(b"cuDeviceGetGraphMemAttribute\0")
+                    .get::<Option<PFN_cuDeviceGetGraphMemAttribute>>(
+                        b"cuDeviceGetGraphMemAttribute\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceSetGraphMemAttribute: lib
-                    .get::<PFN_cuDeviceSetGraphMemAttribute>(b"cuDeviceSetGraphMemAttribute\0")
+                    .get::<Option<PFN_cuDeviceSetGraphMemAttribute>>(
+                        b"cuDeviceSetGraphMemAttribute\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphClone: lib
-                    .get::<PFN_cuGraphClone>(b"cuGraphClone\0")
+                    .get::<Option<PFN_cuGraphClone>>(b"cuGraphClone\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeFindInClone: lib
-                    .get::<PFN_cuGraphNodeFindInClone>(b"cuGraphNodeFindInClone\0")
+                    .get::<Option<PFN_cuGraphNodeFindInClone>>(b"cuGraphNodeFindInClone\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeGetType: lib
-                    .get::<PFN_cuGraphNodeGetType>(b"cuGraphNodeGetType\0")
+                    .get::<Option<PFN_cuGraphNodeGetType>>(b"cuGraphNodeGetType\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphGetNodes: lib
-                    .get::<PFN_cuGraphGetNodes>(b"cuGraphGetNodes\0")
+                    .get::<Option<PFN_cuGraphGetNodes>>(b"cuGraphGetNodes\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphGetRootNodes: lib
-                    .get::<PFN_cuGraphGetRootNodes>(b"cuGraphGetRootNodes\0")
+                    .get::<Option<PFN_cuGraphGetRootNodes>>(b"cuGraphGetRootNodes\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphGetEdges_v2: lib
-                    .get::<PFN_cuGraphGetEdges_v2>(b"cuGraphGetEdges_v2\0")
+                    .get::<Option<PFN_cuGraphGetEdges_v2>>(b"cuGraphGetEdges_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeGetDependencies_v2: lib
-                    .get::<PFN_cuGraphNodeGetDependencies_v2>(b"cuGraphNodeGetDependencies_v2\0")
+                    .get::<Option<PFN_cuGraphNodeGetDependencies_v2>>(
+                        b"cuGraphNodeGetDependencies_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeGetDependentNodes_v2: lib
-                    .get::<PFN_cuGraphNodeGetDependentNodes_v2>(
+                    .get::<Option<PFN_cuGraphNodeGetDependentNodes_v2>>(
                         b"cuGraphNodeGetDependentNodes_v2\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddDependencies_v2: lib
-                    .get::<PFN_cuGraphAddDependencies_v2>(b"cuGraphAddDependencies_v2\0")
+                    .get::<Option<PFN_cuGraphAddDependencies_v2>>(b"cuGraphAddDependencies_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphRemoveDependencies_v2: lib
-                    .get::<PFN_cuGraphRemoveDependencies_v2>(b"cuGraphRemoveDependencies_v2\0")
+                    .get::<Option<PFN_cuGraphRemoveDependencies_v2>>(
+                        b"cuGraphRemoveDependencies_v2\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphDestroyNode: lib
-                    .get::<PFN_cuGraphDestroyNode>(b"cuGraphDestroyNode\0")
+                    .get::<Option<PFN_cuGraphDestroyNode>>(b"cuGraphDestroyNode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphInstantiateWithFlags: lib
-                    .get::<PFN_cuGraphInstantiateWithFlags>(b"cuGraphInstantiateWithFlags\0")
+                    .get::<Option<PFN_cuGraphInstantiateWithFlags>>(
+                        b"cuGraphInstantiateWithFlags\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphInstantiateWithParams: lib
-                    .get::<PFN_cuGraphInstantiateWithParams>(b"cuGraphInstantiateWithParams\0")
+                    .get::<Option<PFN_cuGraphInstantiateWithParams>>(
+                        b"cuGraphInstantiateWithParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecGetFlags: lib
-                    .get::<PFN_cuGraphExecGetFlags>(b"cuGraphExecGetFlags\0")
+                    .get::<Option<PFN_cuGraphExecGetFlags>>(b"cuGraphExecGetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecKernelNodeSetParams_v2: lib
-                    .get::<PFN_cuGraphExecKernelNodeSetParams_v2>(
+                    .get::<Option<PFN_cuGraphExecKernelNodeSetParams_v2>>(
                         b"cuGraphExecKernelNodeSetParams_v2\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecMemcpyNodeSetParams: lib
-                    .get::<PFN_cuGraphExecMemcpyNodeSetParams>(b"cuGraphExecMemcpyNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphExecMemcpyNodeSetParams>>(
+                        b"cuGraphExecMemcpyNodeSetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecMemsetNodeSetParams: lib
-                    .get::<PFN_cuGraphExecMemsetNodeSetParams>(b"cuGraphExecMemsetNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphExecMemsetNodeSetParams>>(
+                        b"cuGraphExecMemsetNodeSetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecHostNodeSetParams: lib
-                    .get::<PFN_cuGraphExecHostNodeSetParams>(b"cuGraphExecHostNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphExecHostNodeSetParams>>(
+                        b"cuGraphExecHostNodeSetParams\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecChildGraphNodeSetParams: lib
-                    .get::<PFN_cuGraphExecChildGraphNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExecChildGraphNodeSetParams>>(
                         b"cuGraphExecChildGraphNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecEventRecordNodeSetEvent: lib
-                    .get::<PFN_cuGraphExecEventRecordNodeSetEvent>(
+                    .get::<Option<PFN_cuGraphExecEventRecordNodeSetEvent>>(
                         b"cuGraphExecEventRecordNodeSetEvent\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecEventWaitNodeSetEvent: lib
-                    .get::<PFN_cuGraphExecEventWaitNodeSetEvent>(
+                    .get::<Option<PFN_cuGraphExecEventWaitNodeSetEvent>>(
                         b"cuGraphExecEventWaitNodeSetEvent\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecExternalSemaphoresSignalNodeSetParams: lib
-                    .get::<PFN_cuGraphExecExternalSemaphoresSignalNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExecExternalSemaphoresSignalNodeSetParams>>(
                         b"cuGraphExecExternalSemaphoresSignalNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecExternalSemaphoresWaitNodeSetParams: lib
-                    .get::<PFN_cuGraphExecExternalSemaphoresWaitNodeSetParams>(
+                    .get::<Option<PFN_cuGraphExecExternalSemaphoresWaitNodeSetParams>>(
                         b"cuGraphExecExternalSemaphoresWaitNodeSetParams\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeSetEnabled: lib
-                    .get::<PFN_cuGraphNodeSetEnabled>(b"cuGraphNodeSetEnabled\0")
+                    .get::<Option<PFN_cuGraphNodeSetEnabled>>(b"cuGraphNodeSetEnabled\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeGetEnabled: lib
-                    .get::<PFN_cuGraphNodeGetEnabled>(b"cuGraphNodeGetEnabled\0")
+                    .get::<Option<PFN_cuGraphNodeGetEnabled>>(b"cuGraphNodeGetEnabled\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphUpload: lib
-                    .get::<PFN_cuGraphUpload>(b"cuGraphUpload\0")
+                    .get::<Option<PFN_cuGraphUpload>>(b"cuGraphUpload\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphLaunch: lib
-                    .get::<PFN_cuGraphLaunch>(b"cuGraphLaunch\0")
+                    .get::<Option<PFN_cuGraphLaunch>>(b"cuGraphLaunch\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecDestroy: lib
-                    .get::<PFN_cuGraphExecDestroy>(b"cuGraphExecDestroy\0")
+                    .get::<Option<PFN_cuGraphExecDestroy>>(b"cuGraphExecDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphDestroy: lib
-                    .get::<PFN_cuGraphDestroy>(b"cuGraphDestroy\0")
+                    .get::<Option<PFN_cuGraphDestroy>>(b"cuGraphDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecUpdate_v2: lib
-                    .get::<PFN_cuGraphExecUpdate_v2>(b"cuGraphExecUpdate_v2\0")
+                    .get::<Option<PFN_cuGraphExecUpdate_v2>>(b"cuGraphExecUpdate_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphKernelNodeCopyAttributes: lib
-                    .get::<PFN_cuGraphKernelNodeCopyAttributes>(
+                    .get::<Option<PFN_cuGraphKernelNodeCopyAttributes>>(
                         b"cuGraphKernelNodeCopyAttributes\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphKernelNodeGetAttribute: lib
-                    .get::<PFN_cuGraphKernelNodeGetAttribute>(b"cuGraphKernelNodeGetAttribute\0")
+                    .get::<Option<PFN_cuGraphKernelNodeGetAttribute>>(
+                        b"cuGraphKernelNodeGetAttribute\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphKernelNodeSetAttribute: lib
-                    .get::<PFN_cuGraphKernelNodeSetAttribute>(b"cuGraphKernelNodeSetAttribute\0")
+                    .get::<Option<PFN_cuGraphKernelNodeSetAttribute>>(
+                        b"cuGraphKernelNodeSetAttribute\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphDebugDotPrint: lib
-                    .get::<PFN_cuGraphDebugDotPrint>(b"cuGraphDebugDotPrint\0")
+                    .get::<Option<PFN_cuGraphDebugDotPrint>>(b"cuGraphDebugDotPrint\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuUserObjectCreate: lib
-                    .get::<PFN_cuUserObjectCreate>(b"cuUserObjectCreate\0")
+                    .get::<Option<PFN_cuUserObjectCreate>>(b"cuUserObjectCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuUserObjectRetain: lib
-                    .get::<PFN_cuUserObjectRetain>(b"cuUserObjectRetain\0")
+                    .get::<Option<PFN_cuUserObjectRetain>>(b"cuUserObjectRetain\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuUserObjectRelease: lib
-                    .get::<PFN_cuUserObjectRelease>(b"cuUserObjectRelease\0")
+                    .get::<Option<PFN_cuUserObjectRelease>>(b"cuUserObjectRelease\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphRetainUserObject: lib
-                    .get::<PFN_cuGraphRetainUserObject>(b"cuGraphRetainUserObject\0")
+                    .get::<Option<PFN_cuGraphRetainUserObject>>(b"cuGraphRetainUserObject\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphReleaseUserObject: lib
-                    .get::<PFN_cuGraphReleaseUserObject>(b"cuGraphReleaseUserObject\0")
+                    .get::<Option<PFN_cuGraphReleaseUserObject>>(b"cuGraphReleaseUserObject\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphAddNode_v2: lib
-                    .get::<PFN_cuGraphAddNode_v2>(b"cuGraphAddNode_v2\0")
+                    .get::<Option<PFN_cuGraphAddNode_v2>>(b"cuGraphAddNode_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphNodeSetParams: lib
-                    .get::<PFN_cuGraphNodeSetParams>(b"cuGraphNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphNodeSetParams>>(b"cuGraphNodeSetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphExecNodeSetParams: lib
-                    .get::<PFN_cuGraphExecNodeSetParams>(b"cuGraphExecNodeSetParams\0")
+                    .get::<Option<PFN_cuGraphExecNodeSetParams>>(b"cuGraphExecNodeSetParams\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphConditionalHandleCreate: lib
-                    .get::<PFN_cuGraphConditionalHandleCreate>(b"cuGraphConditionalHandleCreate\0")
+                    .get::<Option<PFN_cuGraphConditionalHandleCreate>>(
+                        b"cuGraphConditionalHandleCreate\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxActiveBlocksPerMultiprocessor: lib
-                    .get::<PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor>(
+                    .get::<Option<PFN_cuOccupancyMaxActiveBlocksPerMultiprocessor>>(
                         b"cuOccupancyMaxActiveBlocksPerMultiprocessor\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags: lib
-                    .get::<PFN_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags>(
+                    .get::<Option<PFN_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags>>(
                         b"cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxPotentialBlockSize: lib
-                    .get::<PFN_cuOccupancyMaxPotentialBlockSize>(
+                    .get::<Option<PFN_cuOccupancyMaxPotentialBlockSize>>(
                         b"cuOccupancyMaxPotentialBlockSize\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxPotentialBlockSizeWithFlags: lib
-                    .get::<PFN_cuOccupancyMaxPotentialBlockSizeWithFlags>(
+                    .get::<Option<PFN_cuOccupancyMaxPotentialBlockSizeWithFlags>>(
                         b"cuOccupancyMaxPotentialBlockSizeWithFlags\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyAvailableDynamicSMemPerBlock: lib
-                    .get::<PFN_cuOccupancyAvailableDynamicSMemPerBlock>(
+                    .get::<Option<PFN_cuOccupancyAvailableDynamicSMemPerBlock>>(
                         b"cuOccupancyAvailableDynamicSMemPerBlock\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxPotentialClusterSize: lib
-                    .get::<PFN_cuOccupancyMaxPotentialClusterSize>(
+                    .get::<Option<PFN_cuOccupancyMaxPotentialClusterSize>>(
                         b"cuOccupancyMaxPotentialClusterSize\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuOccupancyMaxActiveClusters: lib
-                    .get::<PFN_cuOccupancyMaxActiveClusters>(b"cuOccupancyMaxActiveClusters\0")
+                    .get::<Option<PFN_cuOccupancyMaxActiveClusters>>(
+                        b"cuOccupancyMaxActiveClusters\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetArray: lib
-                    .get::<PFN_cuTexRefSetArray>(b"cuTexRefSetArray\0")
+                    .get::<Option<PFN_cuTexRefSetArray>>(b"cuTexRefSetArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetMipmappedArray: lib
-                    .get::<PFN_cuTexRefSetMipmappedArray>(b"cuTexRefSetMipmappedArray\0")
+                    .get::<Option<PFN_cuTexRefSetMipmappedArray>>(b"cuTexRefSetMipmappedArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetAddress_v2: lib
-                    .get::<PFN_cuTexRefSetAddress_v2>(b"cuTexRefSetAddress_v2\0")
+                    .get::<Option<PFN_cuTexRefSetAddress_v2>>(b"cuTexRefSetAddress_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetAddress2D_v3: lib
-                    .get::<PFN_cuTexRefSetAddress2D_v3>(b"cuTexRefSetAddress2D_v3\0")
+                    .get::<Option<PFN_cuTexRefSetAddress2D_v3>>(b"cuTexRefSetAddress2D_v3\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetFormat: lib
-                    .get::<PFN_cuTexRefSetFormat>(b"cuTexRefSetFormat\0")
+                    .get::<Option<PFN_cuTexRefSetFormat>>(b"cuTexRefSetFormat\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetAddressMode: lib
-                    .get::<PFN_cuTexRefSetAddressMode>(b"cuTexRefSetAddressMode\0")
+                    .get::<Option<PFN_cuTexRefSetAddressMode>>(b"cuTexRefSetAddressMode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetFilterMode: lib
-                    .get::<PFN_cuTexRefSetFilterMode>(b"cuTexRefSetFilterMode\0")
+                    .get::<Option<PFN_cuTexRefSetFilterMode>>(b"cuTexRefSetFilterMode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetMipmapFilterMode: lib
-                    .get::<PFN_cuTexRefSetMipmapFilterMode>(b"cuTexRefSetMipmapFilterMode\0")
+                    .get::<Option<PFN_cuTexRefSetMipmapFilterMode>>(
+                        b"cuTexRefSetMipmapFilterMode\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetMipmapLevelBias: lib
-                    .get::<PFN_cuTexRefSetMipmapLevelBias>(b"cuTexRefSetMipmapLevelBias\0")
+                    .get::<Option<PFN_cuTexRefSetMipmapLevelBias>>(b"cuTexRefSetMipmapLevelBias\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetMipmapLevelClamp: lib
-                    .get::<PFN_cuTexRefSetMipmapLevelClamp>(b"cuTexRefSetMipmapLevelClamp\0")
+                    .get::<Option<PFN_cuTexRefSetMipmapLevelClamp>>(
+                        b"cuTexRefSetMipmapLevelClamp\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetMaxAnisotropy: lib
-                    .get::<PFN_cuTexRefSetMaxAnisotropy>(b"cuTexRefSetMaxAnisotropy\0")
+                    .get::<Option<PFN_cuTexRefSetMaxAnisotropy>>(b"cuTexRefSetMaxAnisotropy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetBorderColor: lib
-                    .get::<PFN_cuTexRefSetBorderColor>(b"cuTexRefSetBorderColor\0")
+                    .get::<Option<PFN_cuTexRefSetBorderColor>>(b"cuTexRefSetBorderColor\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefSetFlags: lib
-                    .get::<PFN_cuTexRefSetFlags>(b"cuTexRefSetFlags\0")
+                    .get::<Option<PFN_cuTexRefSetFlags>>(b"cuTexRefSetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetAddress_v2: lib
-                    .get::<PFN_cuTexRefGetAddress_v2>(b"cuTexRefGetAddress_v2\0")
+                    .get::<Option<PFN_cuTexRefGetAddress_v2>>(b"cuTexRefGetAddress_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetArray: lib
-                    .get::<PFN_cuTexRefGetArray>(b"cuTexRefGetArray\0")
+                    .get::<Option<PFN_cuTexRefGetArray>>(b"cuTexRefGetArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetMipmappedArray: lib
-                    .get::<PFN_cuTexRefGetMipmappedArray>(b"cuTexRefGetMipmappedArray\0")
+                    .get::<Option<PFN_cuTexRefGetMipmappedArray>>(b"cuTexRefGetMipmappedArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetAddressMode: lib
-                    .get::<PFN_cuTexRefGetAddressMode>(b"cuTexRefGetAddressMode\0")
+                    .get::<Option<PFN_cuTexRefGetAddressMode>>(b"cuTexRefGetAddressMode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetFilterMode: lib
-                    .get::<PFN_cuTexRefGetFilterMode>(b"cuTexRefGetFilterMode\0")
+                    .get::<Option<PFN_cuTexRefGetFilterMode>>(b"cuTexRefGetFilterMode\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetFormat: lib
-                    .get::<PFN_cuTexRefGetFormat>(b"cuTexRefGetFormat\0")
+                    .get::<Option<PFN_cuTexRefGetFormat>>(b"cuTexRefGetFormat\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetMipmapFilterMode: lib
-                    .get::<PFN_cuTexRefGetMipmapFilterMode>(b"cuTexRefGetMipmapFilterMode\0")
+                    .get::<Option<PFN_cuTexRefGetMipmapFilterMode>>(
+                        b"cuTexRefGetMipmapFilterMode\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetMipmapLevelBias: lib
-                    .get::<PFN_cuTexRefGetMipmapLevelBias>(b"cuTexRefGetMipmapLevelBias\0")
+                    .get::<Option<PFN_cuTexRefGetMipmapLevelBias>>(b"cuTexRefGetMipmapLevelBias\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetMipmapLevelClamp: lib
-                    .get::<PFN_cuTexRefGetMipmapLevelClamp>(b"cuTexRefGetMipmapLevelClamp\0")
+                    .get::<Option<PFN_cuTexRefGetMipmapLevelClamp>>(
+                        b"cuTexRefGetMipmapLevelClamp\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetMaxAnisotropy: lib
-                    .get::<PFN_cuTexRefGetMaxAnisotropy>(b"cuTexRefGetMaxAnisotropy\0")
+                    .get::<Option<PFN_cuTexRefGetMaxAnisotropy>>(b"cuTexRefGetMaxAnisotropy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetBorderColor: lib
-                    .get::<PFN_cuTexRefGetBorderColor>(b"cuTexRefGetBorderColor\0")
+                    .get::<Option<PFN_cuTexRefGetBorderColor>>(b"cuTexRefGetBorderColor\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefGetFlags: lib
-                    .get::<PFN_cuTexRefGetFlags>(b"cuTexRefGetFlags\0")
+                    .get::<Option<PFN_cuTexRefGetFlags>>(b"cuTexRefGetFlags\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefCreate: lib
-                    .get::<PFN_cuTexRefCreate>(b"cuTexRefCreate\0")
+                    .get::<Option<PFN_cuTexRefCreate>>(b"cuTexRefCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexRefDestroy: lib
-                    .get::<PFN_cuTexRefDestroy>(b"cuTexRefDestroy\0")
+                    .get::<Option<PFN_cuTexRefDestroy>>(b"cuTexRefDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSurfRefSetArray: lib
-                    .get::<PFN_cuSurfRefSetArray>(b"cuSurfRefSetArray\0")
+                    .get::<Option<PFN_cuSurfRefSetArray>>(b"cuSurfRefSetArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSurfRefGetArray: lib
-                    .get::<PFN_cuSurfRefGetArray>(b"cuSurfRefGetArray\0")
+                    .get::<Option<PFN_cuSurfRefGetArray>>(b"cuSurfRefGetArray\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexObjectCreate: lib
-                    .get::<PFN_cuTexObjectCreate>(b"cuTexObjectCreate\0")
+                    .get::<Option<PFN_cuTexObjectCreate>>(b"cuTexObjectCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexObjectDestroy: lib
-                    .get::<PFN_cuTexObjectDestroy>(b"cuTexObjectDestroy\0")
+                    .get::<Option<PFN_cuTexObjectDestroy>>(b"cuTexObjectDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexObjectGetResourceDesc: lib
-                    .get::<PFN_cuTexObjectGetResourceDesc>(b"cuTexObjectGetResourceDesc\0")
+                    .get::<Option<PFN_cuTexObjectGetResourceDesc>>(b"cuTexObjectGetResourceDesc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexObjectGetTextureDesc: lib
-                    .get::<PFN_cuTexObjectGetTextureDesc>(b"cuTexObjectGetTextureDesc\0")
+                    .get::<Option<PFN_cuTexObjectGetTextureDesc>>(b"cuTexObjectGetTextureDesc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTexObjectGetResourceViewDesc: lib
-                    .get::<PFN_cuTexObjectGetResourceViewDesc>(b"cuTexObjectGetResourceViewDesc\0")
+                    .get::<Option<PFN_cuTexObjectGetResourceViewDesc>>(
+                        b"cuTexObjectGetResourceViewDesc\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSurfObjectCreate: lib
-                    .get::<PFN_cuSurfObjectCreate>(b"cuSurfObjectCreate\0")
+                    .get::<Option<PFN_cuSurfObjectCreate>>(b"cuSurfObjectCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSurfObjectDestroy: lib
-                    .get::<PFN_cuSurfObjectDestroy>(b"cuSurfObjectDestroy\0")
+                    .get::<Option<PFN_cuSurfObjectDestroy>>(b"cuSurfObjectDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuSurfObjectGetResourceDesc: lib
-                    .get::<PFN_cuSurfObjectGetResourceDesc>(b"cuSurfObjectGetResourceDesc\0")
+                    .get::<Option<PFN_cuSurfObjectGetResourceDesc>>(
+                        b"cuSurfObjectGetResourceDesc\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTensorMapEncodeTiled: lib
-                    .get::<PFN_cuTensorMapEncodeTiled>(b"cuTensorMapEncodeTiled\0")
+                    .get::<Option<PFN_cuTensorMapEncodeTiled>>(b"cuTensorMapEncodeTiled\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTensorMapEncodeIm2col: lib
-                    .get::<PFN_cuTensorMapEncodeIm2col>(b"cuTensorMapEncodeIm2col\0")
+                    .get::<Option<PFN_cuTensorMapEncodeIm2col>>(b"cuTensorMapEncodeIm2col\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTensorMapEncodeIm2colWide: lib
-                    .get::<PFN_cuTensorMapEncodeIm2colWide>(b"cuTensorMapEncodeIm2colWide\0")
+                    .get::<Option<PFN_cuTensorMapEncodeIm2colWide>>(
+                        b"cuTensorMapEncodeIm2colWide\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuTensorMapReplaceAddress: lib
-                    .get::<PFN_cuTensorMapReplaceAddress>(b"cuTensorMapReplaceAddress\0")
+                    .get::<Option<PFN_cuTensorMapReplaceAddress>>(b"cuTensorMapReplaceAddress\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceCanAccessPeer: lib
-                    .get::<PFN_cuDeviceCanAccessPeer>(b"cuDeviceCanAccessPeer\0")
+                    .get::<Option<PFN_cuDeviceCanAccessPeer>>(b"cuDeviceCanAccessPeer\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxEnablePeerAccess: lib
-                    .get::<PFN_cuCtxEnablePeerAccess>(b"cuCtxEnablePeerAccess\0")
+                    .get::<Option<PFN_cuCtxEnablePeerAccess>>(b"cuCtxEnablePeerAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxDisablePeerAccess: lib
-                    .get::<PFN_cuCtxDisablePeerAccess>(b"cuCtxDisablePeerAccess\0")
+                    .get::<Option<PFN_cuCtxDisablePeerAccess>>(b"cuCtxDisablePeerAccess\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetP2PAttribute: lib
-                    .get::<PFN_cuDeviceGetP2PAttribute>(b"cuDeviceGetP2PAttribute\0")
+                    .get::<Option<PFN_cuDeviceGetP2PAttribute>>(b"cuDeviceGetP2PAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetP2PAtomicCapabilities: lib
-                    .get::<PFN_cuDeviceGetP2PAtomicCapabilities>(
+                    .get::<Option<PFN_cuDeviceGetP2PAtomicCapabilities>>(
                         b"cuDeviceGetP2PAtomicCapabilities\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsUnregisterResource: lib
-                    .get::<PFN_cuGraphicsUnregisterResource>(b"cuGraphicsUnregisterResource\0")
+                    .get::<Option<PFN_cuGraphicsUnregisterResource>>(
+                        b"cuGraphicsUnregisterResource\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsSubResourceGetMappedArray: lib
-                    .get::<PFN_cuGraphicsSubResourceGetMappedArray>(
+                    .get::<Option<PFN_cuGraphicsSubResourceGetMappedArray>>(
                         b"cuGraphicsSubResourceGetMappedArray\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsResourceGetMappedMipmappedArray: lib
-                    .get::<PFN_cuGraphicsResourceGetMappedMipmappedArray>(
+                    .get::<Option<PFN_cuGraphicsResourceGetMappedMipmappedArray>>(
                         b"cuGraphicsResourceGetMappedMipmappedArray\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsResourceGetMappedPointer_v2: lib
-                    .get::<PFN_cuGraphicsResourceGetMappedPointer_v2>(
+                    .get::<Option<PFN_cuGraphicsResourceGetMappedPointer_v2>>(
                         b"cuGraphicsResourceGetMappedPointer_v2\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsResourceSetMapFlags_v2: lib
-                    .get::<PFN_cuGraphicsResourceSetMapFlags_v2>(
+                    .get::<Option<PFN_cuGraphicsResourceSetMapFlags_v2>>(
                         b"cuGraphicsResourceSetMapFlags_v2\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsMapResources: lib
-                    .get::<PFN_cuGraphicsMapResources>(b"cuGraphicsMapResources\0")
+                    .get::<Option<PFN_cuGraphicsMapResources>>(b"cuGraphicsMapResources\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGraphicsUnmapResources: lib
-                    .get::<PFN_cuGraphicsUnmapResources>(b"cuGraphicsUnmapResources\0")
+                    .get::<Option<PFN_cuGraphicsUnmapResources>>(b"cuGraphicsUnmapResources\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGetProcAddress_v2: lib
-                    .get::<PFN_cuGetProcAddress_v2>(b"cuGetProcAddress_v2\0")
+                    .get::<Option<PFN_cuGetProcAddress_v2>>(b"cuGetProcAddress_v2\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCoredumpGetAttribute: lib
-                    .get::<PFN_cuCoredumpGetAttribute>(b"cuCoredumpGetAttribute\0")
+                    .get::<Option<PFN_cuCoredumpGetAttribute>>(b"cuCoredumpGetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCoredumpGetAttributeGlobal: lib
-                    .get::<PFN_cuCoredumpGetAttributeGlobal>(b"cuCoredumpGetAttributeGlobal\0")
+                    .get::<Option<PFN_cuCoredumpGetAttributeGlobal>>(
+                        b"cuCoredumpGetAttributeGlobal\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCoredumpSetAttribute: lib
-                    .get::<PFN_cuCoredumpSetAttribute>(b"cuCoredumpSetAttribute\0")
+                    .get::<Option<PFN_cuCoredumpSetAttribute>>(b"cuCoredumpSetAttribute\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCoredumpSetAttributeGlobal: lib
-                    .get::<PFN_cuCoredumpSetAttributeGlobal>(b"cuCoredumpSetAttributeGlobal\0")
+                    .get::<Option<PFN_cuCoredumpSetAttributeGlobal>>(
+                        b"cuCoredumpSetAttributeGlobal\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGetExportTable: lib
-                    .get::<PFN_cuGetExportTable>(b"cuGetExportTable\0")
+                    .get::<Option<PFN_cuGetExportTable>>(b"cuGetExportTable\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxCreate: lib
-                    .get::<PFN_cuGreenCtxCreate>(b"cuGreenCtxCreate\0")
+                    .get::<Option<PFN_cuGreenCtxCreate>>(b"cuGreenCtxCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxDestroy: lib
-                    .get::<PFN_cuGreenCtxDestroy>(b"cuGreenCtxDestroy\0")
+                    .get::<Option<PFN_cuGreenCtxDestroy>>(b"cuGreenCtxDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxFromGreenCtx: lib
-                    .get::<PFN_cuCtxFromGreenCtx>(b"cuCtxFromGreenCtx\0")
+                    .get::<Option<PFN_cuCtxFromGreenCtx>>(b"cuCtxFromGreenCtx\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDeviceGetDevResource: lib
-                    .get::<PFN_cuDeviceGetDevResource>(b"cuDeviceGetDevResource\0")
+                    .get::<Option<PFN_cuDeviceGetDevResource>>(b"cuDeviceGetDevResource\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCtxGetDevResource: lib
-                    .get::<PFN_cuCtxGetDevResource>(b"cuCtxGetDevResource\0")
+                    .get::<Option<PFN_cuCtxGetDevResource>>(b"cuCtxGetDevResource\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxGetDevResource: lib
-                    .get::<PFN_cuGreenCtxGetDevResource>(b"cuGreenCtxGetDevResource\0")
+                    .get::<Option<PFN_cuGreenCtxGetDevResource>>(b"cuGreenCtxGetDevResource\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevSmResourceSplitByCount: lib
-                    .get::<PFN_cuDevSmResourceSplitByCount>(b"cuDevSmResourceSplitByCount\0")
+                    .get::<Option<PFN_cuDevSmResourceSplitByCount>>(
+                        b"cuDevSmResourceSplitByCount\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuDevResourceGenerateDesc: lib
-                    .get::<PFN_cuDevResourceGenerateDesc>(b"cuDevResourceGenerateDesc\0")
+                    .get::<Option<PFN_cuDevResourceGenerateDesc>>(b"cuDevResourceGenerateDesc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxRecordEvent: lib
-                    .get::<PFN_cuGreenCtxRecordEvent>(b"cuGreenCtxRecordEvent\0")
+                    .get::<Option<PFN_cuGreenCtxRecordEvent>>(b"cuGreenCtxRecordEvent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxWaitEvent: lib
-                    .get::<PFN_cuGreenCtxWaitEvent>(b"cuGreenCtxWaitEvent\0")
+                    .get::<Option<PFN_cuGreenCtxWaitEvent>>(b"cuGreenCtxWaitEvent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuStreamGetGreenCtx: lib
-                    .get::<PFN_cuStreamGetGreenCtx>(b"cuStreamGetGreenCtx\0")
+                    .get::<Option<PFN_cuStreamGetGreenCtx>>(b"cuStreamGetGreenCtx\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxStreamCreate: lib
-                    .get::<PFN_cuGreenCtxStreamCreate>(b"cuGreenCtxStreamCreate\0")
+                    .get::<Option<PFN_cuGreenCtxStreamCreate>>(b"cuGreenCtxStreamCreate\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuGreenCtxGetId: lib
-                    .get::<PFN_cuGreenCtxGetId>(b"cuGreenCtxGetId\0")
+                    .get::<Option<PFN_cuGreenCtxGetId>>(b"cuGreenCtxGetId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLogsRegisterCallback: lib
-                    .get::<PFN_cuLogsRegisterCallback>(b"cuLogsRegisterCallback\0")
+                    .get::<Option<PFN_cuLogsRegisterCallback>>(b"cuLogsRegisterCallback\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLogsUnregisterCallback: lib
-                    .get::<PFN_cuLogsUnregisterCallback>(b"cuLogsUnregisterCallback\0")
+                    .get::<Option<PFN_cuLogsUnregisterCallback>>(b"cuLogsUnregisterCallback\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLogsCurrent: lib
-                    .get::<PFN_cuLogsCurrent>(b"cuLogsCurrent\0")
+                    .get::<Option<PFN_cuLogsCurrent>>(b"cuLogsCurrent\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLogsDumpToFile: lib
-                    .get::<PFN_cuLogsDumpToFile>(b"cuLogsDumpToFile\0")
+                    .get::<Option<PFN_cuLogsDumpToFile>>(b"cuLogsDumpToFile\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuLogsDumpToMemory: lib
-                    .get::<PFN_cuLogsDumpToMemory>(b"cuLogsDumpToMemory\0")
+                    .get::<Option<PFN_cuLogsDumpToMemory>>(b"cuLogsDumpToMemory\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessGetRestoreThreadId: lib
-                    .get::<PFN_cuCheckpointProcessGetRestoreThreadId>(
+                    .get::<Option<PFN_cuCheckpointProcessGetRestoreThreadId>>(
                         b"cuCheckpointProcessGetRestoreThreadId\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessGetState: lib
-                    .get::<PFN_cuCheckpointProcessGetState>(b"cuCheckpointProcessGetState\0")
+                    .get::<Option<PFN_cuCheckpointProcessGetState>>(
+                        b"cuCheckpointProcessGetState\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessLock: lib
-                    .get::<PFN_cuCheckpointProcessLock>(b"cuCheckpointProcessLock\0")
+                    .get::<Option<PFN_cuCheckpointProcessLock>>(b"cuCheckpointProcessLock\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessCheckpoint: lib
-                    .get::<PFN_cuCheckpointProcessCheckpoint>(b"cuCheckpointProcessCheckpoint\0")
+                    .get::<Option<PFN_cuCheckpointProcessCheckpoint>>(
+                        b"cuCheckpointProcessCheckpoint\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessRestore: lib
-                    .get::<PFN_cuCheckpointProcessRestore>(b"cuCheckpointProcessRestore\0")
+                    .get::<Option<PFN_cuCheckpointProcessRestore>>(b"cuCheckpointProcessRestore\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 cuCheckpointProcessUnlock: lib
-                    .get::<PFN_cuCheckpointProcessUnlock>(b"cuCheckpointProcessUnlock\0")
+                    .get::<Option<PFN_cuCheckpointProcessUnlock>>(b"cuCheckpointProcessUnlock\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
             }
         }
     }

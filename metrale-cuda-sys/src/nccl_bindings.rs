@@ -853,313 +853,337 @@ impl crate::Table for NcclFns {
     /// # Safety
     /// `lib` must be an NCCL library whose exported functions have the signatures of the header these bindings were generated from.
     unsafe fn resolve(lib: &::libloading::Library) -> Self {
-        // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
+        // SAFETY: the caller promises the symbols have the declared types; each is read as `Option<PFN_x>`, so a null address is `None`, never a null fn pointer, and a symbol absent or null is kept as `None` and never called.
         unsafe {
             Self {
                 ncclMemAlloc: lib
-                    .get::<PFN_ncclMemAlloc>(b"ncclMemAlloc\0")
+                    .get::<Option<PFN_ncclMemAlloc>>(b"ncclMemAlloc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclMemAlloc: lib
-                    .get::<PFN_pncclMemAlloc>(b"pncclMemAlloc\0")
+                    .get::<Option<PFN_pncclMemAlloc>>(b"pncclMemAlloc\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclMemFree: lib
-                    .get::<PFN_ncclMemFree>(b"ncclMemFree\0")
+                    .get::<Option<PFN_ncclMemFree>>(b"ncclMemFree\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclMemFree: lib
-                    .get::<PFN_pncclMemFree>(b"pncclMemFree\0")
+                    .get::<Option<PFN_pncclMemFree>>(b"pncclMemFree\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGetVersion: lib
-                    .get::<PFN_ncclGetVersion>(b"ncclGetVersion\0")
+                    .get::<Option<PFN_ncclGetVersion>>(b"ncclGetVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGetVersion: lib
-                    .get::<PFN_pncclGetVersion>(b"pncclGetVersion\0")
+                    .get::<Option<PFN_pncclGetVersion>>(b"pncclGetVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGetUniqueId: lib
-                    .get::<PFN_ncclGetUniqueId>(b"ncclGetUniqueId\0")
+                    .get::<Option<PFN_ncclGetUniqueId>>(b"ncclGetUniqueId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGetUniqueId: lib
-                    .get::<PFN_pncclGetUniqueId>(b"pncclGetUniqueId\0")
+                    .get::<Option<PFN_pncclGetUniqueId>>(b"pncclGetUniqueId\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommInitRankConfig: lib
-                    .get::<PFN_ncclCommInitRankConfig>(b"ncclCommInitRankConfig\0")
+                    .get::<Option<PFN_ncclCommInitRankConfig>>(b"ncclCommInitRankConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommInitRankConfig: lib
-                    .get::<PFN_pncclCommInitRankConfig>(b"pncclCommInitRankConfig\0")
+                    .get::<Option<PFN_pncclCommInitRankConfig>>(b"pncclCommInitRankConfig\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommInitRank: lib
-                    .get::<PFN_ncclCommInitRank>(b"ncclCommInitRank\0")
+                    .get::<Option<PFN_ncclCommInitRank>>(b"ncclCommInitRank\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommInitRank: lib
-                    .get::<PFN_pncclCommInitRank>(b"pncclCommInitRank\0")
+                    .get::<Option<PFN_pncclCommInitRank>>(b"pncclCommInitRank\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommInitAll: lib
-                    .get::<PFN_ncclCommInitAll>(b"ncclCommInitAll\0")
+                    .get::<Option<PFN_ncclCommInitAll>>(b"ncclCommInitAll\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommInitAll: lib
-                    .get::<PFN_pncclCommInitAll>(b"pncclCommInitAll\0")
+                    .get::<Option<PFN_pncclCommInitAll>>(b"pncclCommInitAll\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommFinalize: lib
-                    .get::<PFN_ncclCommFinalize>(b"ncclCommFinalize\0")
+                    .get::<Option<PFN_ncclCommFinalize>>(b"ncclCommFinalize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommFinalize: lib
-                    .get::<PFN_pncclCommFinalize>(b"pncclCommFinalize\0")
+                    .get::<Option<PFN_pncclCommFinalize>>(b"pncclCommFinalize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommDestroy: lib
-                    .get::<PFN_ncclCommDestroy>(b"ncclCommDestroy\0")
+                    .get::<Option<PFN_ncclCommDestroy>>(b"ncclCommDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommDestroy: lib
-                    .get::<PFN_pncclCommDestroy>(b"pncclCommDestroy\0")
+                    .get::<Option<PFN_pncclCommDestroy>>(b"pncclCommDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommAbort: lib
-                    .get::<PFN_ncclCommAbort>(b"ncclCommAbort\0")
+                    .get::<Option<PFN_ncclCommAbort>>(b"ncclCommAbort\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommAbort: lib
-                    .get::<PFN_pncclCommAbort>(b"pncclCommAbort\0")
+                    .get::<Option<PFN_pncclCommAbort>>(b"pncclCommAbort\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommRevoke: lib
-                    .get::<PFN_ncclCommRevoke>(b"ncclCommRevoke\0")
+                    .get::<Option<PFN_ncclCommRevoke>>(b"ncclCommRevoke\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommRevoke: lib
-                    .get::<PFN_pncclCommRevoke>(b"pncclCommRevoke\0")
+                    .get::<Option<PFN_pncclCommRevoke>>(b"pncclCommRevoke\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommSplit: lib
-                    .get::<PFN_ncclCommSplit>(b"ncclCommSplit\0")
+                    .get::<Option<PFN_ncclCommSplit>>(b"ncclCommSplit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommSplit: lib
-                    .get::<PFN_pncclCommSplit>(b"pncclCommSplit\0")
+                    .get::<Option<PFN_pncclCommSplit>>(b"pncclCommSplit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommShrink: lib
-                    .get::<PFN_ncclCommShrink>(b"ncclCommShrink\0")
+                    .get::<Option<PFN_ncclCommShrink>>(b"ncclCommShrink\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommShrink: lib
-                    .get::<PFN_pncclCommShrink>(b"pncclCommShrink\0")
+                    .get::<Option<PFN_pncclCommShrink>>(b"pncclCommShrink\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommInitRankScalable: lib
-                    .get::<PFN_ncclCommInitRankScalable>(b"ncclCommInitRankScalable\0")
+                    .get::<Option<PFN_ncclCommInitRankScalable>>(b"ncclCommInitRankScalable\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommInitRankScalable: lib
-                    .get::<PFN_pncclCommInitRankScalable>(b"pncclCommInitRankScalable\0")
+                    .get::<Option<PFN_pncclCommInitRankScalable>>(b"pncclCommInitRankScalable\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGetErrorString: lib
-                    .get::<PFN_ncclGetErrorString>(b"ncclGetErrorString\0")
+                    .get::<Option<PFN_ncclGetErrorString>>(b"ncclGetErrorString\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGetErrorString: lib
-                    .get::<PFN_pncclGetErrorString>(b"pncclGetErrorString\0")
+                    .get::<Option<PFN_pncclGetErrorString>>(b"pncclGetErrorString\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGetLastError: lib
-                    .get::<PFN_ncclGetLastError>(b"ncclGetLastError\0")
+                    .get::<Option<PFN_ncclGetLastError>>(b"ncclGetLastError\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGetLastError: lib
-                    .get::<PFN_pncclGetLastError>(b"pncclGetLastError\0")
+                    .get::<Option<PFN_pncclGetLastError>>(b"pncclGetLastError\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclResetDebugInit: lib
-                    .get::<PFN_ncclResetDebugInit>(b"ncclResetDebugInit\0")
+                    .get::<Option<PFN_ncclResetDebugInit>>(b"ncclResetDebugInit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclResetDebugInit: lib
-                    .get::<PFN_pncclResetDebugInit>(b"pncclResetDebugInit\0")
+                    .get::<Option<PFN_pncclResetDebugInit>>(b"pncclResetDebugInit\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommGetAsyncError: lib
-                    .get::<PFN_ncclCommGetAsyncError>(b"ncclCommGetAsyncError\0")
+                    .get::<Option<PFN_ncclCommGetAsyncError>>(b"ncclCommGetAsyncError\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommGetAsyncError: lib
-                    .get::<PFN_pncclCommGetAsyncError>(b"pncclCommGetAsyncError\0")
+                    .get::<Option<PFN_pncclCommGetAsyncError>>(b"pncclCommGetAsyncError\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommCount: lib
-                    .get::<PFN_ncclCommCount>(b"ncclCommCount\0")
+                    .get::<Option<PFN_ncclCommCount>>(b"ncclCommCount\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommCount: lib
-                    .get::<PFN_pncclCommCount>(b"pncclCommCount\0")
+                    .get::<Option<PFN_pncclCommCount>>(b"pncclCommCount\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommCuDevice: lib
-                    .get::<PFN_ncclCommCuDevice>(b"ncclCommCuDevice\0")
+                    .get::<Option<PFN_ncclCommCuDevice>>(b"ncclCommCuDevice\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommCuDevice: lib
-                    .get::<PFN_pncclCommCuDevice>(b"pncclCommCuDevice\0")
+                    .get::<Option<PFN_pncclCommCuDevice>>(b"pncclCommCuDevice\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommUserRank: lib
-                    .get::<PFN_ncclCommUserRank>(b"ncclCommUserRank\0")
+                    .get::<Option<PFN_ncclCommUserRank>>(b"ncclCommUserRank\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommUserRank: lib
-                    .get::<PFN_pncclCommUserRank>(b"pncclCommUserRank\0")
+                    .get::<Option<PFN_pncclCommUserRank>>(b"pncclCommUserRank\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommRegister: lib
-                    .get::<PFN_ncclCommRegister>(b"ncclCommRegister\0")
+                    .get::<Option<PFN_ncclCommRegister>>(b"ncclCommRegister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommRegister: lib
-                    .get::<PFN_pncclCommRegister>(b"pncclCommRegister\0")
+                    .get::<Option<PFN_pncclCommRegister>>(b"pncclCommRegister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommDeregister: lib
-                    .get::<PFN_ncclCommDeregister>(b"ncclCommDeregister\0")
+                    .get::<Option<PFN_ncclCommDeregister>>(b"ncclCommDeregister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommDeregister: lib
-                    .get::<PFN_pncclCommDeregister>(b"pncclCommDeregister\0")
+                    .get::<Option<PFN_pncclCommDeregister>>(b"pncclCommDeregister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommWindowRegister: lib
-                    .get::<PFN_ncclCommWindowRegister>(b"ncclCommWindowRegister\0")
+                    .get::<Option<PFN_ncclCommWindowRegister>>(b"ncclCommWindowRegister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommWindowRegister: lib
-                    .get::<PFN_pncclCommWindowRegister>(b"pncclCommWindowRegister\0")
+                    .get::<Option<PFN_pncclCommWindowRegister>>(b"pncclCommWindowRegister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclCommWindowDeregister: lib
-                    .get::<PFN_ncclCommWindowDeregister>(b"ncclCommWindowDeregister\0")
+                    .get::<Option<PFN_ncclCommWindowDeregister>>(b"ncclCommWindowDeregister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclCommWindowDeregister: lib
-                    .get::<PFN_pncclCommWindowDeregister>(b"pncclCommWindowDeregister\0")
+                    .get::<Option<PFN_pncclCommWindowDeregister>>(b"pncclCommWindowDeregister\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclRedOpCreatePreMulSum: lib
-                    .get::<PFN_ncclRedOpCreatePreMulSum>(b"ncclRedOpCreatePreMulSum\0")
+                    .get::<Option<PFN_ncclRedOpCreatePreMulSum>>(b"ncclRedOpCreatePreMulSum\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclRedOpCreatePreMulSum: lib
-                    .get::<PFN_pncclRedOpCreatePreMulSum>(b"pncclRedOpCreatePreMulSum\0")
+                    .get::<Option<PFN_pncclRedOpCreatePreMulSum>>(b"pncclRedOpCreatePreMulSum\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclRedOpDestroy: lib
-                    .get::<PFN_ncclRedOpDestroy>(b"ncclRedOpDestroy\0")
+                    .get::<Option<PFN_ncclRedOpDestroy>>(b"ncclRedOpDestroy\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclRedOpDestroy: lib
-                    .get::<PFN_pncclRedOpDestroy>(b"pncclRedOpDestroy\0")
+                    .get::<Option<PFN_pncclRedOpDestroy>>(b"pncclRedOpDestroy\0")
                     .ok()
-                    .map(|s| *s),
-                ncclReduce: lib.get::<PFN_ncclReduce>(b"ncclReduce\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                ncclReduce: lib
+                    .get::<Option<PFN_ncclReduce>>(b"ncclReduce\0")
+                    .ok()
+                    .and_then(|s| *s),
                 pncclReduce: lib
-                    .get::<PFN_pncclReduce>(b"pncclReduce\0")
+                    .get::<Option<PFN_pncclReduce>>(b"pncclReduce\0")
                     .ok()
-                    .map(|s| *s),
-                ncclBcast: lib.get::<PFN_ncclBcast>(b"ncclBcast\0").ok().map(|s| *s),
-                pncclBcast: lib.get::<PFN_pncclBcast>(b"pncclBcast\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                ncclBcast: lib
+                    .get::<Option<PFN_ncclBcast>>(b"ncclBcast\0")
+                    .ok()
+                    .and_then(|s| *s),
+                pncclBcast: lib
+                    .get::<Option<PFN_pncclBcast>>(b"pncclBcast\0")
+                    .ok()
+                    .and_then(|s| *s),
                 ncclBroadcast: lib
-                    .get::<PFN_ncclBroadcast>(b"ncclBroadcast\0")
+                    .get::<Option<PFN_ncclBroadcast>>(b"ncclBroadcast\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclBroadcast: lib
-                    .get::<PFN_pncclBroadcast>(b"pncclBroadcast\0")
+                    .get::<Option<PFN_pncclBroadcast>>(b"pncclBroadcast\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclAllReduce: lib
-                    .get::<PFN_ncclAllReduce>(b"ncclAllReduce\0")
+                    .get::<Option<PFN_ncclAllReduce>>(b"ncclAllReduce\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclAllReduce: lib
-                    .get::<PFN_pncclAllReduce>(b"pncclAllReduce\0")
+                    .get::<Option<PFN_pncclAllReduce>>(b"pncclAllReduce\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclReduceScatter: lib
-                    .get::<PFN_ncclReduceScatter>(b"ncclReduceScatter\0")
+                    .get::<Option<PFN_ncclReduceScatter>>(b"ncclReduceScatter\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclReduceScatter: lib
-                    .get::<PFN_pncclReduceScatter>(b"pncclReduceScatter\0")
+                    .get::<Option<PFN_pncclReduceScatter>>(b"pncclReduceScatter\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclAllGather: lib
-                    .get::<PFN_ncclAllGather>(b"ncclAllGather\0")
+                    .get::<Option<PFN_ncclAllGather>>(b"ncclAllGather\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclAllGather: lib
-                    .get::<PFN_pncclAllGather>(b"pncclAllGather\0")
+                    .get::<Option<PFN_pncclAllGather>>(b"pncclAllGather\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclAlltoAll: lib
-                    .get::<PFN_ncclAlltoAll>(b"ncclAlltoAll\0")
+                    .get::<Option<PFN_ncclAlltoAll>>(b"ncclAlltoAll\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclAlltoAll: lib
-                    .get::<PFN_pncclAlltoAll>(b"pncclAlltoAll\0")
+                    .get::<Option<PFN_pncclAlltoAll>>(b"pncclAlltoAll\0")
                     .ok()
-                    .map(|s| *s),
-                ncclGather: lib.get::<PFN_ncclGather>(b"ncclGather\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                ncclGather: lib
+                    .get::<Option<PFN_ncclGather>>(b"ncclGather\0")
+                    .ok()
+                    .and_then(|s| *s),
                 pncclGather: lib
-                    .get::<PFN_pncclGather>(b"pncclGather\0")
+                    .get::<Option<PFN_pncclGather>>(b"pncclGather\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclScatter: lib
-                    .get::<PFN_ncclScatter>(b"ncclScatter\0")
+                    .get::<Option<PFN_ncclScatter>>(b"ncclScatter\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclScatter: lib
-                    .get::<PFN_pncclScatter>(b"pncclScatter\0")
+                    .get::<Option<PFN_pncclScatter>>(b"pncclScatter\0")
                     .ok()
-                    .map(|s| *s),
-                ncclSend: lib.get::<PFN_ncclSend>(b"ncclSend\0").ok().map(|s| *s),
-                pncclSend: lib.get::<PFN_pncclSend>(b"pncclSend\0").ok().map(|s| *s),
-                pncclRecv: lib.get::<PFN_pncclRecv>(b"pncclRecv\0").ok().map(|s| *s),
-                ncclRecv: lib.get::<PFN_ncclRecv>(b"ncclRecv\0").ok().map(|s| *s),
+                    .and_then(|s| *s),
+                ncclSend: lib
+                    .get::<Option<PFN_ncclSend>>(b"ncclSend\0")
+                    .ok()
+                    .and_then(|s| *s),
+                pncclSend: lib
+                    .get::<Option<PFN_pncclSend>>(b"pncclSend\0")
+                    .ok()
+                    .and_then(|s| *s),
+                pncclRecv: lib
+                    .get::<Option<PFN_pncclRecv>>(b"pncclRecv\0")
+                    .ok()
+                    .and_then(|s| *s),
+                ncclRecv: lib
+                    .get::<Option<PFN_ncclRecv>>(b"ncclRecv\0")
+                    .ok()
+                    .and_then(|s| *s),
                 ncclGroupStart: lib
-                    .get::<PFN_ncclGroupStart>(b"ncclGroupStart\0")
+                    .get::<Option<PFN_ncclGroupStart>>(b"ncclGroupStart\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGroupStart: lib
-                    .get::<PFN_pncclGroupStart>(b"pncclGroupStart\0")
+                    .get::<Option<PFN_pncclGroupStart>>(b"pncclGroupStart\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGroupEnd: lib
-                    .get::<PFN_ncclGroupEnd>(b"ncclGroupEnd\0")
+                    .get::<Option<PFN_ncclGroupEnd>>(b"ncclGroupEnd\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGroupEnd: lib
-                    .get::<PFN_pncclGroupEnd>(b"pncclGroupEnd\0")
+                    .get::<Option<PFN_pncclGroupEnd>>(b"pncclGroupEnd\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 ncclGroupSimulateEnd: lib
-                    .get::<PFN_ncclGroupSimulateEnd>(b"ncclGroupSimulateEnd\0")
+                    .get::<Option<PFN_ncclGroupSimulateEnd>>(b"ncclGroupSimulateEnd\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 pncclGroupSimulateEnd: lib
-                    .get::<PFN_pncclGroupSimulateEnd>(b"pncclGroupSimulateEnd\0")
+                    .get::<Option<PFN_pncclGroupSimulateEnd>>(b"pncclGroupSimulateEnd\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
             }
         }
     }

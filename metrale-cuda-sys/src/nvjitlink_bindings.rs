@@ -152,71 +152,79 @@ impl crate::Table for NvJitLinkFns {
     /// # Safety
     /// `lib` must be an nvJitLink library whose exported functions have the signatures of the header these bindings were generated from.
     unsafe fn resolve(lib: &::libloading::Library) -> Self {
-        // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
+        // SAFETY: the caller promises the symbols have the declared types; each is read as `Option<PFN_x>`, so a null address is `None`, never a null fn pointer, and a symbol absent or null is kept as `None` and never called.
         unsafe {
             Self {
                 __nvJitLinkCreate_13_0: lib
-                    .get::<PFN___nvJitLinkCreate_13_0>(b"__nvJitLinkCreate_13_0\0")
+                    .get::<Option<PFN___nvJitLinkCreate_13_0>>(b"__nvJitLinkCreate_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkDestroy_13_0: lib
-                    .get::<PFN___nvJitLinkDestroy_13_0>(b"__nvJitLinkDestroy_13_0\0")
+                    .get::<Option<PFN___nvJitLinkDestroy_13_0>>(b"__nvJitLinkDestroy_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkAddData_13_0: lib
-                    .get::<PFN___nvJitLinkAddData_13_0>(b"__nvJitLinkAddData_13_0\0")
+                    .get::<Option<PFN___nvJitLinkAddData_13_0>>(b"__nvJitLinkAddData_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkAddFile_13_0: lib
-                    .get::<PFN___nvJitLinkAddFile_13_0>(b"__nvJitLinkAddFile_13_0\0")
+                    .get::<Option<PFN___nvJitLinkAddFile_13_0>>(b"__nvJitLinkAddFile_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkComplete_13_0: lib
-                    .get::<PFN___nvJitLinkComplete_13_0>(b"__nvJitLinkComplete_13_0\0")
+                    .get::<Option<PFN___nvJitLinkComplete_13_0>>(b"__nvJitLinkComplete_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetLinkedCubinSize_13_0: lib
-                    .get::<PFN___nvJitLinkGetLinkedCubinSize_13_0>(
+                    .get::<Option<PFN___nvJitLinkGetLinkedCubinSize_13_0>>(
                         b"__nvJitLinkGetLinkedCubinSize_13_0\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetLinkedCubin_13_0: lib
-                    .get::<PFN___nvJitLinkGetLinkedCubin_13_0>(b"__nvJitLinkGetLinkedCubin_13_0\0")
+                    .get::<Option<PFN___nvJitLinkGetLinkedCubin_13_0>>(
+                        b"__nvJitLinkGetLinkedCubin_13_0\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetLinkedPtxSize_13_0: lib
-                    .get::<PFN___nvJitLinkGetLinkedPtxSize_13_0>(
+                    .get::<Option<PFN___nvJitLinkGetLinkedPtxSize_13_0>>(
                         b"__nvJitLinkGetLinkedPtxSize_13_0\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetLinkedPtx_13_0: lib
-                    .get::<PFN___nvJitLinkGetLinkedPtx_13_0>(b"__nvJitLinkGetLinkedPtx_13_0\0")
+                    .get::<Option<PFN___nvJitLinkGetLinkedPtx_13_0>>(
+                        b"__nvJitLinkGetLinkedPtx_13_0\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetErrorLogSize_13_0: lib
-                    .get::<PFN___nvJitLinkGetErrorLogSize_13_0>(
+                    .get::<Option<PFN___nvJitLinkGetErrorLogSize_13_0>>(
                         b"__nvJitLinkGetErrorLogSize_13_0\0",
                     )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetErrorLog_13_0: lib
-                    .get::<PFN___nvJitLinkGetErrorLog_13_0>(b"__nvJitLinkGetErrorLog_13_0\0")
+                    .get::<Option<PFN___nvJitLinkGetErrorLog_13_0>>(
+                        b"__nvJitLinkGetErrorLog_13_0\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetInfoLogSize_13_0: lib
-                    .get::<PFN___nvJitLinkGetInfoLogSize_13_0>(b"__nvJitLinkGetInfoLogSize_13_0\0")
+                    .get::<Option<PFN___nvJitLinkGetInfoLogSize_13_0>>(
+                        b"__nvJitLinkGetInfoLogSize_13_0\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 __nvJitLinkGetInfoLog_13_0: lib
-                    .get::<PFN___nvJitLinkGetInfoLog_13_0>(b"__nvJitLinkGetInfoLog_13_0\0")
+                    .get::<Option<PFN___nvJitLinkGetInfoLog_13_0>>(b"__nvJitLinkGetInfoLog_13_0\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvJitLinkVersion: lib
-                    .get::<PFN_nvJitLinkVersion>(b"nvJitLinkVersion\0")
+                    .get::<Option<PFN_nvJitLinkVersion>>(b"nvJitLinkVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
             }
         }
     }

@@ -186,105 +186,107 @@ impl crate::Table for NvrtcFns {
     /// # Safety
     /// `lib` must be an NVRTC library whose exported functions have the signatures of the header these bindings were generated from.
     unsafe fn resolve(lib: &::libloading::Library) -> Self {
-        // SAFETY: the caller promises the symbols have the declared types; a symbol that is absent is kept as `None` and never called.
+        // SAFETY: the caller promises the symbols have the declared types; each is read as `Option<PFN_x>`, so a null address is `None`, never a null fn pointer, and a symbol absent or null is kept as `None` and never called.
         unsafe {
             Self {
                 nvrtcGetErrorString: lib
-                    .get::<PFN_nvrtcGetErrorString>(b"nvrtcGetErrorString\0")
+                    .get::<Option<PFN_nvrtcGetErrorString>>(b"nvrtcGetErrorString\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcVersion: lib
-                    .get::<PFN_nvrtcVersion>(b"nvrtcVersion\0")
+                    .get::<Option<PFN_nvrtcVersion>>(b"nvrtcVersion\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetNumSupportedArchs: lib
-                    .get::<PFN_nvrtcGetNumSupportedArchs>(b"nvrtcGetNumSupportedArchs\0")
+                    .get::<Option<PFN_nvrtcGetNumSupportedArchs>>(b"nvrtcGetNumSupportedArchs\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetSupportedArchs: lib
-                    .get::<PFN_nvrtcGetSupportedArchs>(b"nvrtcGetSupportedArchs\0")
+                    .get::<Option<PFN_nvrtcGetSupportedArchs>>(b"nvrtcGetSupportedArchs\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcCreateProgram: lib
-                    .get::<PFN_nvrtcCreateProgram>(b"nvrtcCreateProgram\0")
+                    .get::<Option<PFN_nvrtcCreateProgram>>(b"nvrtcCreateProgram\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcDestroyProgram: lib
-                    .get::<PFN_nvrtcDestroyProgram>(b"nvrtcDestroyProgram\0")
+                    .get::<Option<PFN_nvrtcDestroyProgram>>(b"nvrtcDestroyProgram\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcCompileProgram: lib
-                    .get::<PFN_nvrtcCompileProgram>(b"nvrtcCompileProgram\0")
+                    .get::<Option<PFN_nvrtcCompileProgram>>(b"nvrtcCompileProgram\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetPTXSize: lib
-                    .get::<PFN_nvrtcGetPTXSize>(b"nvrtcGetPTXSize\0")
+                    .get::<Option<PFN_nvrtcGetPTXSize>>(b"nvrtcGetPTXSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetPTX: lib
-                    .get::<PFN_nvrtcGetPTX>(b"nvrtcGetPTX\0")
+                    .get::<Option<PFN_nvrtcGetPTX>>(b"nvrtcGetPTX\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetCUBINSize: lib
-                    .get::<PFN_nvrtcGetCUBINSize>(b"nvrtcGetCUBINSize\0")
+                    .get::<Option<PFN_nvrtcGetCUBINSize>>(b"nvrtcGetCUBINSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetCUBIN: lib
-                    .get::<PFN_nvrtcGetCUBIN>(b"nvrtcGetCUBIN\0")
+                    .get::<Option<PFN_nvrtcGetCUBIN>>(b"nvrtcGetCUBIN\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetLTOIRSize: lib
-                    .get::<PFN_nvrtcGetLTOIRSize>(b"nvrtcGetLTOIRSize\0")
+                    .get::<Option<PFN_nvrtcGetLTOIRSize>>(b"nvrtcGetLTOIRSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetLTOIR: lib
-                    .get::<PFN_nvrtcGetLTOIR>(b"nvrtcGetLTOIR\0")
+                    .get::<Option<PFN_nvrtcGetLTOIR>>(b"nvrtcGetLTOIR\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetOptiXIRSize: lib
-                    .get::<PFN_nvrtcGetOptiXIRSize>(b"nvrtcGetOptiXIRSize\0")
+                    .get::<Option<PFN_nvrtcGetOptiXIRSize>>(b"nvrtcGetOptiXIRSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetOptiXIR: lib
-                    .get::<PFN_nvrtcGetOptiXIR>(b"nvrtcGetOptiXIR\0")
+                    .get::<Option<PFN_nvrtcGetOptiXIR>>(b"nvrtcGetOptiXIR\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetProgramLogSize: lib
-                    .get::<PFN_nvrtcGetProgramLogSize>(b"nvrtcGetProgramLogSize\0")
+                    .get::<Option<PFN_nvrtcGetProgramLogSize>>(b"nvrtcGetProgramLogSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetProgramLog: lib
-                    .get::<PFN_nvrtcGetProgramLog>(b"nvrtcGetProgramLog\0")
+                    .get::<Option<PFN_nvrtcGetProgramLog>>(b"nvrtcGetProgramLog\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcAddNameExpression: lib
-                    .get::<PFN_nvrtcAddNameExpression>(b"nvrtcAddNameExpression\0")
+                    .get::<Option<PFN_nvrtcAddNameExpression>>(b"nvrtcAddNameExpression\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetLoweredName: lib
-                    .get::<PFN_nvrtcGetLoweredName>(b"nvrtcGetLoweredName\0")
+                    .get::<Option<PFN_nvrtcGetLoweredName>>(b"nvrtcGetLoweredName\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetPCHHeapSize: lib
-                    .get::<PFN_nvrtcGetPCHHeapSize>(b"nvrtcGetPCHHeapSize\0")
+                    .get::<Option<PFN_nvrtcGetPCHHeapSize>>(b"nvrtcGetPCHHeapSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcSetPCHHeapSize: lib
-                    .get::<PFN_nvrtcSetPCHHeapSize>(b"nvrtcSetPCHHeapSize\0")
+                    .get::<Option<PFN_nvrtcSetPCHHeapSize>>(b"nvrtcSetPCHHeapSize\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetPCHCreateStatus: lib
-                    .get::<PFN_nvrtcGetPCHCreateStatus>(b"nvrtcGetPCHCreateStatus\0")
+                    .get::<Option<PFN_nvrtcGetPCHCreateStatus>>(b"nvrtcGetPCHCreateStatus\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcGetPCHHeapSizeRequired: lib
-                    .get::<PFN_nvrtcGetPCHHeapSizeRequired>(b"nvrtcGetPCHHeapSizeRequired\0")
+                    .get::<Option<PFN_nvrtcGetPCHHeapSizeRequired>>(
+                        b"nvrtcGetPCHHeapSizeRequired\0",
+                    )
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
                 nvrtcSetFlowCallback: lib
-                    .get::<PFN_nvrtcSetFlowCallback>(b"nvrtcSetFlowCallback\0")
+                    .get::<Option<PFN_nvrtcSetFlowCallback>>(b"nvrtcSetFlowCallback\0")
                     .ok()
-                    .map(|s| *s),
+                    .and_then(|s| *s),
             }
         }
     }

@@ -11,9 +11,11 @@
 //!   to a string table and a symbol table, whose symbol names, section indices,
 //!   symbol indices and relocation offsets lie inside what they name (a
 //!   relocation table must name the section it relocates: `sh_info` 0, the null
-//!   section, is refused);
+//!   section, and a NOBITS section, which has no bytes to relocate, are refused);
 //! - a fatbin's header must describe no more bytes than the blob has, and every
-//!   entry must lie inside it (an uncompressed cubin entry is checked as above);
+//!   entry must lie inside it; a cubin entry is checked as above, and a
+//!   compressed (LZ4 or zstd) cubin entry, which cannot be checked, is refused
+//!   (compressed PTX entries are passed on as they are);
 //! - a clang offload bundle is unpacked to its CUDA entry.
 //!
 //! An empty or inconsistent blob is an error naming the module, never a driver read
@@ -76,7 +78,8 @@ impl BlobKind {
 ///
 /// For tools that read a blob's own tables (`metrale inspect`): once this has
 /// passed, every section, segment and fatbin entry the headers describe lies
-/// inside `blob`.
+/// inside `blob`. A fatbin's compressed cubin entries are refused (they cannot
+/// be checked without decompressing them); compressed PTX entries pass as they are.
 ///
 /// # Errors
 /// [`ErrorKind::InvalidBlob`] naming `module` and what is wrong, as a load gives.
@@ -483,7 +486,15 @@ fn check_tables(
                     )));
                 }
                 let target = Shdr::read(blob, shoff, s.info);
-                let check_offset = target.kind != SHT_NOBITS;
+                // A NOBITS section has no bytes in the file to relocate, and no
+                // toolchain cubin relocates one: refused, rather than trusting the
+                // driver to ignore r_offsets that nothing bounds.
+                if target.kind == SHT_NOBITS {
+                    return Err(bad(format_args!(
+                        "section {i} relocates section {}, a NOBITS section (no bytes to relocate)",
+                        s.info
+                    )));
+                }
                 for (n, rel) in s.bytes(blob).chunks_exact(size as usize).enumerate() {
                     let offset = u64_at(rel, 0).unwrap_or(0);
                     let symbol = u64_at(rel, 8).unwrap_or(0) >> 32;
@@ -494,7 +505,7 @@ fn check_tables(
                         )));
                     }
                     // The widest relocated word (8 bytes) must lie inside the target.
-                    if check_offset && offset.checked_add(8).is_none_or(|end| end > target.size) {
+                    if offset.checked_add(8).is_none_or(|end| end > target.size) {
                         return Err(bad(format_args!(
                             "section {i} relocation {n}'s r_offset {offset} lies outside section {} of {} bytes",
                             s.info, target.size
@@ -518,8 +529,12 @@ pub(crate) fn elf_info(blob: &[u8]) -> Option<ElfInfo> {
 
 /// Fatbin entry kind of an ELF cubin.
 const FATBIN_ELF: u64 = 2;
-/// Fatbin entry flag: the payload is compressed.
-const FATBIN_COMPRESSED: u64 = 0x2000;
+/// Fatbin entry flag: the payload is LZ4-compressed.
+const FATBIN_LZ4: u64 = 0x2000;
+/// Fatbin entry flag: the payload is zstd-compressed.
+const FATBIN_ZSTD: u64 = 0x8000;
+/// The magic number that starts a zstd frame.
+const ZSTD_MAGIC: &[u8; 4] = &[0x28, 0xb5, 0x2f, 0xfd];
 
 fn check_fatbin(module: &str, blob: &[u8]) -> Result<()> {
     let bad =
@@ -565,7 +580,27 @@ fn check_fatbin(module: &str, blob: &[u8]) -> Result<()> {
         }
         let start = (at + entry_header) as usize;
         let body = &blob[start..start + size as usize];
-        if kind == FATBIN_ELF && flags & FATBIN_COMPRESSED == 0 && body.starts_with(ELF_MAGIC) {
+        // A compressed ELF entry cannot be checked without decompressing it,
+        // and the driver would load the cubin inside unexamined: refused. (The
+        // toolchain's default leaves ELF entries uncompressed and compresses
+        // PTX; `-Xfatbin -compress-all` compresses ELF entries too.)
+        if kind == FATBIN_ELF {
+            let how = if flags & FATBIN_ZSTD != 0 || body.starts_with(ZSTD_MAGIC) {
+                Some("zstd")
+            } else if flags & FATBIN_LZ4 != 0 {
+                Some("LZ4")
+            } else {
+                None
+            };
+            if let Some(how) = how {
+                return Err(bad(format_args!(
+                    "entry {index} is a {how}-compressed cubin, which metrale cannot check before \
+                     the driver reads it; rebuild it without compressing its cubins \
+                     (no `-Xfatbin -compress-all`)"
+                )));
+            }
+        }
+        if kind == FATBIN_ELF && body.starts_with(ELF_MAGIC) {
             check_elf(module, body).map_err(|e| match e.into_kind() {
                 ErrorKind::InvalidBlob { reason, .. } => {
                     bad(format_args!("entry {index}: {reason}"))

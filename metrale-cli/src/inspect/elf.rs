@@ -134,7 +134,9 @@ fn dims(value: &[u8]) -> Option<u64> {
         return None;
     }
     let d = |k: usize| u32_at(value, n - 12 + 4 * k).map(u64::from);
-    Some(d(0)? * d(1)?.max(1) * d(2)?.max(1))
+    // Checked: three hand-made words of 0xffffffff overflow u64 (no bound is
+    // reported then, and the kernel gets a note).
+    d(0)?.checked_mul(d(1)?.max(1))?.checked_mul(d(2)?.max(1))
 }
 
 /// The toolkit release and `-arch` from `.note.nv.tkinfo`'s strings.
@@ -221,10 +223,13 @@ pub fn parse(blob: &[u8], sm: u32) -> Cubin {
                 .and_then(|(_, v)| u16_at(v, 0))
                 .map(u64::from)
         };
-        let max_threads = own
+        let bound = own
             .iter()
-            .find(|(a, _)| *a == EIATTR_REQNTID || *a == EIATTR_MAX_THREADS)
-            .and_then(|(_, v)| dims(v));
+            .find(|(a, _)| *a == EIATTR_REQNTID || *a == EIATTR_MAX_THREADS);
+        let max_threads = bound.and_then(|(_, v)| dims(v));
+        let note = bound
+            .filter(|(_, v)| v.len() >= 12 && max_threads.is_none())
+            .map(|_| "a thread bound whose product overflows u64: not shown".to_owned());
         let registers = per_symbol(EIATTR_REGCOUNT, index)
             .or_else(|| find(".text.").map(|s| u64::from(s.info >> 24)));
         cubin.kernels.push(Kernel {
@@ -236,7 +241,7 @@ pub fn parse(blob: &[u8], sm: u32) -> Cubin {
             local: per_symbol(EIATTR_FRAME_SIZE, index),
             max_threads,
             name,
-            note: None,
+            note,
         });
     }
     cubin

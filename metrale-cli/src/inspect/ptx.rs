@@ -45,16 +45,18 @@ fn type_size(ty: &str) -> Option<u64> {
     let bits: u64 = match base {
         "pred" => return None,
         _ if base.len() > 1 => {
+            // ASCII letters only: a byte count, so the split is always at a
+            // character boundary (a non-ASCII letter ends the kind and fails below).
             let (kind, width) =
-                base.split_at(base.chars().take_while(|c| c.is_alphabetic()).count());
+                base.split_at(base.bytes().take_while(u8::is_ascii_alphabetic).count());
             if !matches!(kind, "b" | "u" | "s" | "f" | "bf" | "e4m3" | "e5m2") {
                 return None;
             }
-            width.parse().ok()?
+            width.parse::<u64>().ok()?
         }
         _ => return None,
     };
-    Some(bits / 8 * lanes)
+    (bits / 8).checked_mul(lanes)
 }
 
 /// One `.param ...` declaration: (size, alignment).
@@ -80,7 +82,7 @@ fn param(decl: &str) -> Option<(u64, u64)> {
         Some((_, n)) => n.trim_end_matches(']').parse::<u64>().ok()?,
         None => 1,
     };
-    Some((elem * count, align.unwrap_or(elem).max(1)))
+    Some((elem.checked_mul(count)?, align.unwrap_or(elem).max(1)))
 }
 
 fn dims(text: &str) -> Option<u64> {
@@ -140,17 +142,20 @@ pub fn parse(text: &str) -> Ptx {
             if decl.is_empty() {
                 continue;
             }
-            match param(decl.strip_prefix(".param").unwrap_or(decl)) {
-                Some((size, align)) => {
-                    offset = offset.div_ceil(align) * align;
-                    kernel.params.push(Param { offset, size });
-                    offset += size;
-                }
-                None => {
-                    kernel.note = Some(format!("a parameter this tool cannot size: `{decl}`"));
-                    break;
-                }
-            }
+            let Some((size, align)) = param(decl.strip_prefix(".param").unwrap_or(decl)) else {
+                kernel.note = Some(format!("a parameter this tool cannot size: `{decl}`"));
+                break;
+            };
+            let Some(at) = offset.div_ceil(align).checked_mul(align) else {
+                kernel.note = Some(format!("a parameter offset past 2^64 bytes: `{decl}`"));
+                break;
+            };
+            let Some(end) = at.checked_add(size) else {
+                kernel.note = Some(format!("a parameter ending past 2^64 bytes: `{decl}`"));
+                break;
+            };
+            kernel.params.push(Param { offset: at, size });
+            offset = end;
         }
         for directive in directives.split('.').map(str::trim) {
             if let Some(d) = directive.strip_prefix("maxntid") {

@@ -17,7 +17,11 @@
 //!   of the 13.0 API (no dependency list), so every file under each
 //!   `--include-path` / `-I` folder is listed in the key, in name order, with
 //!   its size, modification time and change time (nanoseconds; symbolic links
-//!   followed, each folder walked once). A header edited, added or removed
+//!   followed, with the target each link names, and each folder walked once, a
+//!   second visit naming the folder by device and inode), and so is every file
+//!   under each `--pch-dir` folder; the files named by `--pre-include`
+//!   (`-include`) and `--use-pch` are listed by name with the same size and
+//!   times. A header edited, added or removed
 //!   changes the key; the change time catches an edit that restores the size
 //!   and the modification time. The limits: a file's contents are not read (an
 //!   edit that keeps size and both times is not seen, which ordinary programs
@@ -225,15 +229,54 @@ fn include_folders(options: &[String]) -> Vec<&str> {
     out
 }
 
-/// Every file under the include folders of `options`, for the key; `None` when
-/// they hold more than `MAX_FILES` files or nest deeper than `MAX_DEPTH` (the
-/// program is not cached).
+/// The value of an option spelled `--name=V`, `-name=V`, `--name V` or
+/// `-name V`, for each of `names` (given without dashes), in order.
+fn option_values<'a>(options: &'a [String], names: &[&str]) -> Vec<&'a str> {
+    let mut out = Vec::new();
+    let mut it = options.iter();
+    while let Some(o) = it.next() {
+        let Some(bare) = o.strip_prefix("--").or_else(|| o.strip_prefix('-')) else {
+            continue;
+        };
+        for name in names {
+            if let Some(v) = bare.strip_prefix(name) {
+                if let Some(v) = v.strip_prefix('=') {
+                    out.push(v);
+                } else if v.is_empty() {
+                    if let Some(v) = it.next() {
+                        out.push(v.as_str());
+                    }
+                }
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// Files NVRTC reads by name through an option: `--pre-include` (`-include`)
+/// and `--use-pch` (`-use-pch`).
+fn named_files(options: &[String]) -> Vec<&str> {
+    option_values(options, &["pre-include", "include", "use-pch"])
+}
+
+/// Folders NVRTC looks for precompiled headers in: `--pch-dir` (`-pch-dir`).
+fn pch_folders(options: &[String]) -> Vec<&str> {
+    option_values(options, &["pch-dir"])
+}
+
+/// Every file under the include folders of `options`, for the key, and the
+/// files and folders other options name (`--pre-include`, `--use-pch`,
+/// `--pch-dir`); `None` when the folders hold more than `MAX_FILES` files or
+/// nest deeper than `MAX_DEPTH` (the program is not cached).
 pub(super) fn include_listing(options: &[String]) -> Option<Vec<u8>> {
     let mut w = Listing::default();
     let folders = include_folders(options);
+    let pch = pch_folders(options);
     w.u64(folders.len() as u64);
+    w.u64(pch.len() as u64);
     let mut files = 0usize;
-    for folder in folders {
+    for folder in folders.into_iter().chain(pch) {
         w.bytes(folder.as_bytes());
         let mut seen = HashSet::new();
         walk(
@@ -245,7 +288,29 @@ pub(super) fn include_listing(options: &[String]) -> Option<Vec<u8>> {
             &mut files,
         )?;
     }
+    let named = named_files(options);
+    w.u64(named.len() as u64);
+    for file in named {
+        // Relative names are NVRTC's to resolve (the working folder): listed
+        // as the process sees them.
+        let path = Path::new(file);
+        w.bytes(file.as_bytes());
+        link_target(&mut w, path);
+        match std::fs::metadata(path) {
+            Ok(m) => metadata(&mut w, &m),
+            Err(e) => w.bytes(format!("unreadable: {:?}", e.kind()).as_bytes()),
+        }
+    }
     Some(w.0)
+}
+
+/// Where a symbolic link at `path` points (nothing for anything else), so that
+/// re-pointing a link changes the key.
+fn link_target(w: &mut Listing, path: &Path) {
+    if let Ok(target) = std::fs::read_link(path) {
+        w.bytes(b"link to");
+        w.bytes(target.as_os_str().as_encoded_bytes());
+    }
 }
 
 /// A folder's identity, to walk each once (a link back up is not a loop).
@@ -280,8 +345,12 @@ fn walk(
     };
     if let Some(id) = std::fs::metadata(&here).ok().as_ref().and_then(folder_id) {
         if !seen.insert(id) {
+            // Which folder: a link re-pointed at another folder walked already
+            // changes the key.
             w.bytes(rel.as_os_str().as_encoded_bytes());
             w.bytes(b"folder walked already");
+            w.u64(id.0);
+            w.u64(id.1);
             return Some(());
         }
     }
@@ -289,6 +358,7 @@ fn walk(
     names.sort();
     for name in names {
         let path = rel.join(&name);
+        link_target(w, &root.join(&path));
         match std::fs::metadata(root.join(&path)) {
             Ok(m) if m.is_dir() => {
                 w.bytes(path.as_os_str().as_encoded_bytes());
@@ -377,5 +447,23 @@ mod tests {
             "--std=c++17",
         ]);
         assert_eq!(include_folders(&opts), ["/a", "/b", "/c", "/d"]);
+    }
+
+    #[test]
+    fn named_files_and_pch_folders_in_every_spelling() {
+        let o = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let opts = o(&[
+            "--pre-include=/a.h",
+            "-include",
+            "/b.h",
+            "--use-pch=/c.pch",
+            "-include-path=/not-a-file",
+            "--pch-dir=/p",
+            "-pch-dir",
+            "/q",
+            "--pch",
+        ]);
+        assert_eq!(super::named_files(&opts), ["/a.h", "/b.h", "/c.pch"]);
+        assert_eq!(super::pch_folders(&opts), ["/p", "/q"]);
     }
 }
