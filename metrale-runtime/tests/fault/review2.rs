@@ -204,6 +204,45 @@ fn child_defect_unseen_wait_triage_invalidates_a_capture() {
     assert!(ok, "the capture is not invalidated by metrale's own triage: {err:?}");
 }
 
+/// Items 1 and 9: two threads end the same stream's capture (`end_capture`
+/// takes `&self`, `CudaStream` is `Sync`). The first ends it in the driver and
+/// is paused before its graph takes its holds (in `cuGraphGetNodes`); the
+/// second finds the stream no longer capturing, falls back to the id noted at
+/// the begin, fails to end it, sees "not capturing" and releases that
+/// capture's host functions. The first graph then finds nothing to hold: its
+/// host node's user data is freed memory, run by every replay.
+fn child_defect_two_ends_of_one_capture_free_its_host_function() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    let token = Arc::new(());
+    let t = Arc::clone(&token);
+    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    s.launch_host_fn_repeat(Arc::new(move || {
+        let _ = &t;
+    }))
+    .unwrap();
+    fake().pause_next("cuGraphGetNodes");
+    let s1 = s.clone();
+    let first = std::thread::spawn(move || s1.end_capture());
+    assert!(
+        fake().wait_paused("cuGraphGetNodes", 10_000),
+        "the first end has ended the capture and is taking its holds"
+    );
+    let second = s.end_capture();
+    assert!(second.is_err(), "the capture was already ended");
+    fake().resume("cuGraphGetNodes");
+    let graph = first.join().unwrap().unwrap();
+    let held = Arc::strong_count(&token);
+    // Not replayed: the host node's user data would be freed memory.
+    std::mem::forget(graph);
+    assert_eq!(
+        held, 2,
+        "the graph holds its host function (the second end freed it under the first)"
+    );
+}
+
 /// Item 3: more pending copies than pool slots, from several threads at
 /// once, some waited, some dropped, some polled with `is_done`; each sees its
 /// own copy complete, every event is given back or destroyed.
@@ -372,6 +411,10 @@ fn defect_unseen_wait_triage_invalidates_a_capture() {
     in_child("review2_defect_unseen_wait_triage_invalidates_a_capture");
 }
 
+fn defect_two_ends_of_one_capture_free_its_host_function() {
+    in_child("review2_defect_two_ends_of_one_capture_free_its_host_function");
+}
+
 fn held_many_pending_copies_from_threads() {
     // In a child: the forgotten pending copy leaks its buffer and stream.
     in_child("review2_held_many_pending_copies_from_threads");
@@ -379,6 +422,10 @@ fn held_many_pending_copies_from_threads() {
 
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review2_defect_two_ends_of_one_capture_free_its_host_function",
+            run: child_defect_two_ends_of_one_capture_free_its_host_function,
+        },
         Child {
             name: "review2_held_many_pending_copies_from_threads",
             run: child_held_many_pending_copies_from_threads,
@@ -408,6 +455,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review2::defect_two_ends_of_one_capture_free_its_host_function",
+            run: defect_two_ends_of_one_capture_free_its_host_function,
+        },
         Test {
             name: "review2::defect_repeat_host_fn_captured_after_its_check_runs_once",
             run: defect_repeat_host_fn_captured_after_its_check_runs_once,
