@@ -243,6 +243,49 @@ fn child_defect_two_ends_of_one_capture_free_its_host_function() {
     );
 }
 
+/// Item 9: a capture begun on the stream (by any thread) between an end's
+/// driver call, which ended the capture with an error, and that end's status
+/// check. The end then takes the new capture for its own, still in progress:
+/// it undoes no bookkeeping, and the first capture's (its mark, the process's
+/// capture count, the beginning thread's capture depth) is never undone. On
+/// the thread that began both, every `cuMemFree` is deferred for ever.
+fn child_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    // An illegal query invalidates the capture: its end fails, and ends it.
+    let d = sys::driver().unwrap();
+    // SAFETY: a live stream of the bound context.
+    let st = unsafe { (d.cuStreamQuery().unwrap())(s.raw()) };
+    assert!(!st.is_success());
+    fake().pause_next("cuStreamEndCapture");
+    let s1 = s.clone();
+    let ender = std::thread::spawn(move || s1.end_capture().map(drop));
+    assert!(fake().wait_paused("cuStreamEndCapture", 10_000));
+    fake().pause_next("cuStreamGetCaptureInfo_v3");
+    fake().resume("cuStreamEndCapture");
+    assert!(
+        fake().wait_paused("cuStreamGetCaptureInfo_v3", 10_000),
+        "the end asks whether the capture is over"
+    );
+    // Meanwhile the capture is over in the driver: a new one begins.
+    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    fake().resume("cuStreamGetCaptureInfo_v3");
+    assert!(ender.join().unwrap().is_err(), "the invalidated capture");
+    drop(s.end_capture().unwrap());
+    assert!(!s.is_capturing().unwrap(), "both captures ended");
+    let before = deferred_frees();
+    drop(DeviceBuffer::<u32>::alloc(&h, 4).unwrap());
+    h.ctx().synchronize().unwrap();
+    let left = deferred_frees() - before;
+    assert_eq!(
+        left, 0,
+        "no capture is in progress: a free on this thread is not deferred"
+    );
+}
+
 /// Item 3: more pending copies than pool slots, from several threads at
 /// once, some waited, some dropped, some polled with `is_done`; each sees its
 /// own copy complete, every event is given back or destroyed.
@@ -415,6 +458,10 @@ fn defect_two_ends_of_one_capture_free_its_host_function() {
     in_child("review2_defect_two_ends_of_one_capture_free_its_host_function");
 }
 
+fn defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted() {
+    in_child("review2_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted");
+}
+
 fn held_many_pending_copies_from_threads() {
     // In a child: the forgotten pending copy leaks its buffer and stream.
     in_child("review2_held_many_pending_copies_from_threads");
@@ -422,6 +469,10 @@ fn held_many_pending_copies_from_threads() {
 
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review2_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted",
+            run: child_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted,
+        },
         Child {
             name: "review2_defect_two_ends_of_one_capture_free_its_host_function",
             run: child_defect_two_ends_of_one_capture_free_its_host_function,
@@ -455,6 +506,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review2::defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted",
+            run: defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted,
+        },
         Test {
             name: "review2::defect_two_ends_of_one_capture_free_its_host_function",
             run: defect_two_ends_of_one_capture_free_its_host_function,
