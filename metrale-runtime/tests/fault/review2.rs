@@ -286,6 +286,35 @@ fn child_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted() {
     );
 }
 
+/// Item 9: when the closure fails and the end is stuck, `capture` returns the
+/// closure's error and drops the end's: nothing says (no error, no line on
+/// stderr) that the stream is still capturing and counted on this thread,
+/// which the stuck-end error exists to say.
+fn child_defect_closure_error_hides_a_stuck_capture() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    fake().fail("cuStreamEndCapture", 999, 1, None);
+    let e = s
+        .capture(|s| {
+            // Any failure of the closure's own work: a copy refused in a capture.
+            s.to_vec(&DeviceBuffer::<u32>::alloc(s.context(), 4)?)?;
+            Ok(())
+        })
+        .unwrap_err();
+    fake().fail("cuStreamEndCapture", 999, 1, Some(0));
+    let still = s.is_capturing().unwrap();
+    let text = e.to_string();
+    if still {
+        drop(s.end_capture());
+    }
+    assert!(
+        !still || text.contains("still capturing"),
+        "the stream is still capturing, and the error does not say so: {text}"
+    );
+}
+
 /// Item 3: more pending copies than pool slots, from several threads at
 /// once, some waited, some dropped, some polled with `is_done`; each sees its
 /// own copy complete, every event is given back or destroyed.
@@ -462,6 +491,10 @@ fn defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted() {
     in_child("review2_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted");
 }
 
+fn defect_closure_error_hides_a_stuck_capture() {
+    in_child("review2_defect_closure_error_hides_a_stuck_capture");
+}
+
 fn held_many_pending_copies_from_threads() {
     // In a child: the forgotten pending copy leaks its buffer and stream.
     in_child("review2_held_many_pending_copies_from_threads");
@@ -469,6 +502,10 @@ fn held_many_pending_copies_from_threads() {
 
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review2_defect_closure_error_hides_a_stuck_capture",
+            run: child_defect_closure_error_hides_a_stuck_capture,
+        },
         Child {
             name: "review2_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted",
             run: child_defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted,
@@ -506,6 +543,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review2::defect_closure_error_hides_a_stuck_capture",
+            run: defect_closure_error_hides_a_stuck_capture,
+        },
         Test {
             name: "review2::defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted",
             run: defect_capture_begun_during_a_failed_end_keeps_the_old_one_counted,
