@@ -3304,6 +3304,37 @@ EXPORT CUresult cuTensorMapEncodeIm2col(unsigned long long *map, unsigned dtype,
     LOCKED(do_tmap_im2col(map, dtype, rank, addr, dims, strides, lower, upper, channels, pixels,
                           estrides, interleave, swizzle, l2, oob));
 }
+/* A wide im2col map (CUDA 12.8+): as an im2col one, with one width offset per
+ * corner in q13 / q14 and q15's low byte 2 | mode << 4. */
+static CUresult do_tmap_im2col_wide(unsigned long long *map, unsigned dtype, unsigned rank,
+                                    void *addr, const unsigned long long *dims,
+                                    const unsigned long long *strides, int lower, int upper,
+                                    unsigned channels, unsigned pixels, const unsigned *estrides,
+                                    unsigned interleave, unsigned mode, unsigned swizzle,
+                                    unsigned l2, unsigned oob) {
+    if (rank < 3 || mode > 1) return INVALID_VALUE;
+    static const unsigned ones[5] = {1, 1, 1, 1, 1};
+    CUresult r = do_tmap_encode(map, dtype, rank, addr, dims, strides, ones, estrides, interleave,
+                                swizzle, l2, oob);
+    if (r) return r;
+    map[11] = 0;
+    map[12] &= ~0xffffull;
+    map[13] = (unsigned long long)((unsigned)lower & 0xffff);
+    map[14] = (unsigned long long)((unsigned)upper & 0xffff);
+    map[15] = (2 | (mode << 4)) | ((unsigned long long)(channels & 0xffffff) << 8) |
+              ((unsigned long long)pixels << 32);
+    return SUCCESS;
+}
+EXPORT CUresult cuTensorMapEncodeIm2colWide(unsigned long long *map, unsigned dtype, unsigned rank,
+                                            void *addr, const unsigned long long *dims,
+                                            const unsigned long long *strides, int lower,
+                                            int upper, unsigned channels, unsigned pixels,
+                                            const unsigned *estrides, unsigned interleave,
+                                            unsigned mode, unsigned swizzle, unsigned l2,
+                                            unsigned oob) {
+    LOCKED(do_tmap_im2col_wide(map, dtype, rank, addr, dims, strides, lower, upper, channels,
+                               pixels, estrides, interleave, mode, swizzle, l2, oob));
+}
 static CUresult do_tmap_replace(unsigned long long *map, void *addr) {
     if (!map || ((uintptr_t)map % 64) || (map[0] & 0xffffffffull) != TMAP_MAGIC) return INVALID_VALUE;
     map[1] = (unsigned long long)(uintptr_t)addr;

@@ -645,8 +645,14 @@ pub struct EncodedTensorMap {
     pub element_strides: Vec<u32>,
     /// Interleave, swizzle, L2 promotion, OOB fill values.
     pub modes: [u32; 4],
-    /// Whether `cuTensorMapEncodeIm2col` made it (then `box_dims` are ones).
+    /// Whether `cuTensorMapEncodeIm2col` or `cuTensorMapEncodeIm2colWide` made
+    /// it (then `box_dims` are ones).
     pub im2col: bool,
+    /// Whether `cuTensorMapEncodeIm2colWide` made it (then `lower` and `upper`
+    /// hold one width offset each).
+    pub wide: bool,
+    /// A wide map's `CUtensorMapIm2ColWideMode` value.
+    pub wide_mode: u32,
     /// Im2col: the pixel box's lower corners (rank - 2).
     pub lower: Vec<i32>,
     /// Im2col: the pixel box's upper corners (rank - 2).
@@ -686,9 +692,11 @@ pub fn decode_tensor_map(q: &[u64; 16]) -> EncodedTensorMap {
             field(56, 0xf),
             field(60, 0xf),
         ],
-        im2col: q[15] & 0xff == 1,
-        lower: corners(q[13], rank),
-        upper: corners(q[14], rank),
+        im2col: matches!(q[15] & 0xf, 1 | 2),
+        wide: q[15] & 0xf == 2,
+        wide_mode: ((q[15] >> 4) & 0xf) as u32,
+        lower: corners(q[13], if q[15] & 0xf == 2 { 3 } else { rank }),
+        upper: corners(q[14], if q[15] & 0xf == 2 { 3 } else { rank }),
         channels_per_pixel: ((q[15] >> 8) & 0xff_ffff) as u32,
         pixels_per_column: (q[15] >> 32) as u32,
     }

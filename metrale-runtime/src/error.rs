@@ -421,24 +421,6 @@ pub enum ErrorKind {
         given: usize,
     },
 
-    /// An argument whose alignment the kernel's parameter does not have: the
-    /// parameter's offset is not a multiple of it, so the kernel takes another
-    /// type there (checked before the driver, against `cuFuncGetParamInfo`).
-    #[error(
-        "kernel '{kernel}': launch not attempted, argument {index} is aligned to {align} bytes, \
-         the kernel's parameter {index} is at offset {offset} (not a multiple of {align})"
-    )]
-    ArgumentMisaligned {
-        /// `module::kernel`.
-        kernel: String,
-        /// The parameter index.
-        index: usize,
-        /// The argument's alignment in bytes.
-        align: usize,
-        /// The parameter's offset in the kernel's parameter buffer.
-        offset: usize,
-    },
-
     /// A handle of one device (or context) used with another's.
     #[error("{}", wrong_device_text(what, *belongs_to, used_with, *used_device))]
     WrongDevice {
@@ -540,6 +522,33 @@ pub enum ErrorKind {
         device: usize,
         /// The device attribute that answered no.
         attribute: &'static str,
+    },
+
+    /// A feature the device or the loaded driver is too old for (the packed
+    /// sub-byte tensor-map types, the 128-byte atom swizzles and wide im2col maps
+    /// need compute capability 10.0 and a CUDA 12.8 driver), refused before the
+    /// driver is asked.
+    #[error(
+        "{subject}: {feature} needs compute capability {}.{} and a CUDA {}.{} driver: \
+         device {device} has compute capability {}.{}, the driver is CUDA {}.{}",
+        needs.0, needs.1, needs_driver / 1000, needs_driver % 1000 / 10,
+        has.0, has.1, driver / 1000, driver % 1000 / 10
+    )]
+    FeatureUnavailable {
+        /// What was being made (`tensor map at 0x...`).
+        subject: String,
+        /// The feature (`data type 16U4_ALIGN8B`).
+        feature: String,
+        /// The device.
+        device: usize,
+        /// The compute capability the feature needs.
+        needs: (u32, u32),
+        /// The device's.
+        has: (u32, u32),
+        /// The driver version it needs (`cuDriverGetVersion`'s form: 12080).
+        needs_driver: i32,
+        /// The loaded driver's.
+        driver: i32,
     },
 
     // nvrtc feature

@@ -123,9 +123,9 @@ pub use graph::{
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
-    ArgLayout, Interleave, KernelArg, KernelArgList, KernelArgs, L2Promotion, LaunchAttributes,
-    LaunchConfig, NullPtr, OobFill, Swizzle, TensorDataType, TensorElement, TensorMap,
-    TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
+    ArgLayout, Im2colWideMode, Interleave, KernelArg, KernelArgList, KernelArgs, L2Promotion,
+    LaunchAttributes, LaunchConfig, NullPtr, OobFill, Swizzle, TensorDataType, TensorElement,
+    TensorMap, TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
     deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,

@@ -485,8 +485,7 @@ impl MetraleRegistry {
     ///
     /// # Errors
     /// As [`MetraleRegistry::launch_on_stream`], and
-    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch) or
-    /// [`ErrorKind::ArgumentMisaligned`](crate::ErrorKind::ArgumentMisaligned).
+    /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch).
     #[inline]
     pub unsafe fn launch<A: KernelArgs>(
         &self,

@@ -4,7 +4,8 @@
 //! the memory's checks per call) beside the raw `cuTensorMapEncodeTiled` with
 //! the same arguments, the three interleaved batch by batch; and of `replace_address`
 //! (consuming the map) and `set_address` (in place) beside
-//! `cuTensorMapReplaceAddress`. Batches of 1,000 calls, paths interleaved.
+//! `cuTensorMapReplaceAddress`. Batches of 1,000 calls; each group of rows
+//! interleaved, its order rotating round by round; median and spread printed.
 
 use std::ffi::c_void;
 
@@ -103,40 +104,53 @@ pub fn run(reg: &MetraleRegistry, rounds: usize, quick: bool) -> Result<(), Metr
         e_layout.push(el * 1e9 / batch as f64);
         e_raw.push(er * 1e9 / batch as f64);
         e_ours.push(eo * 1e9 / batch as f64);
-        let rr = time(|| {
-            for i in 0..batch {
-                let p = if i % 2 == 0 {
-                    b.device_ptr()
-                } else {
-                    a.device_ptr()
-                };
-                // SAFETY: an encoded map; both addresses cover the tensor.
-                let st = unsafe { replace(&mut base, p as *mut c_void) };
-                assert!(st.is_success(), "cuTensorMapReplaceAddress: {st}");
-            }
-        });
-        let mut map = Some(ours());
-        let ro = time(|| {
-            for i in 0..batch {
-                let m = map.take().unwrap();
-                map = Some(if i % 2 == 0 {
-                    m.replace_address(&b).unwrap()
-                } else {
-                    m.replace_address(&a).unwrap()
-                });
-            }
-        });
+        // The three address paths, their order rotating round by round.
+        let (mut rr, mut ro, mut rs) = (0.0, 0.0, 0.0);
         let mut map = ours();
-        let rs = time(|| {
-            for i in 0..batch {
-                if i % 2 == 0 {
-                    map.set_address(&b).unwrap();
-                } else {
-                    map.set_address(&a).unwrap();
+        let mut in_place = ours();
+        for k in 0..3 {
+            match (round + k) % 3 {
+                0 => {
+                    rr = time(|| {
+                        for i in 0..batch {
+                            let p = if i % 2 == 0 {
+                                b.device_ptr()
+                            } else {
+                                a.device_ptr()
+                            };
+                            // SAFETY: an encoded map; both addresses cover the tensor.
+                            let st = unsafe { replace(&mut base, p as *mut c_void) };
+                            assert!(st.is_success(), "cuTensorMapReplaceAddress: {st}");
+                        }
+                    })
+                }
+                1 => {
+                    // Timed in place: the map is moved out and back each call
+                    // (`map = map.replace_address(..)`), which a closure cannot.
+                    let t = std::time::Instant::now();
+                    for i in 0..batch {
+                        map = if i % 2 == 0 {
+                            map.replace_address(&b).unwrap()
+                        } else {
+                            map.replace_address(&a).unwrap()
+                        };
+                    }
+                    ro = t.elapsed().as_secs_f64();
+                }
+                _ => {
+                    rs = time(|| {
+                        for i in 0..batch {
+                            if i % 2 == 0 {
+                                in_place.set_address(&b).unwrap();
+                            } else {
+                                in_place.set_address(&a).unwrap();
+                            }
+                        }
+                    })
                 }
             }
-        });
-        std::hint::black_box(&map);
+        }
+        std::hint::black_box((&map, &in_place, &base));
         r_raw.push(rr * 1e9 / batch as f64);
         r_ours.push(ro * 1e9 / batch as f64);
         r_set.push(rs * 1e9 / batch as f64);

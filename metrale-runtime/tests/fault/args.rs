@@ -343,7 +343,7 @@ fn the_20_parameter_kernel_takes_a_list_and_a_tuple() {
     done(reg);
 }
 
-fn misaligned_arguments_are_refused() {
+fn alignment_is_left_to_the_drivers_offsets() {
     let reg = setup();
     let s = reg.stream();
     let m = MetraleRegistry::load(0, &[("args", ARGS_PTX)]).unwrap();
@@ -374,46 +374,21 @@ fn misaligned_arguments_are_refused() {
         args.push(16u32).push(17u64).push(18u16).push(19u32);
         args
     };
-    // 12 bytes aligned to 8 where the kernel has them at offset 60.
-    // SAFETY: refused before the driver (for the refusals below).
-    let e = unsafe { s.launch(&f, cfg(), &build(8, None)) }.unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "kernel 'args::args20': launch not attempted, argument 8 is aligned to 8 bytes, the \
-         kernel's parameter 8 is at offset 60 (not a multiple of 8)"
-    );
-    assert!(matches!(
-        e.kind(),
-        ErrorKind::ArgumentMisaligned {
-            index: 8,
-            align: 8,
-            offset: 60,
-            ..
-        }
-    ));
-    // A 16-aligned type where the kernel's struct is at offset 104.
+    // Alignment is left to the driver's offsets: 12 bytes aligned to 8 where the
+    // kernel has them at offset 60, a 16-aligned type at offset 104, a tuple's u64
+    // at offset 36 and a tensor map at offset 8 are all launched (the `void**`
+    // launch copies each argument's bytes to its parameter's offset).
+    // SAFETY: the stand-in only records the arguments.
+    unsafe { s.launch(&f, cfg(), &build(8, None)) }.unwrap();
     // SAFETY: as above.
-    let e = unsafe { s.launch(&f, cfg(), &build(4, Some(A16([0, 0])))) }.unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("argument 15 is aligned to 16 bytes, the kernel's parameter 15 is at offset 104 (not a multiple of 16)"),
-        "{e}"
-    );
-    // A tuple is checked the same way.
+    unsafe { s.launch(&f, cfg(), &build(4, Some(A16([0, 0])))) }.unwrap();
     let wide = MetraleRegistry::load(0, &[("wide", WIDE_TEXT.as_bytes())]).unwrap();
     let w = wide.function("wide", "wide24").unwrap();
     assert_eq!(w.params().unwrap()[7].offset, 36);
     // SAFETY: as above.
-    let e = unsafe { s.launch(&w, cfg(), wide_args(9u64)) }.unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("argument 7 is aligned to 8 bytes, the kernel's parameter 7 is at offset 36 (not a multiple of 8)"),
-        "{e}"
-    );
-    // Weaker alignment than the parameter's is passed correctly and accepted.
-    // SAFETY: the stand-in only records the arguments.
+    unsafe { s.launch(&w, cfg(), wide_args(9u64)) }.unwrap();
+    // SAFETY: as above.
     unsafe { s.launch(&f, cfg(), &build(1, None)) }.unwrap();
-    // A tensor map where the kernel's 128 bytes sit at offset 8.
     let maps = MetraleRegistry::load(0, &[("maps", MAP_TEXT.as_bytes())]).unwrap();
     let g = maps.function("maps", "bytes_second").unwrap();
     let buf = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
@@ -424,20 +399,10 @@ fn misaligned_arguments_are_refused() {
         .unwrap();
     let mut args = KernelArgList::new();
     args.push(&out).push_tensor_map(&map);
-    let launched = fake().launches();
-    // SAFETY: refused before the driver.
-    let e = unsafe { s.launch(&g, cfg(), &args) }.unwrap_err();
-    assert!(
-        e.to_string()
-            .ends_with("argument 1 is aligned to 64 bytes, the kernel's parameter 1 is at offset 8 (not a multiple of 64)"),
-        "{e}"
-    );
-    assert_eq!(fake().launches(), launched);
-    assert_eq!(
-        fake().launches(),
-        launches + 1,
-        "only the accepted launch ran"
-    );
+    // SAFETY: as above.
+    unsafe { s.launch(&g, cfg(), &args) }.unwrap();
+    assert_eq!(fake().launches(), launches + 5, "every launch ran");
+
     drop(args);
     drop((buf, out, f, g, w, m, wide, maps));
     done(reg);
@@ -718,8 +683,8 @@ pub fn tests() -> Vec<Test> {
             run: the_20_parameter_kernel_takes_a_list_and_a_tuple,
         },
         Test {
-            name: "args::misaligned_arguments_are_refused",
-            run: misaligned_arguments_are_refused,
+            name: "args::alignment_is_left_to_the_drivers_offsets",
+            run: alignment_is_left_to_the_drivers_offsets,
         },
         Test {
             name: "args::tuples_of_24_are_checked_and_delivered",

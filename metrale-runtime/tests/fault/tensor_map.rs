@@ -569,8 +569,493 @@ fn a_layout_is_checked_once_and_encoded_over_memory_of_its_shape() {
     layout.encode(&a).unwrap();
 }
 
+/// The calls that encode a map, all together (a refusal reaches none of them).
+fn encodes() -> i64 {
+    [
+        "cuTensorMapEncodeTiled",
+        "cuTensorMapEncodeIm2col",
+        "cuTensorMapEncodeIm2colWide",
+    ]
+    .iter()
+    .map(|c| fake().calls(c))
+    .sum()
+}
+
+fn refused_with<T: TensorElement>(b: TensorMapBuilder<'_, T>, text: &str) {
+    let before = encodes();
+    let e = b.encode().unwrap_err();
+    assert!(matches!(e.kind(), ErrorKind::InvalidArgument(_)), "{e}");
+    assert_eq!(
+        e.to_string(),
+        format!("invalid argument: tensor map: {text}")
+    );
+    assert_eq!(encodes(), before, "refused before the driver: {text}");
+}
+
+/// A feature of compute capability 10.0 refused on the stand-in's 9.0 device,
+/// with the typed error, before the driver.
+fn unavailable<T: TensorElement>(b: TensorMapBuilder<'_, T>, feature: &str) {
+    let before = encodes();
+    let e = b.encode().unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::FeatureUnavailable {
+                needs: (10, 0),
+                has: (9, 0),
+                needs_driver: 12080,
+                driver: 13000,
+                device: 0,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().ends_with(&format!(
+            ": {feature} needs compute capability 10.0 and a CUDA 12.8 driver: device 0 has \
+             compute capability 9.0, the driver is CUDA 13.0"
+        )),
+        "{e}"
+    );
+    assert!(e.to_string().starts_with("tensor map at 0x"), "{e}");
+    assert_eq!(encodes(), before, "refused before the driver: {feature}");
+}
+
+/// The packed sub-byte types, the 128-byte atom swizzles and wide im2col maps
+/// need compute capability 10.0: refused on the stand-in's 9.0 device with a
+/// typed error, for a builder and a layout, after the rules (which still come
+/// first and name the value).
+fn compute_capability_10_features_are_refused_on_9_0() {
+    let reg = setup();
+    let s = reg.stream();
+    let bytes = DeviceBuffer::<u8>::alloc(s, 64 * 64).unwrap();
+    let buf = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+    let packed = |t| {
+        TensorMap::tiled(&bytes)
+            .data_type(t)
+            .dims(&[128, 32])
+            .strides(&[128])
+            .box_dims(&[128, 4])
+    };
+    unavailable(
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U4x16Align8)
+            .dims(&[128, 64])
+            .strides(&[64])
+            .box_dims(&[32, 8]),
+        "data type 16U4_ALIGN8B",
+    );
+    unavailable(
+        packed(TensorDataType::U4x16Align16),
+        "data type 16U4_ALIGN16B",
+    );
+    unavailable(
+        packed(TensorDataType::U6x16Align16),
+        "data type 16U6_ALIGN16B",
+    );
+    for (sw, name) in [
+        (Swizzle::B128Atom32, "swizzle B128Atom32"),
+        (Swizzle::B128Atom32Flip8, "swizzle B128Atom32Flip8"),
+        (Swizzle::B128Atom64, "swizzle B128Atom64"),
+    ] {
+        unavailable(
+            TensorMap::tiled(&buf)
+                .dims(&[64, 64])
+                .box_dims(&[32, 32])
+                .swizzle(sw),
+            name,
+        );
+    }
+    let wide = || {
+        TensorMap::tiled(&buf)
+            .dims(&[64, 32, 2])
+            .swizzle(Swizzle::B128)
+            .im2col_wide(-1, 1, 32, 64, Im2colWideMode::W)
+    };
+    unavailable(wide(), "a wide im2col map");
+    let e = TensorMap::tiled(&buf)
+        .dims(&[64, 32, 2])
+        .swizzle(Swizzle::B128)
+        .encode_im2col_wide(-1, 1, 32, 64, Im2colWideMode::W128)
+        .unwrap_err();
+    assert!(
+        matches!(e.kind(), ErrorKind::FeatureUnavailable { .. }),
+        "{e}"
+    );
+    // A layout is refused when made, before any memory is given.
+    let e = packed(TensorDataType::U6x16Align16).layout().unwrap_err();
+    assert!(
+        matches!(e.kind(), ErrorKind::FeatureUnavailable { .. }),
+        "{e}"
+    );
+    assert_eq!(fake().calls("cuTensorMapEncodeIm2colWide"), 0);
+    // The rules come first, and name the value.
+    refused_with(
+        packed(TensorDataType::U4x16Align16).dims(&[64, 32]),
+        "size 0 of a 16U4_ALIGN16B map (in values) must be a multiple of 128: 64",
+    );
+}
+
+/// When several lists are too long, the refusal names each; a list given again
+/// with five values or fewer is no longer named.
+fn every_list_too_long_is_named() {
+    let reg = setup();
+    let buf = DeviceBuffer::<f32>::alloc(reg.stream(), 64 * 64).unwrap();
+    let m = || TensorMap::tiled(&buf);
+    refused_with(
+        m().dims(&[1; 6]).box_dims(&[1; 6]),
+        "6 sizes and 6 box sizes given; a tensor map has at most 5 dimensions",
+    );
+    refused_with(
+        m().dims(&[1; 6]).strides(&[16; 7]).element_strides(&[1; 8]),
+        "6 sizes, 7 strides and 8 element strides given; a tensor map has at most 5 dimensions",
+    );
+    refused_with(
+        m().dims(&[1; 6]).box_dims(&[1; 7]).dims(&[64, 64]),
+        "7 box sizes given; a tensor map has at most 5 dimensions",
+    );
+    refused_with(
+        m().dims(&[64, 64, 1]).im2col(&[0; 6], &[0; 7], 16, 16),
+        "6 lower corners and 7 upper corners given; a tensor map has at most 5 dimensions",
+    );
+    m().dims(&[1; 6]).dims(&[64, 64]).encode().unwrap();
+}
+
+/// `as_bytes` is the driver's 128 bytes.
+fn as_bytes_is_the_maps_bytes() {
+    let reg = setup();
+    let buf = DeviceBuffer::<f32>::alloc(reg.stream(), 64 * 64).unwrap();
+    let map = TensorMap::tiled(&buf)
+        .dims(&[64, 64])
+        .box_dims(&[16, 16])
+        .encode()
+        .unwrap();
+    let want: Vec<u8> = map
+        .as_raw()
+        .opaque
+        .iter()
+        .flat_map(|q| q.to_ne_bytes())
+        .collect();
+    assert_eq!(&map.as_bytes()[..], &want[..]);
+    assert_eq!(
+        u64::from_ne_bytes(map.as_bytes()[8..16].try_into().unwrap()),
+        buf.device_ptr(),
+        "the stand-in writes the address into bytes 8..16"
+    );
+}
+
+fn compute_capability_10_rules_are_checked() {
+    let out = run_child("tensor_map_sm100", &[]);
+    assert!(
+        out.status.success(),
+        "child failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "tensor map sm100: ok\n"
+    );
+}
+
+/// On a device of compute capability 10.0 (the stand-in told so before the
+/// context is made): every rule of the packed types, the atom swizzles and wide
+/// im2col maps refused before the driver, and the fields reaching the driver.
+fn child_tensor_map_sm100() {
+    fake().reset();
+    fake().set_attribute(0, 75, 10);
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
+    let s = reg.stream();
+    let bytes = DeviceBuffer::<u8>::alloc(s, 64 * 64).unwrap();
+    let buf = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+
+    // 16U4_ALIGN8B: sizes count values (two a byte).
+    let u4 = || {
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U4x16Align8)
+            .dims(&[128, 64])
+            .strides(&[64])
+            .box_dims(&[32, 8])
+    };
+    let map = u4().encode().unwrap();
+    let e = encoded(&map);
+    assert_eq!(
+        (e.data_type, e.rank, e.dims.clone()),
+        (13, 2, vec![128, 64])
+    );
+    assert_eq!((e.strides, e.box_dims), (vec![64], vec![32, 8]));
+    refused_with(
+        u4().dims(&[127, 64]),
+        "size 0 of a 16U4_ALIGN8B map (in values) must be a multiple of 2: 127",
+    );
+    refused_with(
+        u4().box_dims(&[16, 8]),
+        "without interleave the inner box row (box size 0 x element size = 16 x 1/2 = 8 \
+         bytes) must be a multiple of 16 bytes",
+    );
+    refused_with(
+        u4().dims(&[130, 64]),
+        "sizes [130, 64] with byte strides [64] reach 4097 bytes, beyond the 4096 bytes of \
+         the memory",
+    );
+    refused_with(
+        u4().oob_fill(OobFill::NanRequestZeroFma),
+        "NaN out-of-bounds fill needs a floating-point type, not U4x16Align8",
+    );
+    // Packed strides by default: a row of 128 values is 64 bytes.
+    let map = TensorMap::tiled(&bytes)
+        .data_type(TensorDataType::U4x16Align8)
+        .dims(&[128, 64])
+        .box_dims(&[32, 8])
+        .encode()
+        .unwrap();
+    assert_eq!(encoded(&map).strides, [64]);
+    // Without sizes: one dimension of every value of the memory.
+    let map = TensorMap::tiled(&bytes)
+        .data_type(TensorDataType::U4x16Align8)
+        .box_dims(&[32])
+        .encode()
+        .unwrap();
+    assert_eq!(encoded(&map).dims, [8192]);
+
+    // 16U4_ALIGN16B and 16U6_ALIGN16B: 16-byte groups, one byte a value.
+    let p16 = |t| {
+        TensorMap::tiled(&bytes)
+            .data_type(t)
+            .dims(&[128, 32])
+            .strides(&[128])
+            .box_dims(&[128, 4])
+    };
+    for (t, v) in [
+        (TensorDataType::U4x16Align16, 14),
+        (TensorDataType::U6x16Align16, 15),
+    ] {
+        let map = p16(t).swizzle(Swizzle::B128).encode().unwrap();
+        let e = encoded(&map);
+        assert_eq!((e.data_type, e.modes[1]), (v, 3));
+        p16(t).swizzle(Swizzle::B128Atom32).encode().unwrap();
+        p16(t).encode().unwrap();
+    }
+    let u4w = || p16(TensorDataType::U4x16Align16);
+    refused_with(
+        u4w().dims(&[64, 32]).strides(&[128]).box_dims(&[64, 4]),
+        "size 0 of a 16U4_ALIGN16B map (in values) must be a multiple of 128: 64",
+    );
+    refused_with(
+        u4w().strides(&[112]),
+        "the byte stride of dimension 1 must be a multiple of 32 (16U4_ALIGN16B): 112",
+    );
+    refused_with(
+        u4w().box_dims(&[64, 4]),
+        "box size 0 of a 16U4_ALIGN16B map must be 128 (values): 64",
+    );
+    refused_with(
+        u4w().swizzle(Swizzle::B64),
+        "the inner box row (128 bytes) must fit the swizzle span of 64 bytes (B64)",
+    );
+    refused_with(
+        u4w().swizzle(Swizzle::B128Atom64),
+        "a 16U4_ALIGN16B map allows the swizzles None, B128, B128Atom32: swizzle B128Atom64",
+    );
+    // 16U6_ALIGN16B may use the 64-byte atom (for stores), and no interleave.
+    p16(TensorDataType::U6x16Align16)
+        .swizzle(Swizzle::B128Atom64)
+        .encode()
+        .unwrap();
+    refused_with(
+        p16(TensorDataType::U6x16Align16).swizzle(Swizzle::B128Atom32Flip8),
+        "a 16U6_ALIGN16B map allows the swizzles None, B128, B128Atom32, B128Atom64 (stores): \
+         swizzle B128Atom32Flip8",
+    );
+    refused_with(
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U6x16Align16)
+            .dims(&[128, 4, 8])
+            .box_dims(&[128, 4, 1])
+            .interleave(Interleave::B16),
+        "a 16U6_ALIGN16B map needs no interleave: interleave B16",
+    );
+    let off = bytes.slice(16..).unwrap();
+    let e = TensorMap::tiled(&off)
+        .data_type(TensorDataType::U4x16Align16)
+        .dims(&[128, 30])
+        .strides(&[128])
+        .box_dims(&[128, 4])
+        .encode()
+        .unwrap_err();
+    assert!(
+        e.to_string().contains(&format!(
+            "the global address must be aligned to 32 bytes (16U4_ALIGN16B): {:#x} is not",
+            off.device_ptr()
+        )),
+        "{e}"
+    );
+    // A layout of a packed type encodes over memory of a 10.0 device.
+    let layout = p16(TensorDataType::U6x16Align16).layout().unwrap();
+    assert_eq!(encoded(&layout.encode(&bytes).unwrap()).data_type, 15);
+
+    // The atom swizzles: a 128-byte span.
+    for (sw, v) in [
+        (Swizzle::B128Atom32, 4),
+        (Swizzle::B128Atom32Flip8, 5),
+        (Swizzle::B128Atom64, 6),
+    ] {
+        let atom = || TensorMap::tiled(&buf).dims(&[64, 64]).swizzle(sw);
+        let map = atom().box_dims(&[32, 32]).encode().unwrap();
+        assert_eq!(encoded(&map).modes[1], v);
+        refused_with(
+            atom().box_dims(&[64, 32]),
+            &format!(
+                "the inner box row (256 bytes) must fit the swizzle span of 128 bytes ({sw:?})"
+            ),
+        );
+    }
+
+    // Wide im2col maps (NWC: channels, width, batch).
+    let wide = || {
+        TensorMap::tiled(&buf)
+            .dims(&[64, 32, 2])
+            .swizzle(Swizzle::B128)
+    };
+    let map = wide()
+        .encode_im2col_wide(-1, 1, 32, 64, Im2colWideMode::W)
+        .unwrap();
+    assert_eq!(fake().calls("cuTensorMapEncodeIm2colWide"), 1);
+    let e = encoded(&map);
+    assert!(e.im2col && e.wide, "{e:?}");
+    assert_eq!((e.wide_mode, e.data_type, e.rank), (0, 7, 3));
+    assert_eq!((e.lower, e.upper), (vec![-1], vec![1]));
+    assert_eq!((e.channels_per_pixel, e.pixels_per_column), (32, 64));
+    assert_eq!(e.modes, [0, 3, 0, 0]);
+    // W128 ignores pixels per column.
+    let map = wide()
+        .encode_im2col_wide(0, 0, 32, 0, Im2colWideMode::W128)
+        .unwrap();
+    assert_eq!(encoded(&map).wide_mode, 1);
+    refused_with(
+        wide().im2col_wide(0, 0, 32, 0, Im2colWideMode::W),
+        "pixels per column must be in 1..=1024: 0",
+    );
+    refused_with(
+        wide()
+            .swizzle(Swizzle::None)
+            .im2col_wide(0, 0, 32, 64, Im2colWideMode::W),
+        "a wide im2col map allows the swizzles B64, B128, B128Atom32: swizzle None",
+    );
+    refused_with(
+        wide().im2col_wide(40_000, 0, 32, 64, Im2colWideMode::W),
+        "lower corner 0 must be in -32768..=32767 for rank 3: 40000",
+    );
+    refused_with(
+        TensorMap::tiled(&buf)
+            .dims(&[64, 64])
+            .swizzle(Swizzle::B128)
+            .im2col_wide(0, 0, 32, 64, Im2colWideMode::W),
+        "an im2col map needs rank 3, 4 or 5: rank 2",
+    );
+    refused_with(
+        wide().im2col_wide(0, 0, 48, 64, Im2colWideMode::W),
+        "a pixel's channels (192 bytes) must fit the swizzle span of 128 bytes (B128)",
+    );
+    refused_with(
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U4x16Align16)
+            .dims(&[128, 16, 2])
+            .swizzle(Swizzle::B128)
+            .im2col_wide(0, 0, 64, 16, Im2colWideMode::W),
+        "channels per pixel of a 16U4_ALIGN16B map must be 128: 64",
+    );
+    refused_with(
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U4x16Align16)
+            .dims(&[128, 16, 2])
+            .swizzle(Swizzle::B64)
+            .im2col_wide(0, 0, 128, 16, Im2colWideMode::W),
+        "a pixel's channels (128 bytes) must fit the swizzle span of 64 bytes (B64)",
+    );
+    // The plain im2col map of a packed type: 128 channels.
+    refused_with(
+        TensorMap::tiled(&bytes)
+            .data_type(TensorDataType::U6x16Align16)
+            .dims(&[128, 16, 2])
+            .im2col(&[0], &[0], 64, 16),
+        "channels per pixel of a 16U6_ALIGN16B map must be 128: 64",
+    );
+    println!("tensor map sm100: ok");
+}
+
+/// A 10.0 device under a driver before CUDA 12.8: the typed error names the
+/// driver.
+fn child_tensor_map_old_12_driver() {
+    fake().reset();
+    fake().set_attribute(0, 75, 10);
+    fake().set_driver_version(12060);
+    let reg = MetraleRegistry::load(0, &[("kernels", PTX)]).unwrap();
+    let buf = DeviceBuffer::<f32>::alloc(reg.stream(), 64 * 64).unwrap();
+    let e = TensorMap::tiled(&buf)
+        .dims(&[64, 64])
+        .box_dims(&[32, 32])
+        .swizzle(Swizzle::B128Atom64)
+        .encode()
+        .unwrap_err();
+    assert!(
+        matches!(
+            e.kind(),
+            ErrorKind::FeatureUnavailable {
+                has: (10, 0),
+                driver: 12060,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(
+        e.to_string().ends_with(
+            "swizzle B128Atom64 needs compute capability 10.0 and a CUDA 12.8 driver: device 0 \
+             has compute capability 10.0, the driver is CUDA 12.6"
+        ),
+        "{e}"
+    );
+    println!("tensor map on CUDA 12.6: ok");
+}
+
+fn a_driver_before_12_8_is_refused() {
+    let out = run_child("tensor_map_old_12_driver", &[]);
+    assert!(
+        out.status.success(),
+        "child failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "tensor map on CUDA 12.6: ok\n"
+    );
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "tensor_map::compute_capability_10_features_are_refused_on_9_0",
+            run: compute_capability_10_features_are_refused_on_9_0,
+        },
+        Test {
+            name: "tensor_map::compute_capability_10_rules_are_checked",
+            run: compute_capability_10_rules_are_checked,
+        },
+        Test {
+            name: "tensor_map::a_driver_before_12_8_is_refused",
+            run: a_driver_before_12_8_is_refused,
+        },
+        Test {
+            name: "tensor_map::every_list_too_long_is_named",
+            run: every_list_too_long_is_named,
+        },
+        Test {
+            name: "tensor_map::as_bytes_is_the_maps_bytes",
+            run: as_bytes_is_the_maps_bytes,
+        },
         Test {
             name: "tensor_map::a_layout_is_checked_once_and_encoded_over_memory_of_its_shape",
             run: a_layout_is_checked_once_and_encoded_over_memory_of_its_shape,
@@ -615,8 +1100,18 @@ pub fn tests() -> Vec<Test> {
 }
 
 pub fn children() -> Vec<Child> {
-    vec![Child {
-        name: "old_driver_tensor_map",
-        run: child_old_driver_tensor_map,
-    }]
+    vec![
+        Child {
+            name: "old_driver_tensor_map",
+            run: child_old_driver_tensor_map,
+        },
+        Child {
+            name: "tensor_map_sm100",
+            run: child_tensor_map_sm100,
+        },
+        Child {
+            name: "tensor_map_old_12_driver",
+            run: child_tensor_map_old_12_driver,
+        },
+    ]
 }

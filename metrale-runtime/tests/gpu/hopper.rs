@@ -161,6 +161,109 @@ fn the_driver_encodes_what_the_checks_accept() {
     assert!(im2col.as_raw().opaque.iter().any(|&q| q != 0));
 }
 
+/// The packed sub-byte types, the 128-byte atom swizzles and wide im2col maps
+/// need compute capability 10.0: on a 9.x device (the H200) each is refused with
+/// the typed error before the driver; on 10.0+ they encode. `as_bytes` is the
+/// map's 128 bytes after an encode.
+fn compute_capability_10_features_and_as_bytes() {
+    let reg = registry();
+    if !has_tma(&reg) {
+        return;
+    }
+    let s = reg.stream();
+    let bytes = DeviceBuffer::<u8>::alloc(s, 64 * 64).unwrap();
+    let buf = DeviceBuffer::<f32>::alloc(s, 64 * 64).unwrap();
+    let map = TensorMap::tiled(&buf)
+        .dims(&[64, 64])
+        .box_dims(&[32, 32])
+        .swizzle(Swizzle::B128)
+        .encode()
+        .unwrap();
+    let want: Vec<u8> = map
+        .as_raw()
+        .opaque
+        .iter()
+        .flat_map(|q| q.to_ne_bytes())
+        .collect();
+    assert_eq!(&map.as_bytes()[..], &want[..]);
+    assert!(map.as_bytes().iter().any(|&b| b != 0));
+
+    let cc = reg.host().limits().compute_capability;
+    let new_ok = cc >= (10, 0) && reg.host().driver_version() >= 12080;
+    let packed = |t| {
+        TensorMap::tiled(&bytes)
+            .data_type(t)
+            .dims(&[128, 32])
+            .strides(&[128])
+            .box_dims(&[128, 4])
+    };
+    let attempts = [
+        (
+            "16U4_ALIGN8B",
+            TensorMap::tiled(&bytes)
+                .data_type(TensorDataType::U4x16Align8)
+                .dims(&[128, 64])
+                .strides(&[64])
+                .box_dims(&[32, 8])
+                .encode(),
+        ),
+        (
+            "16U4_ALIGN16B",
+            packed(TensorDataType::U4x16Align16).encode(),
+        ),
+        (
+            "16U6_ALIGN16B",
+            packed(TensorDataType::U6x16Align16).encode(),
+        ),
+    ];
+    let swizzles = [
+        Swizzle::B128Atom32,
+        Swizzle::B128Atom32Flip8,
+        Swizzle::B128Atom64,
+    ]
+    .map(|sw| {
+        TensorMap::tiled(&buf)
+            .dims(&[64, 64])
+            .box_dims(&[32, 32])
+            .swizzle(sw)
+            .encode()
+    });
+    let wide = TensorMap::tiled(&buf)
+        .dims(&[64, 32, 2])
+        .swizzle(Swizzle::B128)
+        .encode_im2col_wide(-1, 1, 32, 64, Im2colWideMode::W);
+    // Each attempt's answer: whether the encoded bytes are not all zero.
+    let nonzero = |m: TensorMap<'_, u8>| m.as_bytes().iter().any(|&b| b != 0);
+    let mut all: Vec<Result<bool>> = attempts.into_iter().map(|(_, r)| r.map(nonzero)).collect();
+    all.extend(
+        swizzles
+            .into_iter()
+            .map(|r| r.map(|m| m.as_bytes().iter().any(|&b| b != 0))),
+    );
+    all.push(wide.map(|m| m.as_bytes().iter().any(|&b| b != 0)));
+    for (k, r) in all.into_iter().enumerate() {
+        match r {
+            Ok(nonzero) => {
+                assert!(new_ok, "attempt {k} encoded on compute capability {cc:?}");
+                assert!(nonzero, "attempt {k}");
+            }
+            Err(e) => {
+                assert!(
+                    !new_ok,
+                    "attempt {k} refused on compute capability {cc:?}: {e}"
+                );
+                assert!(
+                    matches!(
+                        e.kind(),
+                        ErrorKind::FeatureUnavailable { needs: (10, 0), .. }
+                    ),
+                    "attempt {k}: {e}"
+                );
+            }
+        }
+    }
+}
+
 /// Two green contexts of half the device's SMs each (rounded down to the
 /// driver's alignment), or `None` with the reason said when the driver lacks them.
 fn halves(reg: &MetraleRegistry) -> Option<(SmSplit, Arc<GreenContext>, Arc<GreenContext>)> {
@@ -331,6 +434,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "hopper::the_driver_encodes_what_the_checks_accept",
             run: the_driver_encodes_what_the_checks_accept,
+        },
+        Test {
+            name: "hopper::compute_capability_10_features_and_as_bytes",
+            run: compute_capability_10_features_and_as_bytes,
         },
         Test {
             name: "hopper::green_contexts_dropped_after_a_reset_are_quiet",

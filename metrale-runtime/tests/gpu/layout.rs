@@ -138,7 +138,7 @@ unsafe impl DeviceRepr for Pair {}
 /// The 20-parameter `args20` (hand-written PTX, JIT-compiled by the driver)
 /// launched through a run-time list and through a 20-tuple: every parameter
 /// arrives exactly; the driver's layout is the one the list is checked against,
-/// and a misaligned or short list is refused before the driver.
+/// and a list of a wrong size is refused before the driver.
 fn a_20_parameter_kernel_through_a_run_time_list() {
     let reg = registry();
     let s = reg.stream();
@@ -272,15 +272,6 @@ fn a_20_parameter_kernel_through_a_run_time_list() {
     for _ in 9..20 {
         args.push(0u8);
     }
-    // SAFETY: refused before the driver.
-    let e = unsafe { s.launch(&f, cfg, &args) }.unwrap_err();
-    assert_eq!(
-        e.to_string(),
-        "kernel 'args::args20': launch not attempted, argument 8 is aligned to 8 bytes, the \
-         kernel's parameter 8 is at offset 60 (not a multiple of 8)"
-    );
-    eprintln!("    refused: {e}");
-    args.set_bytes(8, &xyz_bytes, 4).unwrap();
     // SAFETY: refused before the driver.
     let e = unsafe { s.launch(&f, cfg, &args) }.unwrap_err();
     assert!(
