@@ -159,11 +159,18 @@ impl CudaStream {
             // took goes. One it kept (ended from the wrong thread, a failed
             // bind) still counts. A capture of another id (begun meanwhile)
             // means ours is over.
-            let over = match self.capture_id_raw() {
-                Ok(None) => true,
-                Ok(Some(now)) => id.is_some_and(|id| id != now),
-                Err(_) => false,
-            };
+            // An invalidated capture's end ends it (the driver's documented
+            // behaviour), whatever a query after it sees: a capture begun
+            // meanwhile may even carry the same id.
+            let invalidated =
+                e.status() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            let after = self.capture_id_raw();
+            let over = invalidated
+                || match after {
+                    Ok(None) => true,
+                    Ok(Some(now)) => id.is_some_and(|id| id != now),
+                    Err(_) => false,
+                };
             if over {
                 if let Some(id) = id {
                     crate::stream::release_captured_host_fns(id);

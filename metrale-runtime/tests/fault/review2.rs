@@ -167,7 +167,10 @@ fn child_defect_unseen_wait_queried_after_a_reset() {
     drop(reg);
     release(0);
     assert_eq!(waits, 0, "the reset ended the wait");
-    assert_eq!(used, 0, "no handle the reset destroyed is given to the driver");
+    assert_eq!(
+        used, 0,
+        "no handle the reset destroyed is given to the driver"
+    );
 }
 
 /// Item 4: an unseen wait whose event could not be made is judged by its
@@ -201,7 +204,10 @@ fn child_defect_unseen_wait_triage_invalidates_a_capture() {
     drop(word);
     drop((go, s));
     done(reg);
-    assert!(ok, "the capture is not invalidated by metrale's own triage: {err:?}");
+    assert!(
+        ok,
+        "the capture is not invalidated by metrale's own triage: {err:?}"
+    );
 }
 
 /// Items 1 and 9: two threads end the same stream's capture (`end_capture`
@@ -350,7 +356,10 @@ fn child_held_many_pending_copies_from_threads() {
             });
         }
     });
-    assert!(fake().live(Live::Events) <= events + 16, "at most the pool's events");
+    assert!(
+        fake().live(Live::Events) <= events + 16,
+        "at most the pool's events"
+    );
     // Forgotten pending copy: its slot stays claimed and its buffer leaked; the
     // stream (held by it) is never destroyed under it.
     let p = s
@@ -527,7 +536,8 @@ pub fn children() -> Vec<Child> {
             run: child_defect_capture_id_unknown_at_both_ends_leaks_its_host_function,
         },
         Child {
-            name: "review2_defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing",
+            name:
+                "review2_defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing",
             run: child_defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing,
         },
         Child {
@@ -564,7 +574,8 @@ pub fn tests() -> Vec<Test> {
             run: defect_capture_id_unknown_at_both_ends_leaks_its_host_function,
         },
         Test {
-            name: "review2::defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing",
+            name:
+                "review2::defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing",
             run: defect_stuck_capture_ended_on_another_thread_leaves_this_thread_capturing,
         },
         Test {
