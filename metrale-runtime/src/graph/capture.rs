@@ -270,7 +270,7 @@ impl CudaStream {
     /// # Errors
     /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
     pub fn capture(&self, f: impl FnOnce(&CudaStream) -> Result<()>) -> Result<CudaGraph> {
-        self.try_capture_with(CaptureMode::default(), f)
+        self.capture_with(CaptureMode::default(), f)
     }
 
     /// As [`CudaStream::capture`], in `mode`.
@@ -282,7 +282,14 @@ impl CudaStream {
         mode: CaptureMode,
         f: impl FnOnce(&CudaStream) -> Result<()>,
     ) -> Result<CudaGraph> {
-        self.try_capture_with(mode, f)
+        match self.capture_parts(mode, f)? {
+            // The closure failed and the end is stuck: the error says both.
+            (Err(queued), Err(ended)) if self.metrale_capturing() => {
+                Err(with_stuck_end(queued, &ended))
+            }
+            (Err(queued), _) => Err(queued),
+            (Ok(()), ended) => ended,
+        }
     }
 
     /// As [`CudaStream::capture`], with `f` returning any error type that a
@@ -325,6 +332,29 @@ impl CudaStream {
         mode: CaptureMode,
         f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
     ) -> std::result::Result<CudaGraph, E> {
+        match self.capture_parts(mode, f)? {
+            (Err(queued), ended) => {
+                // `E` cannot carry it: the stuck end is said on stderr.
+                if let Err(e) = ended {
+                    if self.metrale_capturing() {
+                        crate::error::report_line(format_args!(
+                            "the capture's closure failed, and so did its end: {e}"
+                        ));
+                    }
+                }
+                Err(queued)
+            }
+            (Ok(()), ended) => Ok(ended?),
+        }
+    }
+
+    /// Begin, run `f`, end (also when `f` unwinds): `f`'s result and the end's.
+    #[allow(clippy::type_complexity)]
+    fn capture_parts<E: From<MetraleError>>(
+        &self,
+        mode: CaptureMode,
+        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(std::result::Result<(), E>, Result<CudaGraph>), E> {
         /// Ends the capture when `f` unwinds.
         struct EndOnUnwind<'a>(&'a CudaStream);
         impl Drop for EndOnUnwind<'_> {
@@ -339,7 +369,34 @@ impl CudaStream {
         let queued = f(self);
         std::mem::forget(guard);
         let ended = self.end_capture_retrying();
-        queued?;
-        Ok(ended?)
+        Ok((queued, ended))
+    }
+}
+
+/// `queued` (the closure's error) with the stuck end's error `ended` added to
+/// its text (or, for a kind with no text to add to, said on stderr).
+fn with_stuck_end(queued: MetraleError, ended: &MetraleError) -> MetraleError {
+    use crate::ErrorKind;
+    match queued.into_kind() {
+        ErrorKind::InvalidArgument(text) => {
+            ErrorKind::InvalidArgument(format!("{text}; and ending the capture failed: {ended}"))
+                .into()
+        }
+        ErrorKind::Driver {
+            call,
+            status,
+            subject,
+        } => ErrorKind::Driver {
+            call,
+            status,
+            subject: format!("{subject} (and ending the capture failed: {ended})"),
+        }
+        .into(),
+        other => {
+            crate::error::report_line(format_args!(
+                "the capture's closure failed, and so did its end: {ended}"
+            ));
+            other.into()
+        }
     }
 }
