@@ -109,8 +109,10 @@ struct StreamInner {
     /// second one fails at once rather than undo the first's capture under it).
     ending: AtomicBool,
     /// Held across a metrale capture's start (mark, drain, begin) or a
-    /// capture-joining wait, and by sections that find the stream marked, so the
-    /// driver's answer "not capturing" stays true for the whole section.
+    /// capture-joining wait, by sections that find the stream marked, so the
+    /// driver's answer "not capturing" stays true for the whole section, and by
+    /// a capture's end from its status query through its bookkeeping (on its
+    /// success path), so no capture begins in between.
     capture_lock: Mutex<()>,
     /// The green context the stream runs on, held so that it is destroyed only
     /// after the stream (fields drop after `Drop::drop` destroyed the stream).
