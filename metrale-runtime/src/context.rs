@@ -855,21 +855,56 @@ pub(crate) fn triage_unseen_waits() {
         while i < list.len() {
             let Some(w) = list.get(i) else { break };
             let (ev, st) = (w.event, w.stream);
-            let status = w.ctx.with(|d| {
-                if ev.is_null() {
-                    // SAFETY: a live stream (kept alive by the entry's `finish`)
-                    // of this, bound, context; only the status is read.
-                    unsafe { cu!(d, cuStreamQuery(st)) }
-                } else {
-                    // SAFETY: a live event made for this entry; only the status
-                    // is read.
-                    unsafe { cu!(d, cuEventQuery(ev)) }
-                }
-            });
-            let done = match status {
-                Ok(()) => true,
-                Err(CallError::Status { status, .. }) => crate::stream::work_abandoned(status),
+            // The generation first, without binding: after a reset the handles
+            // are dangling (never given to the driver), and the reset ended
+            // the wait.
+            let done = match w.ctx.state(w.made) {
+                Ok(ReleaseState::Reset | ReleaseState::Gone) => true,
                 Err(_) => false,
+                Ok(ReleaseState::Live) => {
+                    let status = w.ctx.with(|d| {
+                        if ev.is_null() {
+                            // Never `cuStreamQuery` a capturing stream (it
+                            // invalidates the capture): the wait stays listed
+                            // while the stream is captured.
+                            let mut cs = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+                            // SAFETY: a live stream (kept alive by the entry's
+                            // `finish`) of this, bound, context; writes the
+                            // status only (the other outputs are null).
+                            unsafe {
+                                cu!(
+                                    d,
+                                    cuStreamGetCaptureInfo_v3(
+                                        st,
+                                        &mut cs,
+                                        std::ptr::null_mut(),
+                                        std::ptr::null_mut(),
+                                        std::ptr::null_mut(),
+                                        std::ptr::null_mut(),
+                                        std::ptr::null_mut()
+                                    )
+                                )
+                            }?;
+                            if cs != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                                return Ok(false);
+                            }
+                            // SAFETY: as above, and not being captured; only
+                            // the status is read.
+                            unsafe { cu!(d, cuStreamQuery(st)) }.map(|()| true)
+                        } else {
+                            // SAFETY: a live event made for this entry; only the
+                            // status is read.
+                            unsafe { cu!(d, cuEventQuery(ev)) }.map(|()| true)
+                        }
+                    });
+                    match status {
+                        Ok(done) => done,
+                        Err(CallError::Status { status, .. }) => {
+                            crate::stream::work_abandoned(status)
+                        }
+                        Err(_) => false,
+                    }
+                }
             };
             if done {
                 passed.push(list.swap_remove(i));

@@ -29,6 +29,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/review2.rs"]
+mod review2;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -75,6 +77,7 @@ fn main() -> ExitCode {
         soundness::tests(),
         vmm::tests(),
         round4::tests(),
+        review2::tests(),
     ]
     .into_iter()
     .flatten()
@@ -96,6 +99,7 @@ fn main() -> ExitCode {
             .chain(green::children())
             .chain(vmm::children())
             .chain(round4::children())
+            .chain(review2::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -70,7 +70,6 @@ impl CudaStream {
                 // the query fails: the end asks again).
                 let id = self.capture_id_raw().ok().flatten().unwrap_or(0);
                 self.set_capturing(id);
-                crate::stream::capture_depth_add(1);
             }
             Err(_) => {
                 // Undo this attempt's bookkeeping only.
@@ -96,15 +95,19 @@ impl CudaStream {
         Ok(self.capture_status()? != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
     }
 
-    /// The bookkeeping of a metrale capture that is over: done once per capture
-    /// (an `end_capture` of a stream metrale is not capturing changes nothing).
-    fn capture_over(&self) {
-        if self.take_capturing() {
-            self.unmark_capture();
-            crate::stream::capture_depth_add(-1);
-            capture_finished();
-            crate::memory::retry_deferred_frees();
-        }
+    /// The bookkeeping of a metrale capture that is over (the one with the
+    /// driver's id `id` when known): done once per capture (an `end_capture`
+    /// of a stream metrale is not capturing changes nothing). The caller runs
+    /// `retry_deferred_frees` afterwards, outside any lock.
+    /// Returns whether there was one, and the id noted when it began (0: not
+    /// known).
+    fn capture_over(&self, id: Option<u64>) -> Option<u64> {
+        let (noted, depth) = self.take_capturing(id)?;
+        self.unmark_capture();
+        // The count of the thread that began it, whichever thread ends it.
+        depth.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        capture_finished();
+        Some(noted)
     }
 
     /// End the capture begun on this stream and return the graph. The stream runs
@@ -112,15 +115,27 @@ impl CudaStream {
     /// that leaves the capture in progress (the context could not be bound, a
     /// transient refusal) leaves the stream capturing, as the driver has it:
     /// call `end_capture` again ([`CudaStream::capture`] retries by itself).
+    /// Ends of one stream are exclusive: one made while another runs fails.
     ///
     /// # Errors
     /// A capture the driver invalidated (a synchronisation inside it, ...) names the
     /// capture status: `... (capture status: invalidated): cuStreamEndCapture
     /// failed: CUDA_ERROR_STREAM_CAPTURE_INVALIDATED (901) ...`.
     pub fn end_capture(&self) -> Result<CudaGraph> {
+        let Some(ending) = self.start_ending() else {
+            return Err(crate::error::invalid_arg(format!(
+                "{}: another thread is ending this stream's capture",
+                self.subject("end capture")
+            )));
+        };
+        // No capture begins, and no other end runs, from this query to the
+        // bookkeeping (on the success path).
+        let locked = self.lock_capture();
         let (status, id) = match self.capture_info_raw() {
             Ok((status, id)) => (
                 status,
+                // Active or invalidated: a capture of this stream, which the
+                // end below ends.
                 (status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE).then_some(id),
             ),
             Err(_) => (
@@ -128,32 +143,43 @@ impl CudaStream {
                 None,
             ),
         };
-        // The id noted when metrale began the capture, should the query fail
-        // (a capture this stream only joined has none noted: the end then
-        // fails, as the driver ends a capture from its origin stream only).
-        let id = id.or_else(|| {
-            self.metrale_capturing()
-                .then(|| self.noted_capture_id())
-                .flatten()
-        });
         let mut raw: CUgraph = std::ptr::null_mut();
         let ended = self.context().with(|d| {
             // SAFETY: writes one graph handle (null when the capture failed).
             unsafe { cu!(d, cuStreamEndCapture(self.raw(), &mut raw)) }
         });
         if let Err(e) = ended {
+            // A capture may begin from here on (none of ours is in progress
+            // in the driver, or it stays as it was).
+            drop(locked);
             if !raw.is_null() {
                 drop(CudaGraph::adopt(raw, self.context()));
             }
             // A capture the driver ended (invalidated, ...) is over: what it
             // took goes. One it kept (ended from the wrong thread, a failed
-            // bind) still counts.
-            if !self.is_capturing().unwrap_or(true) {
+            // bind) still counts. A capture of another id (begun meanwhile)
+            // means ours is over.
+            // An invalidated capture's end ends it (the driver's documented
+            // behaviour), whatever a query after it sees: a capture begun
+            // meanwhile may even carry the same id.
+            let invalidated =
+                e.status() == Some(sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+            let after = self.capture_id_raw();
+            let over = invalidated
+                || match after {
+                    Ok(None) => true,
+                    Ok(Some(now)) => id.is_some_and(|id| id != now),
+                    Err(_) => false,
+                };
+            if over {
                 if let Some(id) = id {
                     crate::stream::release_captured_host_fns(id);
                 }
-                self.capture_over();
+                if self.capture_over(id).is_some() {
+                    crate::memory::retry_deferred_frees();
+                }
             }
+            drop(ending);
             return Err(e.about(self.subject(&format!(
                 "end capture (capture status: {})",
                 capture_status_word(status)
@@ -163,10 +189,26 @@ impl CudaStream {
         // The kernels' code and the host functions are still held for the
         // capture: take them into the graph before letting go of this capture's.
         let kept = graph.keep_kernel_code();
-        if let Some(id) = id {
-            crate::stream::release_captured_host_fns(id);
+        let over = self.capture_over(id);
+        // The id is this call's own query's (the capture just ended) or, when
+        // that query failed, the one noted when metrale began it (this end
+        // succeeded, under the lock: that capture is the one it ended). The
+        // entries the graph holds go whatever their tag.
+        let id = id.or(over.filter(|&noted| noted != 0));
+        crate::stream::release_captured_host_fns_of(id, &graph.host_fns);
+        drop(locked);
+        drop(ending);
+        if id.is_none() && over.is_some() {
+            crate::error::report_line(format_args!(
+                "{}: the capture's id could not be asked at its begin nor at its end: \
+                 repeatable host functions queued into it that its graph does not run \
+                 stay held for the life of the process",
+                self.subject("end capture")
+            ));
         }
-        self.capture_over();
+        if over.is_some() {
+            crate::memory::retry_deferred_frees();
+        }
         kept?;
         Ok(graph)
     }
@@ -194,8 +236,8 @@ impl CudaStream {
                             status,
                             subject: format!(
                                 "{subject}; the driver did not end the capture after 4 \
-                                 tries: the stream is still capturing (and counted on \
-                                 this thread), call end_capture() to end it"
+                                 tries: the stream is still capturing (and counted on the \
+                                 thread that began it), call end_capture() to end it"
                             ),
                         }
                         .into(),
@@ -228,7 +270,7 @@ impl CudaStream {
     /// # Errors
     /// `f`'s error, or as [`CudaStream::begin_capture`] / [`CudaStream::end_capture`].
     pub fn capture(&self, f: impl FnOnce(&CudaStream) -> Result<()>) -> Result<CudaGraph> {
-        self.try_capture_with(CaptureMode::default(), f)
+        self.capture_with(CaptureMode::default(), f)
     }
 
     /// As [`CudaStream::capture`], in `mode`.
@@ -240,7 +282,14 @@ impl CudaStream {
         mode: CaptureMode,
         f: impl FnOnce(&CudaStream) -> Result<()>,
     ) -> Result<CudaGraph> {
-        self.try_capture_with(mode, f)
+        match self.capture_parts(mode, f)? {
+            // The closure failed and the end is stuck: the error says both.
+            (Err(queued), Err(ended)) if self.metrale_capturing() => {
+                Err(with_stuck_end(queued, &ended))
+            }
+            (Err(queued), _) => Err(queued),
+            (Ok(()), ended) => ended,
+        }
     }
 
     /// As [`CudaStream::capture`], with `f` returning any error type that a
@@ -283,6 +332,29 @@ impl CudaStream {
         mode: CaptureMode,
         f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
     ) -> std::result::Result<CudaGraph, E> {
+        match self.capture_parts(mode, f)? {
+            (Err(queued), ended) => {
+                // `E` cannot carry it: the stuck end is said on stderr.
+                if let Err(e) = ended {
+                    if self.metrale_capturing() {
+                        crate::error::report_line(format_args!(
+                            "the capture's closure failed, and so did its end: {e}"
+                        ));
+                    }
+                }
+                Err(queued)
+            }
+            (Ok(()), ended) => Ok(ended?),
+        }
+    }
+
+    /// Begin, run `f`, end (also when `f` unwinds): `f`'s result and the end's.
+    #[allow(clippy::type_complexity)]
+    fn capture_parts<E: From<MetraleError>>(
+        &self,
+        mode: CaptureMode,
+        f: impl FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    ) -> std::result::Result<(std::result::Result<(), E>, Result<CudaGraph>), E> {
         /// Ends the capture when `f` unwinds.
         struct EndOnUnwind<'a>(&'a CudaStream);
         impl Drop for EndOnUnwind<'_> {
@@ -297,7 +369,34 @@ impl CudaStream {
         let queued = f(self);
         std::mem::forget(guard);
         let ended = self.end_capture_retrying();
-        queued?;
-        Ok(ended?)
+        Ok((queued, ended))
+    }
+}
+
+/// `queued` (the closure's error) with the stuck end's error `ended` added to
+/// its text (or, for a kind with no text to add to, said on stderr).
+fn with_stuck_end(queued: MetraleError, ended: &MetraleError) -> MetraleError {
+    use crate::ErrorKind;
+    match queued.into_kind() {
+        ErrorKind::InvalidArgument(text) => {
+            ErrorKind::InvalidArgument(format!("{text}; and ending the capture failed: {ended}"))
+                .into()
+        }
+        ErrorKind::Driver {
+            call,
+            status,
+            subject,
+        } => ErrorKind::Driver {
+            call,
+            status,
+            subject: format!("{subject} (and ending the capture failed: {ended})"),
+        }
+        .into(),
+        other => {
+            crate::error::report_line(format_args!(
+                "the capture's closure failed, and so did its end: {ended}"
+            ));
+            other.into()
+        }
     }
 }

@@ -99,6 +99,28 @@ pub(crate) fn release_captured_host_fns(capture: u64) {
     drop(released);
 }
 
+/// A capture has ended and its graph took its holds (`graph`): release the
+/// host functions tagged with its id `capture` (when known) and those the
+/// graph holds, whatever their tag (a keep goes into one capture only).
+pub(crate) fn release_captured_host_fns_of(capture: Option<u64>, graph: &[HostKeep]) {
+    let ours = |c: &Captured| {
+        (capture.is_some() && c.capture == capture) || graph.iter().any(|k| Arc::ptr_eq(k, &c.keep))
+    };
+    let released: Vec<Captured> = {
+        let mut held = CAPTURED_HOST_FNS
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !held.iter().any(ours) {
+            return;
+        }
+        let (gone, kept) = std::mem::take(&mut *held).into_iter().partition(ours);
+        *held = kept;
+        gone
+    };
+    // Dropped outside the lock: a closure's captures may do anything.
+    drop(released);
+}
+
 /// Run `f` as a host function: the thread marked, a panic caught and reported.
 pub(crate) fn run_guarded(f: impl FnOnce()) {
     let _scope = HostFunctionScope::enter();

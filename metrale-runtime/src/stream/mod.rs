@@ -23,7 +23,7 @@
 use std::ffi::{c_int, c_uint};
 use std::fmt;
 use std::sync::atomic::{
-    AtomicBool, AtomicPtr, AtomicU32, AtomicU64, AtomicUsize, Ordering as AtomicOrdering,
+    AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicUsize, Ordering as AtomicOrdering,
 };
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -38,7 +38,9 @@ mod host_fn;
 
 pub use future::{EventDone, StreamDone};
 pub use host_fn::{host_function_panics, HostFn};
-pub(crate) use host_fn::{release_captured_host_fns, take_captured_host_fn, HostKeep};
+pub(crate) use host_fn::{
+    release_captured_host_fns, release_captured_host_fns_of, take_captured_host_fn, HostKeep,
+};
 
 /// How a stream is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,16 +100,19 @@ struct StreamInner {
     /// is claimed for one operation and given back after its wait (see
     /// `DonePool`).
     done: DonePool,
-    /// Whether a capture begun by metrale on this stream is in progress (its
-    /// bookkeeping is undone exactly once, when it ends).
-    pub(crate) capturing: AtomicBool,
-    /// The driver's id of that capture, asked right after it began (0: not
-    /// known), for its end to release what it took should the end's own
-    /// status query fail.
-    capture_id: AtomicU64,
+    /// The captures metrale began on this stream whose bookkeeping is not yet
+    /// undone (one, or two when a capture began between a failed end's driver
+    /// call and its status check): each undone exactly once, by the end that
+    /// finds it over.
+    begun: Mutex<Vec<Begun>>,
+    /// Set while an `end_capture` of this stream runs: ends are exclusive (a
+    /// second one fails at once rather than undo the first's capture under it).
+    ending: AtomicBool,
     /// Held across a metrale capture's start (mark, drain, begin) or a
-    /// capture-joining wait, and by sections that find the stream marked, so the
-    /// driver's answer "not capturing" stays true for the whole section.
+    /// capture-joining wait, by sections that find the stream marked, so the
+    /// driver's answer "not capturing" stays true for the whole section, and by
+    /// a capture's end from its status query through its bookkeeping (on its
+    /// success path), so no capture begins in between.
     capture_lock: Mutex<()>,
     /// The green context the stream runs on, held so that it is destroyed only
     /// after the stream (fields drop after `Drop::drop` destroyed the stream).
@@ -450,8 +455,8 @@ impl CudaStream {
                 capture_marks: AtomicU32::new(0),
                 in_flight: AtomicU32::new(0),
                 done: DonePool::new(),
-                capturing: AtomicBool::new(false),
-                capture_id: AtomicU64::new(0),
+                begun: Mutex::new(Vec::new()),
+                ending: AtomicBool::new(false),
                 capture_lock: Mutex::new(()),
                 green,
             }),
@@ -531,31 +536,60 @@ impl CudaStream {
     }
 
     /// Note that a metrale capture began on this stream, with the driver's
-    /// capture id when known (0 otherwise).
+    /// capture id when known (0 otherwise), and the capture count of the
+    /// thread that began it (undone there whichever thread ends it).
     pub(crate) fn set_capturing(&self, id: u64) {
-        self.inner.capture_id.store(id, AtomicOrdering::SeqCst);
-        self.inner.capturing.store(true, AtomicOrdering::SeqCst);
+        let depth = capture_depth_counter();
+        depth.fetch_add(1, AtomicOrdering::SeqCst);
+        self.inner
+            .begun
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(Begun { id, depth });
     }
 
-    /// The driver's id of this stream's metrale capture, as noted when it
-    /// began; `None` when not known.
-    pub(crate) fn noted_capture_id(&self) -> Option<u64> {
-        match self.inner.capture_id.load(AtomicOrdering::SeqCst) {
-            0 => None,
-            id => Some(id),
-        }
-    }
-
-    /// Whether a metrale capture was in progress here; clears the note (true once
-    /// per capture).
-    pub(crate) fn take_capturing(&self) -> bool {
-        self.inner.capturing.swap(false, AtomicOrdering::SeqCst)
+    /// Take the bookkeeping of one metrale capture of this stream that is over:
+    /// the one with the driver's id `id` when noted, else the oldest; `None`
+    /// when no metrale capture is in progress here.
+    pub(crate) fn take_capturing(&self, id: Option<u64>) -> Option<(u64, Arc<AtomicI32>)> {
+        let mut begun = self
+            .inner
+            .begun
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let at = id
+            .and_then(|id| begun.iter().position(|b| b.id == id))
+            .or_else(|| (!begun.is_empty()).then_some(0))?;
+        let Begun { id, depth } = begun.remove(at);
+        Some((id, depth))
     }
 
     /// Whether a capture metrale began on this stream is still in progress (its
     /// bookkeeping not yet undone).
     pub(crate) fn metrale_capturing(&self) -> bool {
-        self.inner.capturing.load(AtomicOrdering::SeqCst)
+        !self
+            .inner
+            .begun
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty()
+    }
+
+    /// Start an end of this stream's capture: `None` while another one runs
+    /// (ends are exclusive); the guard lets the next one start when dropped.
+    pub(crate) fn start_ending(&self) -> Option<Ending<'_>> {
+        (!self.inner.ending.swap(true, AtomicOrdering::SeqCst))
+            .then_some(Ending(&self.inner.ending))
+    }
+
+    /// Take the capture lock, without marking: an end holds it so that no
+    /// capture begins (nor section runs) between its driver call and its
+    /// bookkeeping.
+    pub(crate) fn lock_capture(&self) -> MutexGuard<'_, ()> {
+        self.inner
+            .capture_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Take back one mark of `mark_capture`.
@@ -1393,17 +1427,37 @@ impl<T: AsStream + ?Sized> AsStream for Arc<T> {
 }
 
 thread_local! {
-    /// Captures this thread has begun through metrale and not ended.
-    static CAPTURE_DEPTH: std::cell::Cell<i32> = const { std::cell::Cell::new(0) };
+    /// Captures this thread has begun through metrale and not ended (shared
+    /// with the streams it began them on: the end, on any thread, counts
+    /// down this one).
+    static CAPTURE_DEPTH: Arc<AtomicI32> = Arc::new(AtomicI32::new(0));
 }
 
-/// Count a capture begun (1) or ended (-1) on this thread.
-pub(crate) fn capture_depth_add(delta: i32) {
-    CAPTURE_DEPTH.with(|d| d.set(d.get() + delta));
+/// A metrale capture begun on a stream: the driver's id (0: not known) and
+/// the capture count of the thread that began it.
+pub(crate) struct Begun {
+    id: u64,
+    depth: Arc<AtomicI32>,
+}
+
+/// An end of a stream's capture in progress (see `CudaStream::start_ending`).
+pub(crate) struct Ending<'a>(&'a AtomicBool);
+
+impl Drop for Ending<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, AtomicOrdering::SeqCst);
+    }
+}
+
+/// This thread's capture count.
+fn capture_depth_counter() -> Arc<AtomicI32> {
+    CAPTURE_DEPTH.with(Arc::clone)
 }
 
 /// Whether this thread has a metrale capture open: calls the driver refuses on a
 /// capturing thread (`cuMemFree`, synchronisations) must wait.
 pub(crate) fn capturing_on_this_thread() -> bool {
-    CAPTURE_DEPTH.with(|d| d.get() > 0)
+    CAPTURE_DEPTH
+        .try_with(|d| d.load(AtomicOrdering::SeqCst) > 0)
+        .unwrap_or(false)
 }
