@@ -1,20 +1,19 @@
 //! [`TensorMapBuilder`]: the options of a map over one buffer, set one by one,
 //! then checked (`rules.rs`) and encoded.
 
-use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use metrale_cuda_sys::CUdeviceptr;
-
+use super::layout::TensorMapLayout;
+use super::map::TensorMap;
 use super::quick::Scratch;
+use super::spec::{check_sm100, Im2col, Spec, TooLong};
 use super::types::{
     Dims, Im2colWideMode, Interleave, L2Promotion, OobFill, Swizzle, TensorDataType, TensorElement,
-    TENSOR_MAP_MAX_RANK,
 };
-use super::{check_sm100, TensorMap, TensorMapLayout};
 use crate::context::CudaContext;
 use crate::error::Result;
+use crate::memory::DeviceMemory;
 
 /// The options of a tiled tensor map over `mem`, checked and encoded by
 /// [`TensorMapBuilder::encode`]. Dimension 0 is the innermost (contiguous) one.
@@ -42,88 +41,32 @@ pub struct TensorMapBuilder<'a, T: TensorElement> {
     pub(super) _mem: PhantomData<&'a T>,
 }
 
-/// What a builder was given, apart from the memory's context: the input of the
-/// rules (`rules.rs`), which need no driver.
-#[derive(Debug, Clone)]
-pub(super) struct Spec {
-    pub(super) base: CUdeviceptr,
-    pub(super) bytes: u64,
-    pub(super) data_type: TensorDataType,
-    pub(super) dims: Option<Dims<u64>>,
-    pub(super) strides: Option<Dims<u64>>,
-    pub(super) box_dims: Option<Dims<u32>>,
-    pub(super) element_strides: Option<Dims<u32>>,
-    pub(super) interleave: Interleave,
-    pub(super) swizzle: Swizzle,
-    pub(super) l2_promotion: L2Promotion,
-    pub(super) oob_fill: OobFill,
-    /// The lists longer than five, remembered for `encode` to refuse.
-    pub(super) too_long: Option<TooLong>,
-    /// Set by [`TensorMapBuilder::im2col`]: an im2col map instead of a tiled one.
-    pub(super) im2col: Option<Im2col>,
-}
-
-/// The lists given with more than five values: each list's length, 0 for a
-/// list of five or fewer (or not given).
-#[derive(Debug, Clone, Copy, Default)]
-pub(super) struct TooLong([usize; 6]);
-
-/// The lists, as refusals name them, in the order [`TooLong`] keeps them.
-const LISTS: [&str; 6] = [
-    "sizes",
-    "strides",
-    "box sizes",
-    "element strides",
-    "lower corners",
-    "upper corners",
-];
-
-impl TooLong {
-    /// `slot` with list `which` given `n` values (`n` > 5 is too long, else
-    /// fine); by value, so the builder's own storage never escapes the hot path.
-    #[cold]
-    #[inline(never)]
-    fn noted(slot: Option<TooLong>, which: usize, n: usize) -> Option<TooLong> {
-        let mut t = slot.unwrap_or_default();
-        if let Some(len) = t.0.get_mut(which) {
-            *len = if n > TENSOR_MAP_MAX_RANK { n } else { 0 };
-        }
-        if t.0.iter().all(|&n| n == 0) {
-            None
-        } else {
-            Some(t)
+impl<'a, T: TensorElement> TensorMap<'a, T> {
+    /// Start a tiled map over `mem` (a buffer or slice; the map borrows it).
+    /// Without [`dims`](TensorMapBuilder::dims) the map is one dimension of all
+    /// of `mem`'s elements; without strides the dimensions are packed.
+    pub fn tiled<M: DeviceMemory<T>>(mem: &'a M) -> TensorMapBuilder<'a, T> {
+        let bytes = (mem.len() as u64).saturating_mul(std::mem::size_of::<T>() as u64);
+        TensorMapBuilder {
+            ctx: mem.memory_context(),
+            spec: Spec {
+                base: mem.device_ptr(),
+                bytes,
+                data_type: T::DATA_TYPE,
+                dims: None,
+                strides: None,
+                box_dims: None,
+                element_strides: None,
+                interleave: Interleave::None,
+                swizzle: Swizzle::None,
+                l2_promotion: L2Promotion::None,
+                oob_fill: OobFill::Zero,
+                too_long: None,
+                im2col: None,
+            },
+            _mem: PhantomData,
         }
     }
-}
-
-impl fmt::Display for TooLong {
-    /// Every list too long: `6 sizes and 6 box sizes`.
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let named: Vec<String> = self
-            .0
-            .iter()
-            .zip(LISTS)
-            .filter(|(&n, _)| n > 0)
-            .map(|(n, what)| format!("{n} {what}"))
-            .collect();
-        match named.split_last() {
-            Some((last, [])) => f.write_str(last),
-            Some((last, rest)) => write!(f, "{} and {last}", rest.join(", ")),
-            None => f.write_str("no list"),
-        }
-    }
-}
-
-/// The im2col part of a map: the pixel bounding box (corners of the spatial
-/// dimensions, rank - 2 of each) and what one load gathers.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Im2col {
-    pub(super) lower: Dims<i32>,
-    pub(super) upper: Dims<i32>,
-    pub(super) channels_per_pixel: u32,
-    pub(super) pixels_per_column: u32,
-    /// A wide map (`cuTensorMapEncodeIm2colWide`, one width offset per corner).
-    pub(super) wide: Option<Im2colWideMode>,
 }
 
 impl<'a, T: TensorElement> TensorMapBuilder<'a, T> {

@@ -8,13 +8,12 @@ use std::sync::Arc;
 
 use metrale_cuda_sys::{self as sys, CUdeviceptr};
 
-use super::builder::Im2col;
-use super::rules::address_align;
+use super::map::TensorMap;
+use super::spec::{address_align, check_address, check_features, refuse, Im2col};
 use super::types::{
     interleave_raw, l2_raw, oob_raw, swizzle_raw, wide_raw, Dims, Interleave, L2Promotion, OobFill,
     Swizzle, TensorDataType, TensorElement, TENSOR_MAP_MAX_RANK,
 };
-use super::{check_address, check_features, refuse, TensorMap};
 use crate::context::CudaContext;
 use crate::error::{cu, MetraleError, Result};
 use crate::memory::DeviceMemory;

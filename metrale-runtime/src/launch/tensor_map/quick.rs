@@ -6,10 +6,9 @@
 
 use std::marker::PhantomData;
 
-use super::builder::Spec;
-use super::layout::Tiled;
+use super::layout::{TensorMapLayout, Tiled};
+use super::spec::Spec;
 use super::types::{Dims, Interleave, OobFill, Swizzle, TensorElement, TENSOR_MAP_MAX_RANK};
-use super::TensorMapLayout;
 use crate::error::Result;
 
 /// Where [`Spec::quick`] writes the lists left to default.

@@ -7,12 +7,12 @@
 use std::fmt;
 use std::marker::PhantomData;
 
-use super::builder::{Im2col, Spec};
+use super::layout::TensorMapLayout;
+use super::spec::{address_align, align_reason, check_address, refuse, Im2col, Spec};
 use super::types::{
     Dims, Im2colWideMode, Interleave, OobFill, Swizzle, TensorDataType, TensorElement,
     TENSOR_MAP_MAX_RANK,
 };
-use super::{check_address, refuse, TensorMapLayout};
 
 use crate::error::Result;
 
@@ -253,28 +253,6 @@ impl Spec {
         self.data_type.is_packed()
             || self.swizzle.is_atom()
             || self.im2col.is_some_and(|i| i.wide.is_some())
-    }
-}
-
-/// The address (and stride) alignment a map needs: 32 bytes with 32-byte
-/// interleave or a packed type of 16-byte groups, else 16.
-#[inline(always)]
-pub(super) fn address_align(interleave: Interleave, ty: TensorDataType) -> u64 {
-    if interleave == Interleave::B32 || ty.is_packed_16() {
-        32
-    } else {
-        16
-    }
-}
-
-/// Why the alignment is 32, for a refusal's text.
-pub(super) fn align_reason(align: u64, interleave: Interleave, ty: TensorDataType) -> String {
-    if align != 32 {
-        String::new()
-    } else if interleave == Interleave::B32 {
-        " (32-byte interleave)".into()
-    } else {
-        format!(" ({})", ty.driver_name())
     }
 }
 
