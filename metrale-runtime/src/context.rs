@@ -36,6 +36,7 @@ use crate::error::{
     cu, invalid_arg, is_teardown_noop, report_drop_failures, CallError, ErrorKind, MetraleError,
     Result,
 };
+use crate::lifetime::{work_abandoned, Watched};
 
 /// The limits and capabilities of a device that launches and allocations check,
 /// read once per context.
@@ -202,19 +203,9 @@ pub struct CudaContext {
     pending_waits: Arc<AtomicUsize>,
 }
 
-/// Waits counted in a context's `pending_waits` whose host function could not
-/// be queued: each is counted down (its host function's work done here) once
-/// its completion event, or its stream, says it passed (see
-/// `CudaContext::note_unseen_wait`). Process-wide, like the drop-later list,
-/// so that an entry (which holds its stream and words, and so the context)
-/// is not held by the context itself.
-static UNSEEN_WAITS: Mutex<Vec<UnseenWait>> = Mutex::new(Vec::new());
-/// Whether `UNSEEN_WAITS` may hold anything (one load on the paths that read
-/// `pending_waits` and at each drain).
-static UNSEEN_ANY: AtomicBool = AtomicBool::new(false);
-
-/// A wait on mapped words whose host function was refused: what tells that it
-/// passed, and what that host function would have done.
+/// A wait on mapped words whose host function was refused (watched by the
+/// lifetime room until it passed): what tells that it passed, and what that
+/// host function would have done.
 struct UnseenWait {
     /// The context of the event and stream.
     ctx: Arc<CudaContext>,
@@ -559,7 +550,7 @@ impl CudaContext {
             // SAFETY: no arguments; the context is current.
             |d| unsafe { cu!(d, cuCtxSynchronize()) },
         );
-        drain_dropped_later();
+        crate::lifetime::drain();
         done
     }
 
@@ -579,7 +570,7 @@ impl CudaContext {
     /// the context as an endless kernel does. A wait whose stream faulted (its
     /// host functions never run) stays counted for good.
     pub fn pending_waits(&self) -> usize {
-        triage_unseen_waits();
+        crate::lifetime::triage();
         self.pending_waits.load(Ordering::Acquire)
     }
 
@@ -593,17 +584,13 @@ impl CudaContext {
         stream: sys::CUstream,
         finish: Box<dyn FnOnce() + Send>,
     ) {
-        UNSEEN_WAITS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .push(UnseenWait {
-                ctx: Arc::clone(self),
-                event,
-                stream,
-                made: self.generation(),
-                finish,
-            });
-        UNSEEN_ANY.store(true, Ordering::Release);
+        crate::lifetime::watch(Box::new(UnseenWait {
+            ctx: Arc::clone(self),
+            event,
+            stream,
+            made: self.generation(),
+            finish,
+        }));
     }
 
     /// The shared counter behind [`CudaContext::pending_waits`], for the host
@@ -816,108 +803,68 @@ impl fmt::Debug for ContextGuard {
     }
 }
 
-thread_local! {
-    /// Whether this thread is running a host function metrale queued (the
-    /// driver's thread, inside [`crate::CudaStream::launch_host_fn`]'s closure).
-    static IN_HOST_FUNCTION: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
+// The lifetime room's pieces the stream room still reaches through here.
+pub(crate) use crate::lifetime::{
+    drain as drain_dropped_later, in_host_function, HostFunctionScope,
+};
 
-/// Values a host function had to keep rather than drop (their Drop calls the
-/// driver, which a host function may not): see [`drop_later`].
-static DROP_LATER: Mutex<Vec<Box<dyn Send>>> = Mutex::new(Vec::new());
-/// Whether `DROP_LATER` may hold anything (one load on the draining paths).
-static DROP_LATER_ANY: AtomicBool = AtomicBool::new(false);
-
-/// Keep `value` until the next [`drain_dropped_later`]: what a host function
-/// does with the last handle to memory that queued work used (freeing it there
-/// is refused by the driver, and would leak it).
-pub(crate) fn drop_later(value: Box<dyn Send>) {
-    DROP_LATER
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .push(value);
-    DROP_LATER_ANY.store(true, Ordering::Release);
-}
-
-/// Count down the unseen waits that have passed (see
-/// `CudaContext::note_unseen_wait`): their event (or stream) is complete, or
-/// their context will run nothing more. One load while there is none; not
-/// inside a host function (no driver call there). Run where `pending_waits`
-/// is read and at each drain.
-pub(crate) fn triage_unseen_waits() {
-    if !UNSEEN_ANY.load(Ordering::Acquire) || in_host_function() {
-        return;
-    }
-    let passed: Vec<UnseenWait> = {
-        let mut list = UNSEEN_WAITS.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut passed = Vec::new();
-        let mut i = 0;
-        while i < list.len() {
-            let Some(w) = list.get(i) else { break };
-            let (ev, st) = (w.event, w.stream);
-            // The generation first, without binding: after a reset the handles
-            // are dangling (never given to the driver), and the reset ended
-            // the wait.
-            let done = match w.ctx.state(w.made) {
-                Ok(ReleaseState::Reset | ReleaseState::Gone) => true,
-                Err(_) => false,
-                Ok(ReleaseState::Live) => {
-                    let status = w.ctx.with(|d| {
-                        if ev.is_null() {
-                            // Never `cuStreamQuery` a capturing stream (it
-                            // invalidates the capture): the wait stays listed
-                            // while the stream is captured.
-                            let mut cs = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
-                            // SAFETY: a live stream (kept alive by the entry's
-                            // `finish`) of this, bound, context; writes the
-                            // status only (the other outputs are null).
-                            unsafe {
-                                cu!(
-                                    d,
-                                    cuStreamGetCaptureInfo_v3(
-                                        st,
-                                        &mut cs,
-                                        std::ptr::null_mut(),
-                                        std::ptr::null_mut(),
-                                        std::ptr::null_mut(),
-                                        std::ptr::null_mut(),
-                                        std::ptr::null_mut()
-                                    )
+impl Watched for UnseenWait {
+    fn passed(&mut self) -> bool {
+        let (ev, st) = (self.event, self.stream);
+        // The generation first, without binding: after a reset the handles are
+        // dangling (never given to the driver), and the reset ended the wait.
+        match self.ctx.state(self.made) {
+            Ok(ReleaseState::Reset | ReleaseState::Gone) => true,
+            Err(_) => false,
+            Ok(ReleaseState::Live) => {
+                let status = self.ctx.with(|d| {
+                    if ev.is_null() {
+                        // Never `cuStreamQuery` a capturing stream (it
+                        // invalidates the capture): the wait stays listed
+                        // while the stream is captured.
+                        let mut cs = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+                        // SAFETY: a live stream (kept alive by the entry's
+                        // `finish`) of this, bound, context; writes the
+                        // status only (the other outputs are null).
+                        unsafe {
+                            cu!(
+                                d,
+                                cuStreamGetCaptureInfo_v3(
+                                    st,
+                                    &mut cs,
+                                    std::ptr::null_mut(),
+                                    std::ptr::null_mut(),
+                                    std::ptr::null_mut(),
+                                    std::ptr::null_mut(),
+                                    std::ptr::null_mut()
                                 )
-                            }?;
-                            if cs != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-                                return Ok(false);
-                            }
-                            // SAFETY: as above, and not being captured; only
-                            // the status is read.
-                            unsafe { cu!(d, cuStreamQuery(st)) }.map(|()| true)
-                        } else {
-                            // SAFETY: a live event made for this entry; only the
-                            // status is read.
-                            unsafe { cu!(d, cuEventQuery(ev)) }.map(|()| true)
+                            )
+                        }?;
+                        if cs != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
+                            return Ok(false);
                         }
-                    });
-                    match status {
-                        Ok(done) => done,
-                        Err(CallError::Status { status, .. }) => {
-                            crate::stream::work_abandoned(status)
-                        }
-                        Err(_) => false,
+                        // SAFETY: as above, and not being captured; only the
+                        // status is read.
+                        unsafe { cu!(d, cuStreamQuery(st)) }.map(|()| true)
+                    } else {
+                        // SAFETY: a live event made for this entry; only the
+                        // status is read.
+                        unsafe { cu!(d, cuEventQuery(ev)) }.map(|()| true)
                     }
+                });
+                match status {
+                    Ok(done) => done,
+                    Err(CallError::Status { status, .. }) => work_abandoned(status),
+                    Err(_) => false,
                 }
-            };
-            if done {
-                passed.push(list.swap_remove(i));
-            } else {
-                i += 1;
             }
         }
-        UNSEEN_ANY.store(!list.is_empty(), Ordering::Release);
-        passed
-    };
-    // Outside the lock: destroying the events and the host functions' work
-    // (which drops a stream handle) call the driver.
-    for w in passed {
+    }
+
+    fn finish(self: Box<Self>) {
+        // Outside the list's lock: destroying the event and the host function's
+        // work (which drops a stream handle) call the driver.
+        let w = *self;
         if !w.event.is_null() {
             let ev = w.event;
             w.ctx.release_with(
@@ -936,59 +883,5 @@ pub(crate) fn triage_unseen_waits() {
         }
         // Counts the waits down; what it held goes to the drop-later list.
         (w.finish)();
-    }
-}
-
-/// Drop what host functions left in [`drop_later`], outside any host function.
-/// Called by [`CudaContext::synchronize`], [`CudaStream::synchronize`]
-/// (crate::CudaStream::synchronize) and [`MappedWords::new`](crate::MappedWords::new).
-pub(crate) fn drain_dropped_later() {
-    // Waits whose host function was refused hand their words on here once
-    // passed.
-    triage_unseen_waits();
-    if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
-        return;
-    }
-    let taken = {
-        let mut list = DROP_LATER.lock().unwrap_or_else(PoisonError::into_inner);
-        DROP_LATER_ANY.store(false, Ordering::Release);
-        std::mem::take(&mut *list)
-    };
-    // Dropped outside the lock: their Drop calls the driver.
-    drop(taken);
-    // Releases deferred behind pending waits may go now (those still blocked
-    // set the flag again).
-    crate::memory::retry_deferred_frees();
-}
-
-/// A free was deferred behind pending waits: the next drain retries it.
-pub(crate) fn note_deferred_free() {
-    DROP_LATER_ANY.store(true, Ordering::Release);
-}
-
-/// Whether the calling thread is inside a host function (one thread-local load).
-#[inline]
-pub(crate) fn in_host_function() -> bool {
-    IN_HOST_FUNCTION.with(std::cell::Cell::get)
-}
-
-/// Marks the thread as running a host function until dropped (also on unwind).
-pub(crate) struct HostFunctionScope {
-    was: bool,
-}
-
-impl HostFunctionScope {
-    /// Enter a host function on this thread.
-    pub(crate) fn enter() -> HostFunctionScope {
-        HostFunctionScope {
-            was: IN_HOST_FUNCTION.with(|c| c.replace(true)),
-        }
-    }
-}
-
-impl Drop for HostFunctionScope {
-    fn drop(&mut self) {
-        let was = self.was;
-        IN_HOST_FUNCTION.with(|c| c.set(was));
     }
 }

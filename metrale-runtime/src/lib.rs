@@ -84,6 +84,7 @@ pub mod green;
 pub mod guide;
 pub mod host;
 pub mod launch;
+mod lifetime;
 pub mod memory;
 pub mod module;
 #[cfg(feature = "nccl")]

@@ -131,7 +131,7 @@ impl From<sys::MissingSymbol> for CallError {
 /// [`CallError::InHostFunction`] without calling (one thread-local load).
 macro_rules! cu {
     ($driver:expr, $func:ident ( $($arg:expr),* $(,)? )) => {
-        if $crate::context::in_host_function() {
+        if $crate::lifetime::in_host_function() {
             // The driver forbids CUDA calls in host functions: refuse, never call.
             Err($crate::error::CallError::InHostFunction)
         } else {

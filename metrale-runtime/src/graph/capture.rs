@@ -98,7 +98,7 @@ impl CudaStream {
     /// The bookkeeping of a metrale capture that is over (the one with the
     /// driver's id `id` when known): done once per capture (an `end_capture`
     /// of a stream metrale is not capturing changes nothing). The caller runs
-    /// `retry_deferred_frees` afterwards, outside any lock.
+    /// `lifetime::retry_deferred` afterwards, outside any lock.
     /// Returns whether there was one, and the id noted when it began (0: not
     /// known).
     fn capture_over(&self, id: Option<u64>) -> Option<u64> {
@@ -176,7 +176,7 @@ impl CudaStream {
                     crate::stream::release_captured_host_fns(id);
                 }
                 if self.capture_over(id).is_some() {
-                    crate::memory::retry_deferred_frees();
+                    crate::lifetime::retry_deferred();
                 }
             }
             drop(ending);
@@ -207,7 +207,7 @@ impl CudaStream {
             ));
         }
         if over.is_some() {
-            crate::memory::retry_deferred_frees();
+            crate::lifetime::retry_deferred();
         }
         kept?;
         Ok(graph)

@@ -19,13 +19,14 @@
 //!   `ncclGroupEnd`, so the uses noted for it are not yet on the stream. The
 //!   fast path pays one atomic load for this.
 
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 
 use metrale_cuda_sys::CUdeviceptr;
 
 use super::Uses;
 use crate::context::{CudaContext, Generation};
 use crate::error::{cu, report_line};
+use crate::lifetime::{self, nccl_groups_open};
 use crate::stream::{CudaEvent, CudaStream};
 
 /// How an allocation was made, so how it is freed.
@@ -78,85 +79,6 @@ fn check_capture(
     }
 }
 
-/// Frees that waited for a capture (or an NCCL group) to end.
-static DEFERRED: Mutex<Vec<FreeJob>> = Mutex::new(Vec::new());
-
-/// Before a release that waits for the whole context (a virtual range's
-/// unmaps, an IPC close): wait out NCCL groups open on other threads, up to
-/// [`GROUP_WAIT`] (groups are short). What is still blocking afterwards (a group
-/// of this thread, which cannot end while it waits, or pending waits on mapped
-/// words) makes `vmm::wait_for_context` refuse, and the caller leaks with the
-/// reason on stderr.
-pub(crate) fn wait_out_nccl_groups() {
-    #[cfg(feature = "nccl")]
-    if nccl_groups_open() && !nccl_group_on_this_thread() {
-        let until = std::time::Instant::now() + GROUP_WAIT;
-        while nccl_groups_open() && std::time::Instant::now() < until {
-            std::thread::sleep(std::time::Duration::from_micros(50));
-        }
-    }
-}
-
-/// How long a release waits for NCCL groups open on other threads.
-#[cfg(feature = "nccl")]
-pub(crate) const GROUP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The outermost NCCL groups open in the process (`nccl::group`).
-#[cfg(feature = "nccl")]
-static NCCL_GROUPS_OPEN: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-#[cfg(feature = "nccl")]
-thread_local! {
-    /// Whether this thread has an NCCL group open.
-    static NCCL_GROUP_HERE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
-}
-
-/// Whether an NCCL group is open anywhere in the process: frees wait (one
-/// atomic load; always `false` without the `nccl` feature).
-#[inline]
-pub(crate) fn nccl_groups_open() -> bool {
-    #[cfg(feature = "nccl")]
-    {
-        NCCL_GROUPS_OPEN.load(std::sync::atomic::Ordering::Acquire) != 0
-    }
-    #[cfg(not(feature = "nccl"))]
-    {
-        false
-    }
-}
-
-/// Whether the calling thread has an NCCL group open.
-#[cfg(feature = "nccl")]
-pub(crate) fn nccl_group_on_this_thread() -> bool {
-    NCCL_GROUP_HERE.with(std::cell::Cell::get)
-}
-
-/// An outermost NCCL group of this thread, open until dropped: frees made
-/// meanwhile (on any thread) are deferred; the drop (also on unwind) retries
-/// them once no group is open. Made before the group's first call, dropped
-/// after its `ncclGroupEnd` (and the settling of what it launched).
-#[cfg(feature = "nccl")]
-pub(crate) struct NcclGroupOpen(());
-
-#[cfg(feature = "nccl")]
-impl NcclGroupOpen {
-    pub(crate) fn new() -> NcclGroupOpen {
-        NCCL_GROUPS_OPEN.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
-        NCCL_GROUP_HERE.with(|h| h.set(true));
-        NcclGroupOpen(())
-    }
-}
-
-#[cfg(feature = "nccl")]
-impl Drop for NcclGroupOpen {
-    fn drop(&mut self) {
-        NCCL_GROUP_HERE.with(|h| h.set(false));
-        if NCCL_GROUPS_OPEN.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
-            retry_deferred();
-        }
-    }
-}
-
 impl FreeJob {
     fn what(&self) -> String {
         let kind = match (self.kind, self.uses.own.is_some()) {
@@ -175,15 +97,8 @@ impl FreeJob {
     /// group is open.
     pub(crate) fn release(self) {
         if let Some(job) = self.try_free() {
-            DEFERRED
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .push(job);
-            // The capture or group may have ended (and retried the list)
-            // meanwhile.
-            if !crate::stream::captures_in_progress() && !nccl_groups_open() {
-                retry_deferred();
-            }
+            // Retried at once when the capture or group ended meanwhile.
+            crate::lifetime::defer(Box::new(job));
         }
     }
 
@@ -300,7 +215,7 @@ impl FreeJob {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the
             // next drain retries it).
-            crate::context::note_deferred_free();
+            crate::lifetime::retry_at_next_drain();
             return Some(self);
         }
         if crate::stream::capturing_on_this_thread() {
@@ -318,7 +233,7 @@ impl FreeJob {
             }
             drop(f_section);
             if let Err(e) = f.synchronize() {
-                let abandoned = e.status().is_some_and(crate::stream::work_abandoned);
+                let abandoned = e.status().is_some_and(crate::lifetime::work_abandoned);
                 if !abandoned {
                     report_line(format_args!("{what}: leaked, a stream of another device that used it could not be waited for: {e}"));
                     return None;
@@ -419,40 +334,19 @@ impl<F: Fn() -> String> std::fmt::Display for Lazy<'_, F> {
     }
 }
 
-/// Retry the frees that waited for a capture, an NCCL group or pending waits on
-/// mapped words (called when a capture or group ends, and at each drain of the
-/// drop-later list: a stream's or context's synchronize, `MappedWords::new`).
-pub(crate) fn retry_deferred() {
-    if crate::context::in_host_function() {
-        return;
+impl lifetime::Deferred for FreeJob {
+    fn retry(self: Box<Self>) -> Option<Box<dyn lifetime::Deferred>> {
+        self.try_free()
+            .map(|job| Box::new(job) as Box<dyn lifetime::Deferred>)
     }
-    // A capture or group that ended while jobs were taken out found the list
-    // empty: take another turn then (a few, so a job that keeps waiting for
-    // pending waits cannot spin here).
-    for _ in 0..3 {
-        let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
-        if jobs.is_empty() {
-            return;
-        }
-        let still: Vec<FreeJob> = jobs.into_iter().filter_map(FreeJob::try_free).collect();
-        if still.is_empty() {
-            return;
-        }
-        DEFERRED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(still);
-        if crate::stream::captures_in_progress() || nccl_groups_open() {
-            return;
-        }
+
+    fn still_blocked(&self) -> bool {
+        crate::stream::captures_in_progress() || nccl_groups_open()
     }
 }
 
 /// How many frees are waiting for a capture or an NCCL group to end (for tests
 /// and diagnostics).
 pub fn deferred_frees() -> usize {
-    DEFERRED
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .len()
+    crate::lifetime::deferred_count()
 }

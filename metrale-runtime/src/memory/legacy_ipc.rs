@@ -446,7 +446,7 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
         // Closing does not wait for queued work: wait for every use first (an
         // NCCL group open on another thread is waited out; what still blocks the
         // wait leaks the buffer).
-        super::free::wait_out_nccl_groups();
+        crate::lifetime::wait_out_nccl_groups();
         if let Err(e) = super::vmm::wait_for_context(&self.ctx, Some(&self.uses)) {
             report_line(format_args!(
                 "{what}: leaked (left open), its uses could not be waited for: {e}"

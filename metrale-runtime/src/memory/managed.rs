@@ -123,7 +123,7 @@ impl<T: DevicePod> ManagedBuffer<T> {
     /// while an NCCL group is open; the synchronisation's failure (an earlier
     /// kernel's fault), or a stream that used the buffer being captured.
     pub fn host_slice(&mut self) -> Result<&mut [T]> {
-        if super::free::nccl_groups_open() {
+        if crate::lifetime::nccl_groups_open() {
             return Err(self.refused_in_group());
         }
         if !self.ctx.limits().concurrent_managed_access {
@@ -159,7 +159,7 @@ impl<T: DevicePod> ManagedBuffer<T> {
     #[cold]
     fn refused_in_group(&self) -> crate::error::MetraleError {
         #[cfg(feature = "nccl")]
-        let whose = if super::free::nccl_group_on_this_thread() {
+        let whose = if crate::lifetime::nccl_group_on_this_thread() {
             "this thread is inside `nccl::group`"
         } else {
             "another thread is inside `nccl::group`"

@@ -61,9 +61,6 @@ mod vmm;
 
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
-pub(crate) use free::retry_deferred as retry_deferred_frees;
-#[cfg(feature = "nccl")]
-pub(crate) use free::NcclGroupOpen;
 pub use growable::{GrowableBuffer, SleepError, SleepState, SleepingBuffer, WakeError};
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};

@@ -41,8 +41,9 @@ use std::sync::Arc;
 use metrale_cuda_sys::{self as sys, CUdeviceptr, CUstream};
 
 use super::{note_use, DeviceMemory, DeviceMemoryMut, PinnedBuffer};
-use crate::context::{device_attribute, drain_dropped_later, drop_later, AsContext, CudaContext};
+use crate::context::{device_attribute, AsContext, CudaContext};
 use crate::error::{cu, invalid_arg, report_line, CallError, ErrorKind, Result};
+use crate::lifetime::{drain as drain_dropped_later, drop_later};
 use crate::stream::CudaStream;
 
 /// What a stream wait compares the word with (`CU_STREAM_WAIT_VALUE_*`).

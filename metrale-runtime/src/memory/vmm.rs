@@ -659,14 +659,14 @@ pub(super) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result
         ));
     }
     let waiting = "waiting for the work that uses the memory";
-    if super::free::nccl_groups_open() {
+    if crate::lifetime::nccl_groups_open() {
         return Err(invalid_arg(format!(
             "{waiting}: an NCCL group is open, whose collectives reach their streams only \
              when it ends (retry after the group)"
         )));
     }
     ctx.refuse_with_pending_waits(&waiting)?;
-    let abandoned = |e: &MetraleError| e.status().is_some_and(crate::stream::work_abandoned);
+    let abandoned = |e: &MetraleError| e.status().is_some_and(crate::lifetime::work_abandoned);
     if let Some(uses) = uses {
         if uses.any_foreign.load(std::sync::atomic::Ordering::Acquire) {
             let foreign = uses
@@ -776,7 +776,7 @@ impl VirtualRange {
             // An open NCCL group's collectives are not on their streams yet:
             // another thread's group is waited out; what still blocks the wait
             // (this thread's group, pending mapped waits) leaks it below.
-            super::free::wait_out_nccl_groups();
+            crate::lifetime::wait_out_nccl_groups();
             if let Err(e) = self.wait_for_uses(uses).and_then(|()| self.unmap_all()) {
                 report_line(format_args!(
                     "{what}: leaked, {} mapping(s) could not be unmapped: {e}",

@@ -255,7 +255,7 @@ impl Communicator {
             ));
             return;
         }
-        if crate::context::in_host_function() {
+        if crate::lifetime::in_host_function() {
             crate::error::report_line(format_args!(
                 "NCCL communicator ({}): abort skipped inside a host function (where NCCL \
                  may not be called); abort it after the host function",
@@ -317,7 +317,7 @@ impl Communicator {
     /// a group left in progress.
     #[inline]
     pub(crate) fn enter(&self, call: &'static str) -> Result<()> {
-        if crate::context::in_host_function() {
+        if crate::lifetime::in_host_function() {
             return Err(self.in_host_function(call));
         }
         if self.aborted.get() {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use metrale_cuda_sys::nccl::ncclResult_t;
 
 use crate::error::Result;
-use crate::memory::NcclGroupOpen;
+use crate::lifetime::NcclGroupOpen;
 
 use super::comm::Communicator;
 use super::error::{call_error, missing};
@@ -75,7 +75,7 @@ use super::state::{self, in_group, is_listed};
 /// first asynchronous error or timeout among the listed communicators (every
 /// one is polled; each that failed is aborted).
 pub fn group<R>(comms: &[&Communicator], f: impl FnOnce() -> Result<R>) -> Result<R> {
-    if crate::context::in_host_function() {
+    if crate::lifetime::in_host_function() {
         return Err(crate::error::CallError::InHostFunction.about("ncclGroupStart (nccl::group)"));
     }
     if let Some(c) = comms.iter().find(|c| !c.usable_here()) {

@@ -135,7 +135,7 @@ impl NcclId {
     /// ([`ErrorKind::InHostFunction`](crate::ErrorKind::InHostFunction)); the
     /// library could not be loaded, or the call failed.
     pub fn new() -> Result<NcclId> {
-        if crate::context::in_host_function() {
+        if crate::lifetime::in_host_function() {
             // The driver forbids CUDA calls there, and NCCL may make them.
             return Err(
                 crate::error::CallError::InHostFunction.about("ncclGetUniqueId (NcclId::new)")

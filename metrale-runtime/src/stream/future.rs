@@ -168,7 +168,7 @@ impl Future for StreamDone {
             }
             .about(this.stream.subject("done (the work it waited for failed)"))));
         }
-        if crate::context::in_host_function() {
+        if crate::lifetime::in_host_function() {
             // Polled from a waker that runs the task inline, on the driver's
             // thread: no CUDA call there; the callback's status is the answer.
             return Poll::Ready(Ok(()));
@@ -245,7 +245,7 @@ impl Future for EventDone<'_> {
                 this.event.raw
             ))));
         }
-        if crate::context::in_host_function() {
+        if crate::lifetime::in_host_function() {
             // As for `StreamDone`: no CUDA call on the driver's thread.
             return Poll::Ready(Ok(()));
         }

@@ -1,0 +1,192 @@
+//! The lists of what waits: values a host function could not drop, waits whose
+//! passing nobody saw yet, and releases deferred until a capture, an NCCL group
+//! or a pending wait is over; and [`drain`], the one place they are worked off.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+
+use super::gate::in_host_function;
+
+/// A release that had to wait (a capture or an NCCL group was in the way, or a
+/// pending wait): retried by [`retry_deferred`] until it is done.
+pub(crate) trait Deferred: Send {
+    /// Release now, or hand the job back when it must still wait.
+    fn retry(self: Box<Self>) -> Option<Box<dyn Deferred>>;
+    /// Whether what this job waits for may still be going (a capture in
+    /// progress, an NCCL group open): another turn now would only hand it back.
+    fn still_blocked(&self) -> bool;
+}
+
+/// Something queued work may still touch, retired until that work is known to
+/// have passed: polled by [`triage`], then finished (outside the list's lock).
+pub(crate) trait Watched: Send {
+    /// Whether the work it waits for has passed (or will never run). Called with
+    /// the list's lock held, never inside a host function.
+    fn passed(&mut self) -> bool;
+    /// The release, once passed.
+    fn finish(self: Box<Self>);
+}
+
+/// Values a host function had to keep rather than drop (their Drop calls the
+/// driver, which a host function may not): see [`drop_later`].
+static DROP_LATER: Mutex<Vec<Box<dyn Send>>> = Mutex::new(Vec::new());
+/// Whether `DROP_LATER` may hold anything, or a deferred release waits for the
+/// next drain (one load on the draining paths).
+static DROP_LATER_ANY: AtomicBool = AtomicBool::new(false);
+
+/// Retired things waiting for their work to pass (see [`watch`]).
+static WATCHED: Mutex<Vec<Box<dyn Watched>>> = Mutex::new(Vec::new());
+/// Whether `WATCHED` may hold anything (one load on the paths that triage).
+static WATCHED_ANY: AtomicBool = AtomicBool::new(false);
+
+/// Releases that waited for a capture, an NCCL group or pending waits.
+static DEFERRED: Mutex<Vec<Box<dyn Deferred>>> = Mutex::new(Vec::new());
+
+/// Keep `value` until the next [`drain`]: what a host function does with the
+/// last handle to memory that queued work used (freeing it there is refused by
+/// the driver, and would leak it).
+pub(crate) fn drop_later(value: Box<dyn Send>) {
+    DROP_LATER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(value);
+    DROP_LATER_ANY.store(true, Ordering::Release);
+}
+
+/// Watch `item` until its work passes; [`triage`] finishes it then.
+pub(crate) fn watch(item: Box<dyn Watched>) {
+    WATCHED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(item);
+    WATCHED_ANY.store(true, Ordering::Release);
+}
+
+/// Finish what [`watch`] holds whose work has passed. One load while there is
+/// none; nothing inside a host function (no driver call there).
+pub(crate) fn triage() {
+    if !WATCHED_ANY.load(Ordering::Acquire) || in_host_function() {
+        return;
+    }
+    let passed: Vec<Box<dyn Watched>> = {
+        let mut list = WATCHED.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut passed = Vec::new();
+        let mut i = 0;
+        while i < list.len() {
+            let Some(w) = list.get_mut(i) else { break };
+            if w.passed() {
+                passed.push(list.swap_remove(i));
+            } else {
+                i += 1;
+            }
+        }
+        WATCHED_ANY.store(!list.is_empty(), Ordering::Release);
+        passed
+    };
+    // Outside the lock: finishing calls the driver and may watch again.
+    for w in passed {
+        w.finish();
+    }
+}
+
+/// Work off the lists, outside any host function: triage what is watched, drop
+/// what host functions left in [`drop_later`], then retry deferred releases.
+/// Called by [`CudaContext::synchronize`](crate::CudaContext::synchronize),
+/// [`CudaStream::synchronize`](crate::CudaStream::synchronize) and
+/// [`MappedWords::new`](crate::MappedWords::new).
+pub(crate) fn drain() {
+    triage();
+    if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
+        return;
+    }
+    let taken = {
+        let mut list = DROP_LATER.lock().unwrap_or_else(PoisonError::into_inner);
+        DROP_LATER_ANY.store(false, Ordering::Release);
+        std::mem::take(&mut *list)
+    };
+    // Dropped outside the lock: their Drop calls the driver.
+    drop(taken);
+    // Releases deferred behind pending waits may go now (those still blocked
+    // set the flag again).
+    retry_deferred();
+}
+
+/// A release was deferred behind pending waits: the next [`drain`] retries it.
+pub(crate) fn retry_at_next_drain() {
+    DROP_LATER_ANY.store(true, Ordering::Release);
+}
+
+/// Defer `job`, and retry at once when nothing it waits for is going any more
+/// (it may have ended, and retried the list, meanwhile).
+pub(crate) fn defer(job: Box<dyn Deferred>) {
+    let blocked = {
+        let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
+        list.push(job);
+        // Read after the push: what ended before it retried a list without it.
+        list.last().is_some_and(|j| j.still_blocked())
+    };
+    if !blocked {
+        retry_deferred();
+    }
+}
+
+/// Retry the deferred releases (called when a capture or group ends, and at each
+/// [`drain`]).
+pub(crate) fn retry_deferred() {
+    if in_host_function() {
+        return;
+    }
+    // A capture or group that ended while jobs were taken out found the list
+    // empty: take another turn then (a few, so a job that keeps waiting for
+    // pending waits cannot spin here).
+    for _ in 0..3 {
+        let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
+        if jobs.is_empty() {
+            return;
+        }
+        let still: Vec<Box<dyn Deferred>> = jobs.into_iter().filter_map(|j| j.retry()).collect();
+        if still.is_empty() {
+            return;
+        }
+        let blocked = still.iter().any(|j| j.still_blocked());
+        DEFERRED
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .extend(still);
+        if blocked {
+            return;
+        }
+    }
+}
+
+/// How many releases are deferred (for tests and diagnostics).
+pub(crate) fn deferred_count() -> usize {
+    DEFERRED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .len()
+}
+
+/// An outermost NCCL group of this thread, open until dropped: frees made
+/// meanwhile (on any thread) are deferred; the drop (also on unwind) retries
+/// them once no group is open. Made before the group's first call, dropped
+/// after its `ncclGroupEnd` (and the settling of what it launched).
+#[cfg(feature = "nccl")]
+pub(crate) struct NcclGroupOpen(());
+
+#[cfg(feature = "nccl")]
+impl NcclGroupOpen {
+    pub(crate) fn new() -> NcclGroupOpen {
+        super::gate::nccl_group_opened();
+        NcclGroupOpen(())
+    }
+}
+
+#[cfg(feature = "nccl")]
+impl Drop for NcclGroupOpen {
+    fn drop(&mut self) {
+        if super::gate::nccl_group_closed() {
+            retry_deferred();
+        }
+    }
+}
