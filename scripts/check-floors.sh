@@ -287,9 +287,15 @@ def add(rel, ap, text):
         return
     edges.setdefault((rel, to), set()).add(text)
 
+masked_code = {rel: USE_RE.sub(lambda m: " " * len(m.group(0)), code) for rel, code in files.items()}
 for rel, scope, ap, text, is_pub in uses:
     if is_pub:
-        continue  # a re-export is a passage; uses of it resolve through it
+        # A re-export is a passage (uses of it resolve through it), unless the
+        # file itself also uses the name it re-exports.
+        name = ap[-1] if ap and ap[-1] != "*" else None
+        body = re.sub(r"\bmod\s+\w+", " ", masked_code[rel])
+        if not name or not re.search(r"(?<![\w:])" + re.escape(name) + r"\b", body):
+            continue
     add(rel, ap, text)
 
 INLINE_RE = re.compile(r"(?<![\w:])((?:\$crate|crate|super|self|\w+)(?:\s*::\s*(?:\w+|<))+)")
@@ -298,8 +304,7 @@ for rel, code in files.items():
         continue
     spans = inline_modules(code)
     children = child_mods(rel)
-    masked = USE_RE.sub(lambda m: " " * len(m.group(0)), code)
-    for m in INLINE_RE.finditer(masked):
+    for m in INLINE_RE.finditer(masked_code[rel]):
         segs = [s.strip() for s in m.group(1).split("::")]
         segs = [s for s in segs if s and s != "<"]
         if not segs or segs[0] not in ("crate", "$crate", "super", "self") and segs[0] not in children:
