@@ -4,9 +4,10 @@
 use std::fmt;
 use std::sync::{Arc, PoisonError};
 
-use metrale_cuda_sys::{self as sys, CUgraphExec, CUgraphNode};
+use metrale_cuda_sys::{self as sys, CUgraph, CUgraphExec, CUgraphNode};
 
-use super::{driver_function_name, node_params, CudaGraph, GraphNodeKind, KernelNode};
+use super::node::{driver_function_name, node_params, GraphNodeKind, KernelNode};
+use super::CudaGraph;
 use crate::context::{CudaContext, Generation};
 use crate::error::{cu, invalid_arg, CallError, ErrorKind, Result};
 use crate::function::{name_of, CudaFunction, KernelTable};
@@ -26,6 +27,54 @@ pub struct InstantiateOptions {
     /// Run kernels with the priorities set on their nodes instead of the stream's
     /// (`CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY`).
     pub use_node_priority: bool,
+}
+
+impl CudaGraph {
+    /// Instantiate the graph as an executable graph with the default options.
+    ///
+    /// # Errors
+    /// As [`CudaGraph::instantiate_with`].
+    pub fn instantiate(&self) -> Result<CudaGraphExec> {
+        self.instantiate_with(InstantiateOptions::default())
+    }
+
+    /// Instantiate the graph as an executable graph (`cuGraphInstantiateWithFlags`).
+    ///
+    /// # Errors
+    /// The driver's status (`CUDA_ERROR_INVALID_VALUE` for flags the device or
+    /// driver does not support).
+    pub fn instantiate_with(&self, options: InstantiateOptions) -> Result<CudaGraphExec> {
+        use sys::CUgraphInstantiate_flags as F;
+        let mut flags = 0u64;
+        if options.auto_free_on_launch {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH.0);
+        }
+        if options.device_launch {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_DEVICE_LAUNCH.0);
+        }
+        if options.use_node_priority {
+            flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0);
+        }
+        let (g, mut raw): (CUgraph, CUgraphExec) = (self.raw, std::ptr::null_mut());
+        self.call("instantiate", |d| {
+            // SAFETY: writes one executable graph handle for a live graph.
+            unsafe { cu!(d, cuGraphInstantiateWithFlags(&mut raw, g, flags)) }
+        })?;
+        let keep = self
+            .keep
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        Ok(CudaGraphExec {
+            raw,
+            made: self.ctx.generation(),
+            ctx: Arc::clone(&self.ctx),
+            source: self.id,
+            source_alive: Arc::downgrade(&self.alive),
+            keep,
+            host_fns: Arc::new(self.host_fns.clone()),
+        })
+    }
 }
 
 impl InstantiateOptions {
@@ -270,7 +319,7 @@ impl CudaGraphExec {
             )));
         }
         self.ctx.bind()?;
-        super::refuse_attributes(&cfg, f.name())?;
+        super::node::refuse_attributes(&cfg, f.name())?;
         prepare(&self.ctx, f.info(), &cfg, Some(args.layout()))?;
         let (e, n) = (self.raw, node.node.raw);
         args.with_params(|p| {
