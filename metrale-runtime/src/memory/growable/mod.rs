@@ -5,6 +5,9 @@
 //! read-write access for the buffer's device; a sleeping buffer has no address
 //! to pass and no slices; a failed sleep or wake hands back the buffer as it
 //! really is (awake, or asleep and possibly partly mapped).
+//!
+//! `mod.rs` owns the buffer, its states and growing; `sleep.rs` putting it to
+//! sleep; `wake.rs` waking it.
 
 use std::fmt;
 use std::ops::RangeBounds;
