@@ -3,7 +3,7 @@
 //! the toolkit note. Called only on a blob that `metrale_runtime::blob::check`
 //! accepted, so every section lies inside it; reads still go through `get`.
 
-use super::{Kernel, Param};
+use super::kernel::{Kernel, Param};
 
 /// A cubin's architecture, toolkit and kernels.
 #[derive(Debug, Default)]

@@ -3,7 +3,7 @@
 //! aligned to its alignment: `.align N` when given, else its size) and its
 //! launch-bound directives.
 
-use super::{Kernel, Param};
+use super::kernel::{Kernel, Param};
 
 /// A PTX module's header and kernels.
 #[derive(Debug, Default)]
