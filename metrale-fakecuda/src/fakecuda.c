@@ -1921,7 +1921,13 @@ static CUresult do_free_host(void *p) {
     NEED_CTX();
     struct handle *h = find(p, K_HOSTMEM);
     if (!h) return INVALID_VALUE;
+    /* The driver's cuMemFreeHost waits for the context's work, as
+     * cuCtxSynchronize does (a stream blocked on an unmet wait blocks it). */
     run_all_pending(current->dev);
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && handles[i].dev == current->dev)
+            drain(handles[i].p);
+    drain(&legacy_stream);
     untrack(h);
     host_free(p);
     return SUCCESS;
