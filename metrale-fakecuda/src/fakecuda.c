@@ -1907,6 +1907,47 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     LOCKED(do_mem_info(free_bytes, total));
 }
 
+/* The device allocation containing `a` (a linear scan: tests only). */
+static struct handle *containing(CUdeviceptr a) {
+    if (!a) return NULL;
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        if (h->kind != K_DEVMEM) continue;
+        CUdeviceptr base = (CUdeviceptr)(uintptr_t)h->p;
+        if (base <= a && a < base + h->bytes) return h;
+    }
+    return NULL;
+}
+
+/* cuPointerGetAttribute: the memory type (2, device) and device ordinal (9) of
+ * device allocations; anything else is not memory the stand-in knows. */
+static CUresult do_pointer_attr(void *data, int attr, CUdeviceptr p) {
+    NEED_INIT();
+    if (!data) return INVALID_VALUE;
+    struct handle *h = containing(p);
+    if (!h) return INVALID_VALUE;
+    switch (attr) {
+    case 2: *(unsigned *)data = 2; return SUCCESS;
+    case 9: *(int *)data = h->dev; return SUCCESS;
+    default: return NOT_SUPPORTED;
+    }
+}
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    LOCKED(do_pointer_attr(data, attr, p));
+}
+
+static CUresult do_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    NEED_CTX();
+    struct handle *h = containing(p);
+    if (!h) return NOT_FOUND;
+    if (base) *base = (CUdeviceptr)(uintptr_t)h->p;
+    if (size) *size = h->bytes;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    LOCKED(do_address_range(base, size, p));
+}
+
 static CUresult do_alloc_host(void **p, size_t bytes) {
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;

@@ -15,6 +15,8 @@ mod args;
 mod common;
 #[path = "fault/errors.rs"]
 mod errors;
+#[path = "fault/foreign.rs"]
+mod foreign;
 #[path = "fault/futures.rs"]
 mod futures;
 #[path = "fault/graph.rs"]
@@ -67,6 +69,7 @@ fn main() -> ExitCode {
         futures::tests(),
         signals::tests(),
         memory::tests(),
+        foreign::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),

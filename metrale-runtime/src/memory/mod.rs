@@ -46,6 +46,7 @@ use crate::stream::CudaStream;
 
 mod copy;
 mod device;
+mod foreign;
 mod free;
 mod growable;
 #[cfg(unix)]
