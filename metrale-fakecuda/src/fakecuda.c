@@ -2407,6 +2407,50 @@ EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void 
     LOCKED(do_dtoh(dst, src, n, stream));
 }
 
+#ifndef FAKECUDA_OLD
+/* cuMemcpyBatchAsync_v2 (CUDA 12.8+; absent from the old build): each pair in
+ * order, device ends checked, a device-to-host write left pending as
+ * cuMemcpyDtoHAsync's is. The legacy stream is refused, as the driver does;
+ * the attributes must start at index 0 and name a source access order. */
+struct batch_attrs { int order; int src_type, src_id, dst_type, dst_id; unsigned flags; };
+static CUresult do_copy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                         struct batch_attrs *attrs, size_t *idxs, size_t nattrs, void *stream) {
+    NEED_CTX();
+    if (!stream) return INVALID_VALUE;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (!count || !dsts || !srcs || !sizes || !attrs || !idxs || !nattrs) return INVALID_VALUE;
+    if (idxs[0] != 0) return INVALID_VALUE;
+    for (size_t a = 0; a < nattrs; a++) {
+        if (attrs[a].order == 0) return INVALID_VALUE;
+        if (a && idxs[a] <= idxs[a - 1]) return INVALID_VALUE;
+        if (idxs[a] >= count) return INVALID_VALUE;
+    }
+    for (size_t i = 0; i < count; i++) {
+        if (!sizes[i] || !dsts[i] || !srcs[i]) return INVALID_VALUE;
+        int dd = device_range_ok(dsts[i], sizes[i]), sd = device_range_ok(srcs[i], sizes[i]);
+        if ((containing(dsts[i]) && !dd) || (containing(srcs[i]) && !sd)) return INVALID_VALUE;
+    }
+    struct stream *st = stream;
+    for (size_t i = 0; i < count; i++) {
+        void *to = (void *)(uintptr_t)dsts[i];
+        const void *from = (const void *)(uintptr_t)srcs[i];
+        if (!device_range_ok(dsts[i], sizes[i]) && st->npending < MAX_PENDING) {
+            st->pending[st->npending++] = (struct op){to, from, sizes[i]};
+            continue;
+        }
+        memmove(to, from, sizes[i]);
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                                      size_t count, void *attrs, size_t *idxs, size_t nattrs,
+                                      void *stream) {
+    LOCKED(do_copy_batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream));
+}
+#endif
+
 static CUresult do_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
     NEED_CTX();
     CUresult r = stream_ok(stream);

@@ -11,6 +11,8 @@ mod harness;
 
 #[path = "fault/args.rs"]
 mod args;
+#[path = "fault/batch.rs"]
+mod batch;
 #[path = "fault/common.rs"]
 mod common;
 #[path = "fault/errors.rs"]
@@ -70,6 +72,7 @@ fn main() -> ExitCode {
         signals::tests(),
         memory::tests(),
         foreign::tests(),
+        batch::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),
@@ -103,6 +106,7 @@ fn main() -> ExitCode {
             .chain(vmm::children())
             .chain(round4::children())
             .chain(review2::children())
+            .chain(batch::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
