@@ -129,8 +129,8 @@ pub use launch::{
     TensorMap, TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
-    deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,
-    DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
+    deferred_frees, granularity, Access, BatchCopy, DeviceBuffer, DeviceMemory, DeviceMemoryMut,
+    DevicePod, DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
     HandleTypes, ManagedBuffer, MappedWords, MemOp, MemPool, PendingCopy, PhysicalMemory,
     PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
     VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags, MAX_BATCH_MEM_OPS,

@@ -11,10 +11,14 @@ mod harness;
 
 #[path = "fault/args.rs"]
 mod args;
+#[path = "fault/batch.rs"]
+mod batch;
 #[path = "fault/common.rs"]
 mod common;
 #[path = "fault/errors.rs"]
 mod errors;
+#[path = "fault/foreign.rs"]
+mod foreign;
 #[path = "fault/futures.rs"]
 mod futures;
 #[path = "fault/graph.rs"]
@@ -67,6 +71,8 @@ fn main() -> ExitCode {
         futures::tests(),
         signals::tests(),
         memory::tests(),
+        foreign::tests(),
+        batch::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),
@@ -100,6 +106,7 @@ fn main() -> ExitCode {
             .chain(vmm::children())
             .chain(round4::children())
             .chain(review2::children())
+            .chain(batch::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

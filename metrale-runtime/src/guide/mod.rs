@@ -17,6 +17,7 @@
 //! | [`virtual_memory`] | growable buffers, sleep and wake, sharing memory between processes, legacy IPC |
 //! | [`asynchronous`] | host functions, futures, GPU-side signals |
 //! | [`tensor_maps`] | Hopper tensor maps (TMA) and green contexts |
+//! | [`interop`] | foreign memory, run-time argument lists, other libraries' streams, `metrale doctor` |
 //! | [`errors`] | what an error says, blob checks, what Drop does |
 //! | [`registry_api`] | coming from the registry API: what changed and why |
 //! | [`environment`] | the environment variables metrale reads |
@@ -50,6 +51,7 @@
 //! | virtual memory: growable buffers, sleep and wake | `GrowableBuffer::new(s, cap)?.grow_to(n)`, `buf.sleep(s)`, `VirtualRange::reserve`, `PhysicalMemory::new` | 10.2+ and the device's VMM support |
 //! | sharing memory between processes (Linux) | `PhysicalMemory::export_fd`, `import_fd`, `send` / `receive` over a `UnixStream` | 10.2+, POSIX descriptors |
 //! | host functions, futures, GPU-side signals | `stream.launch_host_fn(..)`, `stream.done().await`, `stream.wait_value32(..)` | any (64-bit signals: the device's support) |
+//! | foreign device memory (another library's pointer) | `unsafe { DeviceSliceMut::from_raw_mut(&h, ptr, len)? }` | any (checked with `cuPointerGetAttribute`, `cuMemGetAddressRange`) |
 //! | tensor maps (TMA) | `TensorMap::tiled(&buf)..encode()`, `TensorMapLayout::encode(&mem)` | 12.0+, compute capability 9.0 |
 //! | green contexts | `SmResource::of_device(ctx)?.split_by_count(..)`, `GreenContext::new`, `CudaStream::on_green_context` | 12.4+ |
 //! | run-time compilation | feature `nvrtc`: `Program`, `CompileCache`, `Linker` | NVRTC and nvJitLink 12 or 13 |
@@ -137,6 +139,9 @@ pub mod virtual_memory {}
 
 #[doc = include_str!("asynchronous.md")]
 pub mod asynchronous {}
+
+#[doc = include_str!("interop.md")]
+pub mod interop {}
 
 #[doc = include_str!("tensor_maps.md")]
 pub mod tensor_maps {}

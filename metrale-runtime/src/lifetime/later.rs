@@ -130,6 +130,16 @@ pub(crate) fn defer(job: Box<dyn Deferred>) {
     }
 }
 
+/// Defer `job` to the next [`drain`], without a turn now (what blocks it, a
+/// pending wait or this thread's state, is not over yet).
+pub(crate) fn defer_until_drain(job: Box<dyn Deferred>) {
+    DEFERRED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(job);
+    retry_at_next_drain();
+}
+
 /// Retry the deferred releases (called when a capture or group ends, and at each
 /// [`drain`]).
 pub(crate) fn retry_deferred() {

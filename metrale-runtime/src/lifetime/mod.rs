@@ -96,6 +96,6 @@ pub(crate) use gate::{
 #[cfg(feature = "nccl")]
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
-    defer, deferred_count, drain, drop_later, retry_at_next_drain, retry_deferred, triage, watch,
-    Deferred, Watched,
+    defer, defer_until_drain, deferred_count, drain, drop_later, retry_at_next_drain,
+    retry_deferred, triage, watch, Deferred, Watched,
 };

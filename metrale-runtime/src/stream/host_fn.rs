@@ -463,8 +463,18 @@ impl CudaStream {
             None
         };
         let Some(capture) = capture else {
+            // Not capturing: queued once, inside this section, so no capture
+            // begins between the answer and the driver's call (a capture's
+            // start waits for the section), and no graph can take a run-once
+            // closure from this repeatable one.
+            let queued = self.launch_host_fn_in(&section, move || f());
             drop(section);
-            return self.launch_host_fn(move || f());
+            // A refused closure drops after the section: its captures may
+            // queue stream work.
+            return queued.map_err(|(e, f)| {
+                drop(f);
+                e
+            });
         };
         let keep: HostKeep = Arc::new(f);
         let data = Arc::as_ptr(&keep).cast_mut().cast::<c_void>();
