@@ -168,14 +168,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceSlice<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSlice {
-            ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
-            ctx: self.ctx(),
-            uses: Some(&self.uses),
-            _elem: PhantomData,
-        })
+        DeviceSlice::of_range(self.ptr, self.len, &range, self.ctx(), Some(&self.uses))
     }
 
     /// A mutable view of `range`.
@@ -183,14 +176,7 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSliceMut {
-            ptr: self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
-            ctx: self.ctx(),
-            uses: Some(&self.uses),
-            _elem: PhantomData,
-        })
+        DeviceSliceMut::of_range(self.ptr, self.len, &range, self.ctx(), Some(&self.uses))
     }
 
     /// Shared views of consecutive `size`-element chunks (the last may be
@@ -342,6 +328,20 @@ macro_rules! slice_type {
                 uses: Option<&'a Uses>,
             ) -> Self {
                 $name { ptr, len, ctx, uses, _elem: PhantomData }
+            }
+
+            /// The view of `range` of `whole` elements at `ptr` (see
+            /// [`from_parts`](Self::from_parts)): every slice method's body.
+            pub(crate) fn of_range(
+                ptr: CUdeviceptr,
+                whole: usize,
+                range: &impl RangeBounds<usize>,
+                ctx: &'a Arc<CudaContext>,
+                uses: Option<&'a Uses>,
+            ) -> Result<Self> {
+                let (start, len) = bounds(range, whole)?;
+                let ptr = ptr + (start * std::mem::size_of::<T>()) as u64;
+                Ok($name::from_parts(ptr, len, ctx, uses))
             }
         }
 

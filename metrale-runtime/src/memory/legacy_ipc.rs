@@ -32,7 +32,6 @@ use metrale_cuda_sys::{
     CUmemAllocationHandleType, CUmemPoolPtrExportData, CUmemoryPool,
 };
 
-use super::device::bounds;
 use super::{
     byte_len, sealed, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DeviceRepr, DeviceSlice,
     DeviceSliceMut, MemPool, Uses,
@@ -399,13 +398,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceSlice<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSlice::from_parts(
-            self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
-            &self.ctx,
-            Some(&self.uses),
-        ))
+        DeviceSlice::of_range(self.ptr, self.len, &range, &self.ctx, Some(&self.uses))
     }
 
     /// A mutable view of `range`.
@@ -413,13 +406,7 @@ impl<T: DeviceRepr> IpcBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSliceMut::from_parts(
-            self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
-            &self.ctx,
-            Some(&self.uses),
-        ))
+        DeviceSliceMut::of_range(self.ptr, self.len, &range, &self.ctx, Some(&self.uses))
     }
 }
 

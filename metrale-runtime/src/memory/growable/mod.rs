@@ -20,7 +20,6 @@ mod wake;
 
 use crate::context::{AsContext, CudaContext};
 use crate::error::{invalid_arg, MetraleError, Result};
-use crate::memory::device::bounds;
 use crate::memory::vmm::{
     granularity, round_up, Access, HandleTypes, PhysicalMemory, VirtualRange,
 };
@@ -248,13 +247,13 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice(&self, range: impl RangeBounds<usize>) -> Result<DeviceSlice<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSlice::from_parts(
-            self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
+        DeviceSlice::of_range(
+            self.ptr,
+            self.len,
+            &range,
             &self.range.ctx,
             Some(&self.uses),
-        ))
+        )
     }
 
     /// A mutable view of `range`.
@@ -262,13 +261,13 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
     /// # Errors
     /// `InvalidArgument` for a range out of bounds or reversed.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> Result<DeviceSliceMut<'_, T>> {
-        let (start, len) = bounds(&range, self.len)?;
-        Ok(DeviceSliceMut::from_parts(
-            self.ptr + (start * std::mem::size_of::<T>()) as u64,
-            len,
+        DeviceSliceMut::of_range(
+            self.ptr,
+            self.len,
+            &range,
             &self.range.ctx,
             Some(&self.uses),
-        ))
+        )
     }
 }
 
