@@ -118,8 +118,8 @@ pub use error::{
 };
 pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};
 pub use graph::{
-    CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
-    InstantiateOptions, KernelNode,
+    CaptureArena, CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphBuckets,
+    GraphNode, GraphNodeKind, InstantiateOptions, KernelNode,
 };
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};

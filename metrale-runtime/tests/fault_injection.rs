@@ -9,6 +9,8 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "fault/arena.rs"]
+mod arena;
 #[path = "fault/args.rs"]
 mod args;
 #[path = "fault/batch.rs"]
@@ -73,6 +75,7 @@ fn main() -> ExitCode {
         memory::tests(),
         foreign::tests(),
         batch::tests(),
+        arena::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),

@@ -27,12 +27,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUgraph};
 
+mod arena;
 mod build;
 mod capture;
 mod exec;
 mod inspect;
 mod node;
 
+pub use arena::{CaptureArena, GraphBuckets};
 pub use build::GraphBody;
 pub use capture::CaptureMode;
 pub use exec::{CudaGraphExec, InstantiateOptions};
@@ -88,8 +90,11 @@ pub struct CudaGraph {
     /// taking one of its nodes.
     pub(super) alive: Arc<()>,
     pub(super) keep: KeepAlive,
-    /// The repeatable host functions its host nodes run (captured through
-    /// `launch_host_fn_repeat`).
+    /// What its replays must keep alive: the repeatable host functions its
+    /// host nodes run (captured through `launch_host_fn_repeat`), and holds
+    /// such as a capture arena's memory (see [`CudaGraph::hold`]). Executables
+    /// take them, and a host function queued after each replay holds them
+    /// until the replay has run.
     pub(super) host_fns: Vec<HostKeep>,
 }
 
@@ -174,6 +179,19 @@ impl CudaGraph {
             }
         }
         Ok(())
+    }
+
+    /// Keep `value` alive as long as this graph, every executable made from it
+    /// and every replay in flight (it rides with the graph's host functions).
+    /// The last hold may go inside the host function after a replay: `value`
+    /// is then dropped later, outside any host function (its Drop may call the
+    /// driver).
+    pub(crate) fn hold(&mut self, value: Arc<dyn Send + Sync>) {
+        let held = crate::lifetime::HeldOutsideHostFns::new(value);
+        let keep: crate::stream::HostFn = Arc::new(move || {
+            let _ = &held;
+        });
+        self.host_fns.push(Arc::new(keep));
     }
 
     /// The raw `CUgraph`, for driver calls of your own.

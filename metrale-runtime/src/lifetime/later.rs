@@ -53,6 +53,28 @@ pub(crate) fn drop_later(value: Box<dyn Send>) {
     DROP_LATER_ANY.store(true, Ordering::Release);
 }
 
+/// A value held for queued work (a graph's hold, riding with its host
+/// functions): when its last holder goes inside a host function, the value is
+/// handed to [`drop_later`] (its Drop may call the driver).
+pub(crate) struct HeldOutsideHostFns(Option<std::sync::Arc<dyn Send + Sync>>);
+
+impl HeldOutsideHostFns {
+    /// Hold `value`.
+    pub(crate) fn new(value: std::sync::Arc<dyn Send + Sync>) -> HeldOutsideHostFns {
+        HeldOutsideHostFns(Some(value))
+    }
+}
+
+impl Drop for HeldOutsideHostFns {
+    fn drop(&mut self) {
+        if let Some(value) = self.0.take() {
+            if in_host_function() {
+                drop_later(Box::new(value));
+            }
+        }
+    }
+}
+
 /// Watch `item` until its work passes; [`triage`] finishes it then.
 pub(crate) fn watch(item: Box<dyn Watched>) {
     WATCHED

@@ -97,5 +97,5 @@ pub(crate) use gate::{
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
     defer, defer_until_drain, deferred_count, drain, drop_later, retry_at_next_drain,
-    retry_deferred, triage, watch, Deferred, Watched,
+    retry_deferred, triage, watch, Deferred, HeldOutsideHostFns, Watched,
 };
