@@ -31,6 +31,8 @@ mod multi;
 mod registry;
 #[path = "fault/review2.rs"]
 mod review2;
+#[path = "fault/review3.rs"]
+mod review3;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -78,6 +80,7 @@ fn main() -> ExitCode {
         vmm::tests(),
         round4::tests(),
         review2::tests(),
+        review3::tests(),
     ]
     .into_iter()
     .flatten()
@@ -100,6 +103,7 @@ fn main() -> ExitCode {
             .chain(vmm::children())
             .chain(round4::children())
             .chain(review2::children())
+            .chain(review3::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),
