@@ -150,8 +150,221 @@ fn defect_pinned_free_races_a_wait_queued_after_its_check() {
     in_child("review3_defect_pinned_free_races_a_wait_queued_after_its_check");
 }
 
+/// Pinned memory still allocated in the stand-in.
+fn pinned_live() -> i32 {
+    fake().live(Live::HostMemory)
+}
+
+/// A pinned buffer dropped on a thread that is capturing (its free deferred:
+/// `cuMemFreeHost` is refused there), the capture then ended by another
+/// thread: that end's retry, on a thread with no capture, frees it.
+fn held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    let (before, deferred) = (pinned_live(), deferred_frees());
+    let pinned = PinnedBuffer::<u32>::zeroed(&h, 64).unwrap();
+    let s1 = s.clone();
+    std::thread::spawn(move || {
+        s1.begin_capture(CaptureMode::Relaxed).unwrap();
+        drop(pinned);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(deferred_frees(), deferred + 1, "deferred on the capturing thread");
+    assert_eq!(pinned_live(), before + 1);
+    drop(s.end_capture().unwrap());
+    assert_eq!(deferred_frees(), deferred, "retried by the end");
+    assert_eq!(pinned_live(), before, "freed by the end's retry");
+    drop((s, h));
+    finish();
+}
+
+/// A pinned buffer dropped inside a host function (no driver call there):
+/// deferred, and freed by the next synchronize.
+fn held_pinned_dropped_in_a_host_function_freed_at_the_next_synchronize() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    let before = pinned_live();
+    let pinned = PinnedBuffer::<u32>::zeroed(&h, 64).unwrap();
+    s.launch_host_fn(move || drop(pinned)).unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(pinned_live(), before, "freed by the synchronize after it");
+    assert_eq!(deferred_frees(), 0);
+    drop((s, h));
+    finish();
+}
+
+/// A pinned buffer dropped while a GPU-side wait on a mapped word is pending:
+/// the drop returns at once (deferred); once the host passes the wait, the
+/// next synchronize frees it.
+fn held_pinned_dropped_behind_a_pending_wait_freed_once_it_passes() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&go, 0).unwrap();
+    s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+    let before = pinned_live();
+    let pinned = PinnedBuffer::<u32>::zeroed(reg.ctx(), 64).unwrap();
+    let t = std::time::Instant::now();
+    drop(pinned);
+    assert!(t.elapsed() < Duration::from_secs(1), "the drop did not wait");
+    assert_eq!(pinned_live(), before + 1, "deferred");
+    // A drain while the wait is still pending (making mapped words drains
+    // without waiting) keeps it deferred.
+    let extra = MappedWords::<u32>::new(reg.ctx(), 1).unwrap();
+    assert_eq!(pinned_live(), before + 2, "still deferred");
+    assert_eq!(deferred_frees(), 1);
+    go.atomic(0).unwrap().store(1, Ordering::SeqCst);
+    drop(extra);
+    s.synchronize().unwrap();
+    assert_eq!(reg.ctx().pending_waits(), 0);
+    // The keeper's host function counted the wait down after the stream's
+    // synchronize may have drained: one more drain frees it at the latest.
+    if pinned_live() != before {
+        s.synchronize().unwrap();
+    }
+    assert_eq!(pinned_live(), before, "freed once the wait passed");
+    drop(word);
+    drop((go, s));
+    done(reg);
+}
+
+/// A pinned buffer dropped behind a pending wait, retried by a drain on a
+/// thread that is capturing (re-deferred there, with no drain flag left
+/// set): the capture's end on that thread retries it and frees it.
+fn held_pinned_deferred_retried_on_a_capturing_thread_then_its_end() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let other = CudaStream::new(reg.ctx()).unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    let word = SignalWord::mapped(&go, 0).unwrap();
+    s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+    let before = pinned_live();
+    drop(PinnedBuffer::<u32>::zeroed(reg.ctx(), 64).unwrap());
+    go.atomic(0).unwrap().store(1, Ordering::SeqCst);
+    // Let the keeper run (the wait passes on the stream's worker).
+    while reg.ctx().pending_waits() != 0 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::scope(|sc| {
+        sc.spawn(|| {
+            other.begin_capture(CaptureMode::Relaxed).unwrap();
+            // A drain on this capturing thread: the free stays deferred.
+            s.synchronize().unwrap();
+            assert_eq!(pinned_live(), before + 1, "not freed on a capturing thread");
+            drop(other.end_capture().unwrap());
+            assert_eq!(pinned_live(), before, "freed by the end's retry");
+        });
+    });
+    assert_eq!(deferred_frees(), 0);
+    drop(word);
+    drop((go, s, other));
+    done(reg);
+}
+
+/// A panic in a capture's closure right after it dropped a pinned buffer (its
+/// free deferred): the capture ends on the unwind, and that end frees it.
+fn held_panic_in_a_capture_after_a_pinned_drop() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    let before = pinned_live();
+    let pinned = PinnedBuffer::<u32>::zeroed(&h, 64).unwrap();
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        s.capture(|_| {
+            drop(pinned);
+            assert_eq!(deferred_frees(), 1);
+            panic!("in the capture");
+        })
+    }));
+    assert!(r.is_err());
+    assert!(!s.is_capturing().unwrap());
+    assert_eq!(deferred_frees(), 0);
+    assert_eq!(pinned_live(), before);
+    drop((s, h));
+    finish();
+}
+
+/// The completion-event pool under failed calls and a full pool: a slot's
+/// event that could not be made gives the slot back; sixteen forgotten
+/// pending copies fill the pool, and later operations make (and destroy)
+/// events of their own; pending copies dropped after every other handle of
+/// their stream still wait and free everything.
+fn child_held_done_pool_failures_and_a_full_pool() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let src = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    s.synchronize().unwrap();
+    // Slot 0 held (its event made now or before).
+    let p0 = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+        .unwrap();
+    let events = fake().live(Live::Events);
+    // Slot 1's first event cannot be made: the copy fails (waited for), the
+    // slot is free again.
+    fake().fail("cuEventCreate", 999, 1, Some(1));
+    assert!(s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+        .is_err());
+    assert_eq!(fake().live(Live::Events), events);
+    let p = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+        .unwrap();
+    assert_eq!(p.wait().unwrap().len(), 64);
+    assert_eq!(p0.wait().unwrap().len(), 64);
+    let events = events - 1;
+    assert_eq!(fake().live(Live::Events), events + 2, "two slots' events");
+    // Fill the pool with forgotten copies.
+    for _ in 0..16 {
+        let p = s
+            .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+            .unwrap();
+        std::mem::forget(p);
+    }
+    let full = fake().live(Live::Events);
+    assert_eq!(full, events + 16);
+    let held: Vec<_> = (0..5)
+        .map(|_| {
+            s.copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(fake().live(Live::Events), full + 5, "events of their own");
+    // A failed record of an own event: destroyed, the copy waited for.
+    fake().fail("cuEventRecord", 999, 1, Some(1));
+    assert!(s.to_vec(&src).is_err());
+    assert_eq!(fake().live(Live::Events), full + 5);
+    // Drop order: every other handle of the stream goes first.
+    let s2 = s.clone();
+    drop(s);
+    drop(src);
+    for p in held {
+        assert!(p.is_done().unwrap() || !p.is_done().unwrap());
+        drop(p);
+    }
+    assert_eq!(fake().live(Live::Events), full, "own events destroyed");
+    assert!(s2.query().unwrap());
+    drop(s2);
+    drop(reg);
+    release(0);
+}
+
+fn held_done_pool_failures_and_a_full_pool() {
+    // In a child: the forgotten pending copies leak their buffers and stream.
+    in_child("review3_held_done_pool_failures_and_a_full_pool");
+}
+
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review3_held_done_pool_failures_and_a_full_pool",
+            run: child_held_done_pool_failures_and_a_full_pool,
+        },
         Child {
             name: "review3_defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently",
             run: child_defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently,
@@ -165,6 +378,30 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review3::held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another",
+            run: held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another,
+        },
+        Test {
+            name: "review3::held_pinned_dropped_in_a_host_function_freed_at_the_next_synchronize",
+            run: held_pinned_dropped_in_a_host_function_freed_at_the_next_synchronize,
+        },
+        Test {
+            name: "review3::held_pinned_dropped_behind_a_pending_wait_freed_once_it_passes",
+            run: held_pinned_dropped_behind_a_pending_wait_freed_once_it_passes,
+        },
+        Test {
+            name: "review3::held_pinned_deferred_retried_on_a_capturing_thread_then_its_end",
+            run: held_pinned_deferred_retried_on_a_capturing_thread_then_its_end,
+        },
+        Test {
+            name: "review3::held_panic_in_a_capture_after_a_pinned_drop",
+            run: held_panic_in_a_capture_after_a_pinned_drop,
+        },
+        Test {
+            name: "review3::held_done_pool_failures_and_a_full_pool",
+            run: held_done_pool_failures_and_a_full_pool,
+        },
         // Open defects (they fail on this code):
         // Test {
         //     name: "review3::defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently",
