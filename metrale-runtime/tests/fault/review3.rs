@@ -114,7 +114,6 @@ fn child_defect_pinned_free_races_a_wait_queued_after_its_check() {
     let reg = setup();
     let s = CudaStream::new(reg.ctx()).unwrap();
     let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
-    let word = SignalWord::mapped(&go, 0).unwrap();
     let pinned = PinnedBuffer::<u32>::zeroed(reg.ctx(), 64).unwrap();
     s.synchronize().unwrap();
     fake().pause_next("cuMemFreeHost");
@@ -127,16 +126,25 @@ fn child_defect_pinned_free_races_a_wait_queued_after_its_check() {
         fake().wait_paused("cuMemFreeHost", 10_000),
         "the drop found no pending wait and is freeing"
     );
-    s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
-    assert_eq!(reg.ctx().pending_waits(), 1);
-    fake().resume("cuMemFreeHost");
-    let returned = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+    let returned = std::thread::scope(|sc| {
+        // The wait is counted and queued on another thread meanwhile (it may
+        // wait for the free in flight).
+        let waiter = sc.spawn(|| {
+            let word = SignalWord::mapped(&go, 0).unwrap();
+            s.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(reg.ctx().pending_waits(), 1, "counted");
+        fake().resume("cuMemFreeHost");
+        let returned = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+        waiter.join().unwrap();
+        returned
+    });
     // Pass the wait so that everything can go.
     go.atomic(0).unwrap().store(1, Ordering::SeqCst);
     dropper.join().unwrap();
     s.synchronize().unwrap();
     reg.ctx().synchronize().unwrap();
-    drop(word);
     drop((go, s));
     done(reg);
     assert!(
