@@ -153,7 +153,6 @@ fn child_defect_pinned_free_races_a_wait_queued_after_its_check() {
     );
 }
 
-#[allow(dead_code)] // listed once fixed
 fn defect_pinned_free_races_a_wait_queued_after_its_check() {
     in_child("review3_defect_pinned_free_races_a_wait_queued_after_its_check");
 }
@@ -455,6 +454,10 @@ pub fn tests() -> Vec<Test> {
             name: "review3::held_done_pool_failures_and_a_full_pool",
             run: held_done_pool_failures_and_a_full_pool,
         },
+        Test {
+            name: "review3::defect_pinned_free_races_a_wait_queued_after_its_check",
+            run: defect_pinned_free_races_a_wait_queued_after_its_check,
+        },
         // Open defects (they fail on this code):
         // Test {
         //     name: "review3::defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently",
@@ -463,10 +466,6 @@ pub fn tests() -> Vec<Test> {
         // Test {
         //     name: "review3::defect_capturing_stream_dropped_leaves_its_capture_counted",
         //     run: defect_capturing_stream_dropped_leaves_its_capture_counted,
-        // },
-        // Test {
-        //     name: "review3::defect_pinned_free_races_a_wait_queued_after_its_check",
-        //     run: defect_pinned_free_races_a_wait_queued_after_its_check,
         // },
     ]
 }
