@@ -90,7 +90,6 @@ fn child_defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently() {
     );
 }
 
-#[allow(dead_code)] // listed once fixed
 fn defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently() {
     let name = "review3_defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently";
     let out = run_child(name, &[]);
@@ -458,11 +457,11 @@ pub fn tests() -> Vec<Test> {
             name: "review3::defect_pinned_free_races_a_wait_queued_after_its_check",
             run: defect_pinned_free_races_a_wait_queued_after_its_check,
         },
+        Test {
+            name: "review3::defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently",
+            run: defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently,
+        },
         // Open defects (they fail on this code):
-        // Test {
-        //     name: "review3::defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently",
-        //     run: defect_repeat_host_fn_whose_capture_ends_meanwhile_leaks_silently,
-        // },
         // Test {
         //     name: "review3::defect_capturing_stream_dropped_leaves_its_capture_counted",
         //     run: defect_capturing_stream_dropped_leaves_its_capture_counted,
