@@ -408,6 +408,80 @@ fn defect_capturing_stream_dropped_leaves_its_capture_counted() {
     in_child("review3_defect_capturing_stream_dropped_leaves_its_capture_counted");
 }
 
+/// f0814bd with a join instead of a begin: a repeatable host function queued
+/// on a stream no capture marks (its section's fast path) is paused in the
+/// driver's call while another thread makes the stream wait on an event
+/// recorded in another stream's capture (which would join it). The join
+/// waits for the call: the function runs once on the stream, and the graph
+/// of the capture has no node of it.
+fn held_repeat_host_fn_outside_a_capture_waits_out_a_join() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let a = CudaStream::new(&h).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    let runs = Arc::new(AtomicUsize::new(0));
+    let r = Arc::clone(&runs);
+    let f: HostFn = Arc::new(move || {
+        r.fetch_add(1, Ordering::SeqCst);
+    });
+    a.begin_capture(CaptureMode::Relaxed).unwrap();
+    let ev = CudaEvent::new(&h).unwrap();
+    ev.record(&a).unwrap();
+    fake().pause_next("cuLaunchHostFunc");
+    let graph = std::thread::scope(|sc| {
+        let queuer = sc.spawn(|| s.launch_host_fn_repeat(f));
+        assert!(fake().wait_paused("cuLaunchHostFunc", 10_000));
+        let joiner = sc.spawn(|| s.wait(&ev));
+        std::thread::sleep(Duration::from_millis(50));
+        fake().resume("cuLaunchHostFunc");
+        queuer.join().unwrap().unwrap();
+        joiner.join().unwrap().unwrap();
+        assert!(s.is_capturing().unwrap(), "joined after the call");
+        a.end_capture().unwrap()
+    });
+    s.synchronize().unwrap();
+    let nodes = graph.nodes().unwrap().len();
+    let exec = graph.instantiate().unwrap();
+    // SAFETY: the graph records an event and waits; no kernel.
+    unsafe { exec.launch(&a) }.unwrap();
+    a.synchronize().unwrap();
+    assert_eq!(runs.load(Ordering::SeqCst), 1, "ran once, on the stream");
+    assert!(nodes <= 2, "no host node in the graph: {nodes} nodes");
+    drop((exec, graph, ev));
+    drop((a, s, h));
+    finish();
+}
+
+/// A pending copy dropped inside another stream's capture, on the capturing
+/// thread: it waits for its own copy (an event recorded outside the
+/// capture), and its pinned buffer's free is deferred (refused on a capturing
+/// thread) and done by the capture's end.
+fn held_pending_copy_dropped_inside_a_capture() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    let c = CudaStream::new(&h).unwrap();
+    let src = DeviceBuffer::<u32>::zeroed(&s, 64).unwrap();
+    s.synchronize().unwrap();
+    let before = pinned_live();
+    let p = s
+        .copy_d2h_pinned(&src, PinnedBuffer::<u32>::zeroed(&s, 64).unwrap())
+        .unwrap();
+    let g = c
+        .capture(|_| {
+            drop(p);
+            assert_eq!(pinned_live(), before + 1, "deferred");
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(pinned_live(), before, "freed by the end");
+    assert_eq!(deferred_frees(), 0);
+    drop(g);
+    drop((src, s, c, h));
+    finish();
+}
+
 pub fn children() -> Vec<Child> {
     vec![
         Child {
@@ -431,6 +505,14 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review3::held_repeat_host_fn_outside_a_capture_waits_out_a_join",
+            run: held_repeat_host_fn_outside_a_capture_waits_out_a_join,
+        },
+        Test {
+            name: "review3::held_pending_copy_dropped_inside_a_capture",
+            run: held_pending_copy_dropped_inside_a_capture,
+        },
         Test {
             name: "review3::held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another",
             run: held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another,
