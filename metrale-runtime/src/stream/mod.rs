@@ -326,8 +326,12 @@ impl StreamInner {
                 let mut graph: sys::CUgraph = std::ptr::null_mut();
                 // SAFETY: a live stream of the bound context; writes one graph
                 // handle (null when the capture failed).
-                if let Err(e) = unsafe { cu!(d, cuStreamEndCapture(raw, &mut graph)) } {
-                    failures.push(e);
+                match unsafe { cu!(d, cuStreamEndCapture(raw, &mut graph)) } {
+                    // An invalidated capture's end ends it: nothing to say.
+                    Err(CallError::Status { status, .. })
+                        if status == CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => {}
+                    Err(e) => failures.push(e),
+                    Ok(()) => {}
                 }
                 if !graph.is_null() {
                     // SAFETY: the graph the end just made, never handed out,

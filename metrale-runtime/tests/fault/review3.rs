@@ -482,8 +482,43 @@ fn held_pending_copy_dropped_inside_a_capture() {
     finish();
 }
 
+/// The last handle of a stream dropped while its capture is invalidated (an
+/// illegal call inside it): the drop ends it quietly and undoes its
+/// bookkeeping; a pinned free on the thread is not deferred afterwards.
+fn child_held_invalidated_capturing_stream_dropped() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    let d = sys::driver().unwrap();
+    // SAFETY: a live stream of the bound context (the query invalidates the
+    // capture).
+    let st = unsafe { (d.cuStreamQuery().unwrap())(s.raw()) };
+    assert!(!st.is_success());
+    drop(s);
+    let before = pinned_live();
+    drop(PinnedBuffer::<u32>::zeroed(&h, 64).unwrap());
+    assert_eq!(pinned_live(), before, "not deferred");
+    assert_eq!(deferred_frees(), 0);
+    drop(h);
+    finish();
+}
+
+fn held_invalidated_capturing_stream_dropped() {
+    let name = "review3_held_invalidated_capturing_stream_dropped";
+    let out = run_child(name, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {err}");
+    assert!(!err.contains("metrale:"), "nothing to say: {err}");
+}
+
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review3_held_invalidated_capturing_stream_dropped",
+            run: child_held_invalidated_capturing_stream_dropped,
+        },
         Child {
             name: "review3_defect_capturing_stream_dropped_leaves_its_capture_counted",
             run: child_defect_capturing_stream_dropped_leaves_its_capture_counted,
@@ -505,6 +540,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review3::held_invalidated_capturing_stream_dropped",
+            run: held_invalidated_capturing_stream_dropped,
+        },
         Test {
             name: "review3::held_repeat_host_fn_outside_a_capture_waits_out_a_join",
             run: held_repeat_host_fn_outside_a_capture_waits_out_a_join,
