@@ -265,11 +265,7 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
-        let begun = std::mem::take(
-            self.begun
-                .get_mut()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
+        let begun = std::mem::take(self.begun.get_mut().unwrap_or_else(PoisonError::into_inner));
         if !begun.is_empty() {
             self.end_abandoned_capture(begun);
         }

@@ -178,7 +178,11 @@ fn held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another() {
     })
     .join()
     .unwrap();
-    assert_eq!(deferred_frees(), deferred + 1, "deferred on the capturing thread");
+    assert_eq!(
+        deferred_frees(),
+        deferred + 1,
+        "deferred on the capturing thread"
+    );
     assert_eq!(pinned_live(), before + 1);
     drop(s.end_capture().unwrap());
     assert_eq!(deferred_frees(), deferred, "retried by the end");
@@ -217,7 +221,10 @@ fn held_pinned_dropped_behind_a_pending_wait_freed_once_it_passes() {
     let pinned = PinnedBuffer::<u32>::zeroed(reg.ctx(), 64).unwrap();
     let t = std::time::Instant::now();
     drop(pinned);
-    assert!(t.elapsed() < Duration::from_secs(1), "the drop did not wait");
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "the drop did not wait"
+    );
     assert_eq!(pinned_live(), before + 1, "deferred");
     // A drain while the wait is still pending (making mapped words drains
     // without waiting) keeps it deferred.
@@ -398,7 +405,10 @@ fn child_defect_capturing_stream_dropped_leaves_its_capture_counted() {
         (0, 0),
         "no capture is in progress any more: a pinned free on this thread is not deferred"
     );
-    assert_eq!(holders, 1, "the capture is gone: nothing holds its host function");
+    assert_eq!(
+        holders, 1,
+        "the capture is gone: nothing holds its host function"
+    );
     // Its graph went with it.
     drop(h);
     finish();
