@@ -523,8 +523,44 @@ fn held_invalidated_capturing_stream_dropped() {
     assert!(!err.contains("metrale:"), "nothing to say: {err}");
 }
 
+/// The last handle of a capturing stream dropped while the driver refuses
+/// to end its capture: one line on stderr says so, and the bookkeeping is
+/// undone all the same (the stream is destroyed: nothing can end or replay
+/// that capture any more).
+fn child_held_capturing_stream_dropped_with_a_failed_end() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = CudaStream::new(&h).unwrap();
+    s.synchronize().unwrap();
+    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    fake().fail("cuStreamEndCapture", 999, 1, Some(1));
+    drop(s);
+    let before = pinned_live();
+    drop(PinnedBuffer::<u32>::zeroed(&h, 64).unwrap());
+    assert_eq!(pinned_live(), before, "not deferred");
+    assert_eq!(deferred_frees(), 0);
+    drop(h);
+    release(0);
+}
+
+fn held_capturing_stream_dropped_with_a_failed_end() {
+    let name = "review3_held_capturing_stream_dropped_with_a_failed_end";
+    let out = run_child(name, &[]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{name}: {err}");
+    assert_eq!(
+        err.matches("cuStreamEndCapture").count(),
+        1,
+        "one line: {err}"
+    );
+}
+
 pub fn children() -> Vec<Child> {
     vec![
+        Child {
+            name: "review3_held_capturing_stream_dropped_with_a_failed_end",
+            run: child_held_capturing_stream_dropped_with_a_failed_end,
+        },
         Child {
             name: "review3_held_invalidated_capturing_stream_dropped",
             run: child_held_invalidated_capturing_stream_dropped,
@@ -550,6 +586,10 @@ pub fn children() -> Vec<Child> {
 
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "review3::held_capturing_stream_dropped_with_a_failed_end",
+            run: held_capturing_stream_dropped_with_a_failed_end,
+        },
         Test {
             name: "review3::held_invalidated_capturing_stream_dropped",
             run: held_invalidated_capturing_stream_dropped,
