@@ -470,6 +470,11 @@ pub(crate) fn defer_host_free(
             uses: Uses::new(None),
         });
     crate::context::note_deferred_free();
+    // What made it wait may have ended between the check and the push (a
+    // capture whose retry ran meanwhile): then free now, as a release does.
+    if !host_free_must_wait(ctx) && !crate::stream::captures_in_progress() {
+        retry_deferred();
+    }
 }
 
 /// Formats a closure's text only when written.
