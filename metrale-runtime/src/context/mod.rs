@@ -75,6 +75,11 @@ pub struct CudaContext {
     /// context's streams that a host function after them has not yet seen passed
     /// (see [`CudaContext::pending_waits`]); shared with those host functions.
     pending_waits: Arc<AtomicUsize>,
+    /// Frees that wait for the whole context (`cuMemFreeHost`) between their
+    /// "no pending wait" check and the driver's call: a wait on a mapped word
+    /// is counted first and queued only once none is in flight (see
+    /// [`CudaContext::enter_context_wide_free`]).
+    context_wide_frees: AtomicUsize,
 }
 
 // SAFETY: the raw handles are written once in `CudaContext::new` and only read
@@ -148,6 +153,7 @@ impl CudaContext {
             limits,
             reset_reported: AtomicBool::new(false),
             pending_waits: Arc::new(AtomicUsize::new(0)),
+            context_wide_frees: AtomicUsize::new(0),
         })
     }
 

@@ -53,6 +53,26 @@ impl CudaContext {
         }));
     }
 
+    /// Enter a free that waits for the whole context (`cuMemFreeHost`): held
+    /// from its pending-wait check through the driver's call. Either the check
+    /// sees a wait counted meanwhile (and the free is deferred), or that
+    /// wait's queueing sees this free in flight and waits for it
+    /// ([`CudaContext::wait_out_context_wide_frees`]): a free never waits
+    /// behind a GPU-side wait queued after its check.
+    pub(crate) fn enter_context_wide_free(&self) -> ContextWideFree<'_> {
+        self.context_wide_frees.fetch_add(1, Ordering::SeqCst);
+        ContextWideFree(&self.context_wide_frees)
+    }
+
+    /// Before queueing a wait on a mapped word (already counted in
+    /// `pending_waits`): wait until no context-wide free that may have missed
+    /// the count is in flight (they wait only for work queued before them).
+    pub(crate) fn wait_out_context_wide_frees(&self) {
+        while self.context_wide_frees.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
+    }
+
     /// The shared counter behind [`CudaContext::pending_waits`], for the host
     /// function queued after a wait to count it passed.
     pub(crate) fn pending_waits_counter(&self) -> &Arc<AtomicUsize> {
@@ -72,6 +92,15 @@ impl CudaContext {
                 self.ordinal
             ))),
         }
+    }
+}
+
+/// A context-wide free in flight (see `CudaContext::enter_context_wide_free`).
+pub(crate) struct ContextWideFree<'a>(&'a AtomicUsize);
+
+impl Drop for ContextWideFree<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
