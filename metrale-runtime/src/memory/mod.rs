@@ -10,11 +10,14 @@
 //! | `pool.rs` | [`MemPool`], stream-ordered allocation |
 //! | `symbol.rs` | [`DeviceSymbol`] |
 //! | `copy.rs` | copies and fills on a stream |
-//! | `vmm.rs` | [`VirtualRange`], [`PhysicalMemory`], mappings and access, the wait before unmapping |
-//! | `growable.rs` | [`GrowableBuffer`], [`SleepingBuffer`]: sleep and wake |
+//! | `vmm/` | [`VirtualRange`], [`PhysicalMemory`], mappings and access, the wait before unmapping |
+//! | `growable/` | [`GrowableBuffer`], [`SleepingBuffer`]: grow, sleep and wake |
 //! | `ipc.rs` | sharing between processes: descriptors of physical memory, [`send_fd`] / [`recv_fd`] |
 //! | `legacy_ipc.rs` | legacy IPC: [`IpcMemHandle`], [`IpcBuffer`], [`IpcEventHandle`] |
-//! | `signal.rs` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
+//! | `signal/` | [`SignalWord`], [`MappedWords`], stream memory operations (wait/write value, batches) |
+//! | `free.rs` | the one free path of device, managed and pinned memory (`FreeJob`), deferred through the lifetime room |
+//! | `batch.rs` | [`BatchCopy`]: many copies in one driver call |
+//! | `foreign.rs` | views of another library's device memory |
 //!
 //! Invariants (the borrow rules of this crate):
 //! - Every allocation holds the [`CudaContext`] it lives in; its address and

@@ -1,6 +1,6 @@
 //! Virtual memory management: reserved address ranges ([`VirtualRange`]),
 //! physical memory ([`PhysicalMemory`]), mappings of one into the other with
-//! access for chosen devices, and the wait before unmapping; `growable.rs` builds
+//! access for chosen devices, and the wait before unmapping; `growable/` builds
 //! [`GrowableBuffer`](crate::GrowableBuffer) on them, a buffer whose address never
 //! changes while it grows, which can sleep (release its physical memory) and wake
 //! (get it back at the same addresses).
