@@ -115,6 +115,9 @@ pub mod nvjitlink;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
+#[cfg(feature = "nvtx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvtx")))]
+pub mod nvtx;
 
 /// Environment variable naming the exact driver library file to load.
 pub const LIBCUDA_PATH_VAR: &str = "METRALE_LIBCUDA_PATH";

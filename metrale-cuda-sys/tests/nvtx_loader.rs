@@ -1,0 +1,1 @@
+//! NVTX loader tests (filled in below).
