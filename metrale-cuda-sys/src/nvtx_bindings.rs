@@ -318,6 +318,58 @@ impl NvtxCallbackIdCuda {
 #[repr(transparent)]
 #[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
 pub struct NvtxCallbackIdCuda(pub ::std::os::raw::c_uint);
+impl NvtxCallbackIdCudaRt {
+    pub const NVTX_CBID_CUDART_INVALID: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(0);
+    pub const NVTX_CBID_CUDART_NameCudaDeviceA: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(1);
+    pub const NVTX_CBID_CUDART_NameCudaDeviceW: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(2);
+    pub const NVTX_CBID_CUDART_NameCudaStreamA: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(3);
+    pub const NVTX_CBID_CUDART_NameCudaStreamW: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(4);
+    pub const NVTX_CBID_CUDART_NameCudaEventA: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(5);
+    pub const NVTX_CBID_CUDART_NameCudaEventW: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(6);
+    pub const NVTX_CBID_CUDART_SIZE: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(7);
+    pub const NVTX_CBID_CUDART_FORCE_INT: NvtxCallbackIdCudaRt = NvtxCallbackIdCudaRt(2147483647);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct NvtxCallbackIdCudaRt(pub ::std::os::raw::c_uint);
+impl NvtxCallbackIdOpenCL {
+    pub const NVTX_CBID_OPENCL_INVALID: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(0);
+    pub const NVTX_CBID_OPENCL_NameClDeviceA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(1);
+    pub const NVTX_CBID_OPENCL_NameClDeviceW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(2);
+    pub const NVTX_CBID_OPENCL_NameClContextA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(3);
+    pub const NVTX_CBID_OPENCL_NameClContextW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(4);
+    pub const NVTX_CBID_OPENCL_NameClCommandQueueA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(5);
+    pub const NVTX_CBID_OPENCL_NameClCommandQueueW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(6);
+    pub const NVTX_CBID_OPENCL_NameClMemObjectA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(7);
+    pub const NVTX_CBID_OPENCL_NameClMemObjectW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(8);
+    pub const NVTX_CBID_OPENCL_NameClSamplerA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(9);
+    pub const NVTX_CBID_OPENCL_NameClSamplerW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(10);
+    pub const NVTX_CBID_OPENCL_NameClProgramA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(11);
+    pub const NVTX_CBID_OPENCL_NameClProgramW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(12);
+    pub const NVTX_CBID_OPENCL_NameClEventA: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(13);
+    pub const NVTX_CBID_OPENCL_NameClEventW: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(14);
+    pub const NVTX_CBID_OPENCL_SIZE: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(15);
+    pub const NVTX_CBID_OPENCL_FORCE_INT: NvtxCallbackIdOpenCL = NvtxCallbackIdOpenCL(2147483647);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct NvtxCallbackIdOpenCL(pub ::std::os::raw::c_uint);
+impl NvtxCallbackIdSync {
+    pub const NVTX_CBID_SYNC_INVALID: NvtxCallbackIdSync = NvtxCallbackIdSync(0);
+    pub const NVTX_CBID_SYNC_DomainSyncUserCreate: NvtxCallbackIdSync = NvtxCallbackIdSync(1);
+    pub const NVTX_CBID_SYNC_DomainSyncUserDestroy: NvtxCallbackIdSync = NvtxCallbackIdSync(2);
+    pub const NVTX_CBID_SYNC_DomainSyncUserAcquireStart: NvtxCallbackIdSync = NvtxCallbackIdSync(3);
+    pub const NVTX_CBID_SYNC_DomainSyncUserAcquireFailed: NvtxCallbackIdSync =
+        NvtxCallbackIdSync(4);
+    pub const NVTX_CBID_SYNC_DomainSyncUserAcquireSuccess: NvtxCallbackIdSync =
+        NvtxCallbackIdSync(5);
+    pub const NVTX_CBID_SYNC_DomainSyncUserReleasing: NvtxCallbackIdSync = NvtxCallbackIdSync(6);
+    pub const NVTX_CBID_SYNC_SIZE: NvtxCallbackIdSync = NvtxCallbackIdSync(7);
+    pub const NVTX_CBID_SYNC_FORCE_INT: NvtxCallbackIdSync = NvtxCallbackIdSync(2147483647);
+}
+#[repr(transparent)]
+#[derive(Debug, Copy, Clone, Hash, PartialEq, Eq)]
+pub struct NvtxCallbackIdSync(pub ::std::os::raw::c_uint);
 impl NvtxExportTableID {
     pub const NVTX_ETID_INVALID: NvtxExportTableID = NvtxExportTableID(0);
     pub const NVTX_ETID_CALLBACKS: NvtxExportTableID = NvtxExportTableID(1);
