@@ -28,36 +28,46 @@ fn empty() {
     black_box(());
 }
 
-/// Nanoseconds per iteration of `f`, one sample per round for each of `fs`,
-/// the rows measured in turns.
-fn measure(rounds: usize, fs: &mut [&mut dyn FnMut()]) -> Vec<Row> {
-    let mut rows = vec![Row::default(); fs.len()];
-    for _ in 0..rounds {
-        for (row, f) in rows.iter_mut().zip(fs.iter_mut()) {
-            let s = time(|| {
-                for _ in 0..ITERS {
-                    f();
-                }
-            });
-            row.push(s * 1e9 / f64::from(ITERS));
+/// Nanoseconds per iteration of `f` over `ITERS` iterations (the loop is
+/// monomorphised: `f` is inlined into it, as in a caller's code).
+#[inline(never)]
+fn sample(mut f: impl FnMut()) -> f64 {
+    time(|| {
+        for _ in 0..ITERS {
+            f();
         }
-    }
-    rows
+    }) * 1e9
+        / f64::from(ITERS)
+}
+
+/// One sample per round of each row, the rows measured in turns.
+macro_rules! measure {
+    ($rounds:expr, $($f:expr),+ $(,)?) => {{
+        let mut rows: Vec<Row> = Vec::new();
+        for round in 0..$rounds {
+            let samples = [$(sample($f)),+];
+            for (i, s) in samples.into_iter().enumerate() {
+                if round == 0 {
+                    rows.push(Row::default());
+                }
+                rows[i].push(s);
+            }
+        }
+        rows
+    }};
 }
 
 fn no_tool(rounds: usize) {
     assert!(!nvtx::is_attached(), "{}", nvtx::injection());
-    let rows = measure(
+    let rows = measure!(
         rounds,
-        &mut [
-            &mut || empty(),
-            &mut || drop(nvtx::range(black_box("decode"))),
-            &mut || {
-                nvtx::range_push(black_box("decode"));
-                nvtx::range_pop();
-            },
-            &mut || nvtx::mark(black_box("tick")),
-        ],
+        empty,
+        || drop(nvtx::range(black_box("decode"))),
+        || {
+            nvtx::range_push(black_box("decode"));
+            nvtx::range_pop();
+        },
+        || nvtx::mark(black_box("tick")),
     );
     header("NVTX with no tool attached (ns per iteration)");
     line("empty #[inline(never)] function", &rows[0], "ns", None);
@@ -89,23 +99,21 @@ fn no_tool(rounds: usize) {
 fn stand_in(rounds: usize) {
     assert!(nvtx::is_attached(), "{}", nvtx::injection());
     let message = c"decode";
-    let rows = measure(
+    let rows = measure!(
         rounds,
-        &mut [
-            &mut || {
-                // The raw calls as NVTX's own inline functions make them: the
-                // entry loaded and called, with a C string literal.
-                if let Some(push) = table().nvtxRangePushA() {
-                    // SAFETY: a NUL-terminated message.
-                    unsafe { push(black_box(message).as_ptr()) };
-                }
-                if let Some(pop) = table().nvtxRangePop() {
-                    // SAFETY: no arguments.
-                    unsafe { pop() };
-                }
-            },
-            &mut || drop(nvtx::range(black_box("decode"))),
-        ],
+        || {
+            // The raw calls as NVTX's own inline functions make them: the
+            // entry loaded and called, with a C string literal.
+            if let Some(push) = table().nvtxRangePushA() {
+                // SAFETY: a NUL-terminated message.
+                unsafe { push(black_box(message).as_ptr()) };
+            }
+            if let Some(pop) = table().nvtxRangePop() {
+                // SAFETY: no arguments.
+                unsafe { pop() };
+            }
+        },
+        || drop(nvtx::range(black_box("decode"))),
     );
     header("NVTX with the stand-in tool attached (ns per iteration; the tool records each call)");
     line(

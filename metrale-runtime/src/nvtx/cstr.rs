@@ -1,6 +1,7 @@
 //! `&str` to a C string for one call, without allocating for short names.
 
 use std::ffi::c_char;
+use std::mem::MaybeUninit;
 
 /// Texts shorter than this are made NUL-terminated in a stack buffer.
 const STACK: usize = 128;
@@ -11,13 +12,21 @@ const STACK: usize = 128;
 #[inline]
 pub(crate) fn with_cstr<R>(text: &str, f: impl FnOnce(*const c_char) -> R) -> R {
     let bytes = text.as_bytes();
-    let mut buf = [0u8; STACK];
-    if let Some(head) = buf.get_mut(..bytes.len()).filter(|_| bytes.len() < STACK) {
-        head.copy_from_slice(bytes);
-        f(buf.as_ptr().cast())
-    } else {
-        f(owned(bytes).as_ptr().cast())
+    let len = bytes.len();
+    if len >= STACK {
+        return f(owned(bytes).as_ptr().cast());
     }
+    // Not zeroed: only the text and its NUL are written, and only they are read
+    // (by the C side, up to the first NUL).
+    let mut buf = [MaybeUninit::<u8>::uninit(); STACK];
+    let dst = buf.as_mut_ptr().cast::<u8>();
+    // SAFETY: `len < STACK`, so the text and the NUL after it fit in `buf`;
+    // the source is the text itself, which does not overlap the stack buffer.
+    unsafe {
+        std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst, len);
+        dst.add(len).write(0);
+    }
+    f(dst.cast_const().cast())
 }
 
 /// `bytes` up to their first NUL, with a NUL after (for texts kept or long).
