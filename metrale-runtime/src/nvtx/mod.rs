@@ -117,6 +117,11 @@ pub fn range_pop() -> Option<u32> {
 
 /// A range pushed on this thread, popped when dropped ([`range`],
 /// [`range_with`]). Not `Send`: NVTX's push and pop are per thread.
+///
+/// ```compile_fail
+/// fn send<T: Send>(_: T) {}
+/// send(metrale_runtime::nvtx::range("pushed here, popped elsewhere"));
+/// ```
 #[must_use = "the range ends when the guard is dropped"]
 #[derive(Debug)]
 pub struct Range {
