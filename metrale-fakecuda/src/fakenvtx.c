@@ -102,7 +102,8 @@ static int inits;
 static uint32_t app_version;
 static int module_sizes[8];
 
-/* Nesting depth of push/pop, per thread and per domain (slot 0: the core). */
+/* Nesting depth of push/pop, per thread and per domain (slot 0: the core);
+ * the domain table is read and written under `lock`. */
 #define MAX_DOMAINS 32
 static __thread int depth[MAX_DOMAINS + 1];
 
@@ -195,10 +196,9 @@ static uint64_t range_start_a(const char *m) { return range_start(NULL, NULL, m)
 static void range_end(uint64_t id) { simple(K_RANGE_END, NULL, id, NULL); }
 
 static int push(const void *domain, const event_attributes *a, const char *m) {
-    int d = domain_index(domain);
-    if (d < 0) return -1;
-    int level = depth[d]++;
     pthread_mutex_lock(&lock);
+    int d = domain_index(domain);
+    int level = d < 0 ? -1 : depth[d]++;
     record *r = push_record(K_PUSH);
     if (r) {
         r->domain = (uint64_t)(uintptr_t)domain;
@@ -210,10 +210,9 @@ static int push(const void *domain, const event_attributes *a, const char *m) {
 }
 
 static int pop(const void *domain) {
-    int d = domain_index(domain);
-    if (d < 0) return -1;
-    int level = depth[d] > 0 ? --depth[d] : -1;
     pthread_mutex_lock(&lock);
+    int d = domain_index(domain);
+    int level = d < 0 ? -1 : depth[d] > 0 ? --depth[d] : -1;
     record *r = push_record(K_POP);
     if (r) {
         r->domain = (uint64_t)(uintptr_t)domain;
@@ -394,8 +393,11 @@ EXPORT size_t fakenvtx_record_size(void) { return sizeof(record); }
 
 /* The calling thread's push depth in `domain` (NULL: the core). */
 EXPORT int fakenvtx_depth(const void *domain) {
+    pthread_mutex_lock(&lock);
     int d = domain_index(domain);
-    return d < 0 ? -1 : depth[d];
+    int n = d < 0 ? -1 : depth[d];
+    pthread_mutex_unlock(&lock);
+    return n;
 }
 
 /* The name a domain handle was created with ("" for an unknown one). */
