@@ -6,7 +6,7 @@ use metrale_cuda_sys::nvtx::{
 };
 
 use super::cstr::with_cstr;
-use super::RegisteredString;
+use super::string::RegisteredString;
 
 /// An ARGB color (`0xAARRGGBB`), as NVTX takes it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

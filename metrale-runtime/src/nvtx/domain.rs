@@ -1,12 +1,12 @@
 //! NVTX domains: a named scope of ranges, marks, categories and registered strings.
 
-use std::ffi::c_char;
 use std::fmt;
 use std::marker::PhantomData;
 
-use metrale_cuda_sys::nvtx::{nvtx, nvtxDomainHandle_t, nvtxStringHandle_t};
+use metrale_cuda_sys::nvtx::{nvtx, nvtxDomainHandle_t};
 
 use super::cstr::{owned, with_cstr};
+use super::string::RegisteredString;
 use super::{level, EventAttributes, RangeId};
 
 /// A named NVTX domain (`nvtxDomainCreateA`): its ranges, marks, categories and
@@ -158,50 +158,6 @@ impl Drop for Domain {
             // domain (guards, registered strings) outlives it (they borrow it).
             unsafe { f(self.raw) };
         }
-    }
-}
-
-/// A string registered with a [`Domain`] (`nvtxDomainRegisterStringA`); it
-/// cannot outlive the domain. Used as a message with
-/// [`EventAttributes::registered`].
-pub struct RegisteredString<'d> {
-    handle: nvtxStringHandle_t,
-    domain: nvtxDomainHandle_t,
-    /// The text, NUL-terminated: sent instead of the handle outside its domain.
-    text: Box<[u8]>,
-    _domain: PhantomData<&'d Domain>,
-}
-
-// SAFETY: the handles are opaque ids of the tool, passed on only (see Domain).
-unsafe impl Send for RegisteredString<'_> {}
-// SAFETY: as above.
-unsafe impl Sync for RegisteredString<'_> {}
-
-impl fmt::Debug for RegisteredString<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RegisteredString")
-            .field("text", &self.text())
-            .finish()
-    }
-}
-
-impl RegisteredString<'_> {
-    /// The text registered (up to an interior NUL).
-    pub fn text(&self) -> &str {
-        let bytes = self.text.split_last().map_or(&[][..], |(_, head)| head);
-        std::str::from_utf8(bytes).unwrap_or_default()
-    }
-
-    pub(crate) fn handle(&self) -> nvtxStringHandle_t {
-        self.handle
-    }
-
-    pub(crate) fn domain_handle(&self) -> nvtxDomainHandle_t {
-        self.domain
-    }
-
-    pub(crate) fn text_ptr(&self) -> *const c_char {
-        self.text.as_ptr().cast()
     }
 }
 

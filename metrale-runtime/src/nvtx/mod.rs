@@ -48,10 +48,12 @@ use crate::stream::{CudaEvent, CudaStream};
 mod attributes;
 mod cstr;
 mod domain;
+mod string;
 
 pub use attributes::{Color, EventAttributes, Payload};
-pub use domain::{Domain, DomainRange, RegisteredString};
+pub use domain::{Domain, DomainRange};
 pub use metrale_cuda_sys::nvtx::Injection;
+pub use string::RegisteredString;
 
 use cstr::with_cstr;
 
