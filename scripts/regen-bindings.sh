@@ -4,14 +4,17 @@
 #   src/nvrtc_bindings.rs      nvrtc.h      (nvidia-cuda-nvrtc, feature nvrtc)
 #   src/nvjitlink_bindings.rs  nvJitLink.h  (nvidia-nvjitlink, feature nvrtc)
 #   src/nccl_bindings.rs       nccl.h       (nvidia-nccl-cu13, feature nccl)
+#   src/cublas_bindings.rs     cublas_api.h (nvidia-cublas, feature cublas)
+#   src/cublaslt_bindings.rs   cublasLt.h   (nvidia-cublas, feature cublas)
 #
 #   scripts/regen-bindings.sh          rewrite the committed bindings
 #   scripts/regen-bindings.sh --check  fail if any committed file differs
 #
 # Each header comes from its PyPI package (pinned below), fetched with
 # `pip download` into .cuda-header/ (ignored by git; only the wheels' include
-# folders are unpacked, the NCCL wheel is large). nccl.h includes CUDA runtime
-# headers; metrale-cuda-sys/nccl_stub/ stands in for them. The bindings are produced by
+# folders are unpacked, the NCCL and cuBLAS wheels are large). nccl.h and the
+# cuBLAS headers include CUDA runtime headers; metrale-cuda-sys/nccl_stub/ and
+# cublas_stub/ stand in for them. The bindings are produced by
 # the crate's own build script (features `bindgen` and `nvrtc`), so a feature
 # build and the committed files share one bindgen configuration. Needs libclang
 # (Debian: libclang-dev) and rustfmt.
@@ -23,8 +26,10 @@ PINS=(
   "nvidia-cuda-nvrtc 13.0.88 nvrtc.h nvidia/cu13/include"
   "nvidia-nvjitlink 13.0.88 nvJitLink.h nvidia/cu13/include"
   "nvidia-nccl-cu13 2.28.9 nccl.h nvidia/nccl/include"
+  "nvidia-cublas 13.1.0.3 cublasLt.h nvidia/cu13/include"
 )
-FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs nccl_bindings.rs)
+FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs nccl_bindings.rs
+  cublas_bindings.rs cublaslt_bindings.rs)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 
@@ -45,6 +50,7 @@ fetch() {
     wheels=$(mktemp -d)
     python3 -m pip download --quiet --no-deps --only-binary=:all: \
       --platform manylinux2014_x86_64 --platform manylinux_2_18_x86_64 \
+      --platform manylinux_2_27_x86_64 \
       --python-version 3.12 \
       -d "$wheels" "$package==$version" >&2
     mkdir -p "$cache"
@@ -67,6 +73,7 @@ read -r p v h d <<<"${PINS[0]}"; cuda_include=$(fetch "$p" "$v" "$h" "$d")
 read -r p v h d <<<"${PINS[1]}"; nvrtc_include=$(fetch "$p" "$v" "$h" "$d")
 read -r p v h d <<<"${PINS[2]}"; nvjitlink_include=$(fetch "$p" "$v" "$h" "$d")
 read -r p v h d <<<"${PINS[3]}"; nccl_include=$(fetch "$p" "$v" "$h" "$d")
+read -r p v h d <<<"${PINS[4]}"; cublas_include=$(fetch "$p" "$v" "$h" "$d")
 
 generated=$(mktemp -d)
 trap 'rm -rf "$generated"' EXIT
@@ -74,8 +81,9 @@ trap 'rm -rf "$generated"' EXIT
   METRALE_NVRTC_INCLUDE_DIR=$nvrtc_include \
   METRALE_NVJITLINK_INCLUDE_DIR=$nvjitlink_include \
   METRALE_NCCL_INCLUDE_DIR=$nccl_include \
+  METRALE_CUBLAS_INCLUDE_DIR=$cublas_include \
   METRALE_BINDINGS_OUT_DIR=$generated \
-  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl)
+  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl,cublas)
 
 pins=$(printf '%s, ' "${PINS[@]}" | sed 's/ [^ ,]*\.h [^ ,]*//g; s/ /==/g; s/,==/, /g; s/, $//')
 stale=0
