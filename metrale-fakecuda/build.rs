@@ -1,6 +1,7 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`) as a third.
+//! stand-in NCCL (`fakenccl.c`) as a third; the stand-in cuBLAS and cuBLASLt
+//! (`fakeblas.c`) as a fourth, and as a fifth built as an older release.
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -13,6 +14,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
     println!("cargo:rerun-if-changed=src/fakenccl.c");
+    println!("cargo:rerun-if-changed=src/fakeblas.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
     for (file, source, define) in [
@@ -23,6 +25,12 @@ fn main() {
             Some("-DFAKECUDA_OLD"),
         ),
         ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
+        ("libmetrale_fakeblas.so", "src/fakeblas.c", None),
+        (
+            "libmetrale_fakeblas_old.so",
+            "src/fakeblas.c",
+            Some("-DFAKEBLAS_OLD"),
+        ),
     ] {
         let mut cmd: Command = compiler.to_command();
         cmd.args([
@@ -41,7 +49,7 @@ fn main() {
         .arg("-o")
         .arg(out.join(file))
         .arg(source)
-        .args(["-lpthread", "-ldl"]);
+        .args(["-lpthread", "-ldl", "-lm"]);
         let status = cmd.status();
         match status {
             Ok(s) if s.success() => {}
