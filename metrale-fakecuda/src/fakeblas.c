@@ -388,7 +388,7 @@ struct desc {
     int a_scale_mode, b_scale_mode;
 };
 struct layout { int magic; int type, order; unsigned long long rows, cols; long long ld; int batch; long long stride; };
-struct pref { int magic; unsigned long long max_ws; };
+struct pref { int magic; unsigned long long max_ws; unsigned align[4]; };
 
 static const char *status_name(st_t s) {
     switch (s) {
@@ -541,8 +541,9 @@ EXPORT st_t cublasLtMatmulPreferenceDestroy(struct pref *p) {
 EXPORT st_t cublasLtMatmulPreferenceSetAttribute(struct pref *d, int attr, const void *buf, size_t size) {
     ENTER("cublasLtMatmulPreferenceSetAttribute");
     if (!d || d->magic != PREF_MAGIC || !buf) RETURN(INVALID_VALUE);
-    if (attr != 1) RETURN(INVALID_VALUE);
-    SET(max_ws, unsigned long long);
+    if (attr == 1) SET(max_ws, unsigned long long);
+    else if (attr >= 5 && attr <= 8) SET(align[attr - 5], unsigned);
+    else RETURN(INVALID_VALUE);
     RETURN(OK);
 }
 

@@ -41,6 +41,7 @@
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
 //! | `nccl` (feature `nccl`) | collective communication: `Communicator`, checked collectives |
+//! | `blas` (feature `cublas`) | cuBLASLt plans and plain cuBLAS GEMMs: `BlasLt`, `MatmulPlan`, `Blas` |
 //! | [`guide`] | no code: the user's guide, a chapter per topic |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
@@ -74,6 +75,9 @@
 
 pub use metrale_cuda_sys as sys;
 
+#[cfg(feature = "cublas")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
+pub mod blas;
 pub mod blob;
 pub mod context;
 pub mod device;

@@ -1,0 +1,338 @@
+//! [`BlasLt`]: the cuBLASLt handle of one device, its per-stream workspaces and
+//! its plan cache.
+//!
+//! Invariants:
+//! - The handle is made with the device's context bound, and every call on it
+//!   binds that context first ([`LtCore::call`]).
+//! - The plan cache maps a checked [`Problem`] to its plan; plans hold the
+//!   core (handle, context, workspaces), never the cache, so no cycle keeps a
+//!   handle alive.
+//! - The handle is destroyed when the last `BlasLt` clone and the last plan
+//!   made from it are gone, under the release rule; its workspaces after it.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use metrale_cuda_sys::cublas::{self as raw, cublasLtHandle_t, cublasStatus_t, CublasLt};
+use metrale_cuda_sys::LibraryMissingSymbol;
+
+use crate::context::{AsContext, CudaContext, Generation};
+use crate::error::Result;
+use crate::stream::CudaStream;
+
+use super::error::{lt_call_error, missing, refused, unavailable};
+use super::matmul::{MatmulPlan, PlanInner};
+use super::plan::{MatmulDesc, Problem};
+use super::workspace::{Workspace, Workspaces};
+
+/// How a [`BlasLt`] handle is made.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BlasLtOptions {
+    /// Bytes of each stream's workspace (default 32 MiB, what cuBLAS
+    /// recommends for Hopper); also the most a plan may ask for.
+    pub workspace_bytes: usize,
+}
+
+impl Default for BlasLtOptions {
+    fn default() -> Self {
+        BlasLtOptions {
+            workspace_bytes: 32 << 20,
+        }
+    }
+}
+
+impl BlasLtOptions {
+    /// These options with workspaces of `bytes` bytes.
+    #[must_use]
+    pub fn with_workspace_bytes(mut self, bytes: usize) -> BlasLtOptions {
+        self.workspace_bytes = bytes;
+        self
+    }
+}
+
+/// What a handle and its plans share: the library, the context, the raw
+/// handle and the workspaces.
+pub(crate) struct LtCore {
+    pub(crate) lib: &'static CublasLt,
+    pub(crate) ctx: Arc<CudaContext>,
+    pub(crate) raw: cublasLtHandle_t,
+    made: Generation,
+    pub(crate) workspaces: Workspaces,
+}
+
+// SAFETY: the raw handle is written once and only read; cuBLASLt lets any
+// thread use a handle (its matmul and heuristic calls keep no per-handle
+// state a call changes: the workspace and stream are arguments).
+unsafe impl Send for LtCore {}
+// SAFETY: as for Send; the workspaces are behind a lock.
+unsafe impl Sync for LtCore {}
+
+impl LtCore {
+    /// Bind the context, then call `f` (a cuBLASLt call returning a status):
+    /// the room's one path into cuBLASLt. `subject` is evaluated on failure.
+    #[inline]
+    pub(crate) fn call<S: fmt::Display>(
+        &self,
+        call: &'static str,
+        subject: impl FnOnce() -> S,
+        f: impl FnOnce(&'static CublasLt) -> std::result::Result<cublasStatus_t, LibraryMissingSymbol>,
+    ) -> Result<()> {
+        if let Err(e) = self.ctx.bind_fast() {
+            return Err(e.about(subject()));
+        }
+        match f(self.lib) {
+            Ok(s) if s.is_success() => Ok(()),
+            Ok(s) => Err(lt_call_error(self.lib, call, s, subject())),
+            Err(m) => Err(missing(m, subject())),
+        }
+    }
+}
+
+impl Drop for LtCore {
+    fn drop(&mut self) {
+        let (lib, raw) = (self.lib, self.raw);
+        self.ctx.release_with(
+            self.made,
+            format_args!(
+                "destroying the cuBLASLt handle of device {}",
+                self.ctx.ordinal()
+            ),
+            |_, failures| {
+                let Ok(destroy) = lib.cublasLtDestroy() else {
+                    crate::error::report_line(format_args!(
+                        "the cuBLASLt handle {raw:p}: leaked, the library lacks cublasLtDestroy"
+                    ));
+                    return;
+                };
+                // SAFETY: the handle was made by cublasLtCreate and is destroyed once.
+                let status = unsafe { destroy(raw) };
+                if !status.is_success() {
+                    let _ = failures;
+                    crate::error::report_line(format_args!(
+                        "destroying the cuBLASLt handle {raw:p}: cublasLtDestroy failed: {status}"
+                    ));
+                }
+            },
+        );
+    }
+}
+
+/// The cuBLASLt handle of one device: plans, per-stream workspaces, and a
+/// cache of plans (feature `cublas`).
+///
+/// Cloning is cheap and shares the handle, its workspaces and its cache.
+///
+/// ```no_run
+/// use metrale_runtime::blas::{BlasLt, MatmulDesc};
+/// use metrale_runtime::{context, CudaStream, DeviceBuffer};
+/// # fn main() -> metrale_runtime::Result<()> {
+/// let ctx = context(0)?;
+/// let stream = CudaStream::new(&ctx)?;
+/// let blas = BlasLt::new(&ctx)?;
+/// let plan = blas.plan(&MatmulDesc::new::<f32, f32, f32, f32>(64, 64, 64))?;
+/// let a = DeviceBuffer::from_host(&stream, &[1.0f32; 64 * 64])?;
+/// let b = DeviceBuffer::from_host(&stream, &[1.0f32; 64 * 64])?;
+/// let c = DeviceBuffer::<f32>::zeroed(&stream, 64 * 64)?;
+/// let mut d = DeviceBuffer::<f32>::zeroed(&stream, 64 * 64)?;
+/// plan.matmul(&stream, 1.0, &a, &b, 0.0, &c, &mut d)?;
+/// assert!(stream.to_vec(&d)?.iter().all(|&x| x == 64.0));
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct BlasLt {
+    core: Arc<LtCore>,
+    cache: Arc<Mutex<HashMap<Problem, Arc<PlanInner>>>>,
+}
+
+impl fmt::Debug for BlasLt {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlasLt")
+            .field("device", &self.core.ctx.ordinal())
+            .field("raw", &self.core.raw)
+            .field("workspace_bytes", &self.core.workspaces.bytes())
+            .finish_non_exhaustive()
+    }
+}
+
+impl BlasLt {
+    /// A cuBLASLt handle for `ctx`'s device, with the default options.
+    ///
+    /// # Errors
+    /// The library missing (every try), `cublasLtCreate`'s failure.
+    pub fn new(ctx: &impl AsContext) -> Result<BlasLt> {
+        BlasLt::with_options(ctx, BlasLtOptions::default())
+    }
+
+    /// A cuBLASLt handle for `ctx`'s device.
+    ///
+    /// # Errors
+    /// As [`BlasLt::new`]; a workspace size of 0 bytes is allowed (algorithms
+    /// needing none).
+    pub fn with_options(ctx: &impl AsContext, options: BlasLtOptions) -> Result<BlasLt> {
+        let ctx = ctx.context();
+        let lib = raw::cublas_lt().map_err(unavailable)?;
+        let subject = || format!("device {}: creating a cuBLASLt handle", ctx.ordinal());
+        ctx.bind_fast().map_err(|e| e.about(subject()))?;
+        let create = lib.cublasLtCreate().map_err(|m| missing(m, subject()))?;
+        let mut handle: cublasLtHandle_t = std::ptr::null_mut();
+        // SAFETY: writes one handle; the device's context is current.
+        let status = unsafe { create(&mut handle) };
+        if !status.is_success() {
+            return Err(lt_call_error(lib, "cublasLtCreate", status, subject()));
+        }
+        Ok(BlasLt {
+            core: Arc::new(LtCore {
+                lib,
+                ctx: Arc::clone(ctx),
+                raw: handle,
+                made: ctx.generation(),
+                workspaces: Workspaces::new(options.workspace_bytes),
+            }),
+            cache: Arc::default(),
+        })
+    }
+
+    /// The plan of `desc`: from the cache when an equal problem was planned
+    /// before, else checked, built and run through the heuristic once.
+    ///
+    /// # Errors
+    /// A broken rule of `desc` ([`BlasError::Refused`](super::BlasError::Refused)),
+    /// a workspace limit above the handle's workspace, no algorithm
+    /// ([`BlasError::NoAlgorithm`](super::BlasError::NoAlgorithm)), a failing
+    /// cuBLASLt call.
+    pub fn plan(&self, desc: &MatmulDesc) -> Result<MatmulPlan> {
+        let mut problem = desc.check().map_err(|reason| {
+            refused(
+                "cublasLtMatmulAlgoGetHeuristic",
+                format!("device {} matmul plan", self.core.ctx.ordinal()),
+                reason,
+            )
+        })?;
+        let limit = self.core.workspaces.bytes();
+        match problem.workspace_limit {
+            Some(w) if w > limit => {
+                return Err(refused(
+                    "cublasLtMatmulAlgoGetHeuristic",
+                    format!("device {} {problem}", self.core.ctx.ordinal()),
+                    format!(
+                        "the workspace limit {w} is more than the handle's workspace ({limit} \
+                         bytes per stream; see BlasLtOptions::workspace_bytes)"
+                    ),
+                ))
+            }
+            Some(_) => {}
+            None => problem.workspace_limit = Some(limit),
+        }
+        if let Some(plan) = self.cached(&problem) {
+            return Ok(MatmulPlan::from_inner(plan));
+        }
+        let built = Arc::new(PlanInner::build(&self.core, problem)?);
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        let kept = cache.entry(problem).or_insert(built);
+        Ok(MatmulPlan::from_inner(Arc::clone(kept)))
+    }
+
+    #[inline]
+    fn cached(&self, problem: &Problem) -> Option<Arc<PlanInner>> {
+        self.cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(problem)
+            .cloned()
+    }
+
+    /// How many plans the cache holds.
+    pub fn cached_plans(&self) -> usize {
+        self.cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Empty the plan cache (plans in use stay valid).
+    pub fn clear_cache(&self) {
+        let taken = std::mem::take(&mut *self.cache.lock().unwrap_or_else(PoisonError::into_inner));
+        drop(taken);
+    }
+
+    /// Make `stream`'s workspace now, so the stream can be captured: a GEMM on
+    /// a stream being captured without one is refused.
+    ///
+    /// # Errors
+    /// Another device's stream, a stream being captured, the allocation's
+    /// failure.
+    pub fn prepare(&self, stream: &CudaStream) -> Result<()> {
+        prepare(&self.core.ctx, &self.core.workspaces, stream, "cuBLASLt").map(|_| ())
+    }
+
+    /// Forget `stream`'s workspace (freed once no graph holds it); whether it
+    /// had one. The handle otherwise keeps each stream it ran on alive, with
+    /// its workspace, until the handle goes.
+    pub fn release_workspace(&self, stream: &CudaStream) -> bool {
+        self.core.workspaces.release(stream)
+    }
+
+    /// How many streams have a workspace of this handle.
+    pub fn workspaces(&self) -> usize {
+        self.core.workspaces.count()
+    }
+
+    /// The size of each stream's workspace.
+    pub fn workspace_bytes(&self) -> usize {
+        self.core.workspaces.bytes()
+    }
+
+    /// The device's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.core.ctx
+    }
+
+    /// The raw handle, for calls metrale does not wrap. It stays valid while
+    /// this value lives; destroying it is metrale's.
+    pub fn raw(&self) -> cublasLtHandle_t {
+        self.core.raw
+    }
+
+    /// The loaded cuBLASLt's version (major, minor, patch).
+    pub fn version(&self) -> Option<(u32, u32, u32)> {
+        self.core.lib.version()
+    }
+}
+
+/// Make `stream`'s workspace in `workspaces` (of `ctx`), refusing another
+/// device's stream and a stream being captured.
+pub(crate) fn prepare(
+    ctx: &Arc<CudaContext>,
+    workspaces: &Workspaces,
+    stream: &CudaStream,
+    library: &str,
+) -> Result<Arc<Workspace>> {
+    let call = "cublasSetWorkspace_v2";
+    if !stream.context().same(ctx) {
+        return Err(refused(
+            call,
+            format!("device {} {library} handle", ctx.ordinal()),
+            format!(
+                "the stream is of device {}, the handle of device {}",
+                stream.ordinal(),
+                ctx.ordinal()
+            ),
+        ));
+    }
+    let section = stream.section();
+    let capturing = stream
+        .capturing_now(&section)
+        .map_err(|e| e.about(stream.subject("capture status")))?;
+    if capturing {
+        return Err(refused(
+            call,
+            stream.subject(""),
+            "the stream is being captured: its workspace must be made before the capture \
+             begins (prepare the stream, or run one GEMM on it eagerly, first)",
+        ));
+    }
+    drop(section);
+    workspaces.get_or_make(ctx, stream)
+}

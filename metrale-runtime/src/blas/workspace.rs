@@ -1,0 +1,160 @@
+//! One workspace per stream, owned by metrale: the device memory cuBLASLt and
+//! cuBLAS use as scratch during a GEMM.
+//!
+//! Invariants:
+//! - A workspace belongs to one stream and is handed to no other: two GEMMs
+//!   on two streams never share scratch memory (a race), and GEMMs of one
+//!   stream run in order, so they share it safely.
+//! - A workspace is made outside capture: on the stream's first eager GEMM,
+//!   or by `BlasLt::prepare` / `Blas::prepare`. A GEMM on a stream being
+//!   captured without one is refused (an allocation recorded into a capture
+//!   is one leak per graph).
+//! - The table holds a clone of each stream it has a workspace for, so a
+//!   stream's handle is never confused with a later stream's at the same
+//!   address; [`Workspaces::release`] gives one back.
+//! - A graph that captured a GEMM holds that GEMM's workspace
+//!   ([`keep_for_capture`]) as long as the graph or an executable graph made
+//!   from it lives; freeing a workspace (`cuMemFree`) waits for the work that
+//!   uses it.
+
+use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use crate::context::CudaContext;
+use crate::error::Result;
+use crate::memory::DeviceBuffer;
+use crate::stream::CudaStream;
+
+/// The scratch memory of one stream.
+pub(crate) struct Workspace {
+    buf: DeviceBuffer<u8>,
+    /// The last capture (the driver's id) that holds this workspace, so each
+    /// capture queues one holder, not one per GEMM; 0 for none.
+    kept_for: AtomicU64,
+}
+
+impl Workspace {
+    /// Its device address, as the libraries take it.
+    pub(crate) fn ptr(&self) -> *mut c_void {
+        self.buf.device_ptr() as usize as *mut c_void
+    }
+
+    /// Its size in bytes.
+    pub(crate) fn size(&self) -> usize {
+        self.buf.len()
+    }
+}
+
+/// The workspaces of one handle, one per stream.
+pub(crate) struct Workspaces {
+    bytes: usize,
+    list: Mutex<Vec<(CudaStream, Arc<Workspace>)>>,
+}
+
+impl Workspaces {
+    /// Workspaces of `bytes` bytes each.
+    pub(crate) fn new(bytes: usize) -> Workspaces {
+        Workspaces {
+            bytes,
+            list: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The size of each workspace.
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// The workspace of `stream`, if one was made.
+    #[inline]
+    pub(crate) fn get(&self, stream: &CudaStream) -> Option<Arc<Workspace>> {
+        let list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
+        list.iter()
+            .find(|(s, _)| s.same_stream(stream))
+            .map(|(_, w)| Arc::clone(w))
+    }
+
+    /// The workspace of `stream`, made now (in `ctx`) when it has none.
+    /// Not for a stream being captured (the caller checks).
+    pub(crate) fn get_or_make(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+    ) -> Result<Arc<Workspace>> {
+        if let Some(w) = self.get(stream) {
+            return Ok(w);
+        }
+        // Allocated outside the lock (cuMemAlloc may take a while); a racing
+        // call for the same stream keeps the first one listed.
+        let made = Arc::new(Workspace {
+            buf: DeviceBuffer::<u8>::alloc(ctx, self.bytes.max(1))?,
+            kept_for: AtomicU64::new(0),
+        });
+        let mut list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, w)) = list.iter().find(|(s, _)| s.same_stream(stream)) {
+            return Ok(Arc::clone(w));
+        }
+        list.push((stream.clone(), Arc::clone(&made)));
+        Ok(made)
+    }
+
+    /// Forget `stream`'s workspace (freed once no graph holds it); whether it
+    /// had one.
+    pub(crate) fn release(&self, stream: &CudaStream) -> bool {
+        let taken = {
+            let mut list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
+            let at = list.iter().position(|(s, _)| s.same_stream(stream));
+            at.map(|i| list.swap_remove(i))
+        };
+        // Dropped outside the lock: freeing calls the driver.
+        taken.is_some()
+    }
+
+    /// How many streams have a workspace.
+    pub(crate) fn count(&self) -> usize {
+        self.list
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+}
+
+/// Make the graph that `stream`'s capture `capture` (the driver's id) is
+/// recording hold `workspace`, once per capture: the graph and every
+/// executable graph made from it then keep the memory alive.
+///
+/// This is the room's one use of the crate's keep-alive mechanism: a
+/// repeatable host function ([`CudaStream::launch_host_fn_repeat`]), which a
+/// capture turns into a host node that the graph and its executables hold.
+/// Its closure does nothing when replayed; it only owns a clone of the
+/// workspace. Should its last clone go inside a host function (a replay's
+/// keeper), the workspace moves to the drop-later list instead of being freed
+/// there, where the driver may not be called.
+pub(crate) fn keep_for_capture(
+    stream: &CudaStream,
+    workspace: &Arc<Workspace>,
+    capture: u64,
+) -> Result<()> {
+    if workspace.kept_for.swap(capture, Ordering::AcqRel) == capture {
+        return Ok(());
+    }
+    struct Hold(Option<Arc<Workspace>>);
+    impl Drop for Hold {
+        fn drop(&mut self) {
+            if let Some(w) = self.0.take() {
+                if crate::context::in_host_function() {
+                    crate::context::drop_later(Box::new(w));
+                }
+            }
+        }
+    }
+    let hold = Hold(Some(Arc::clone(workspace)));
+    let kept = stream.launch_host_fn_repeat(Arc::new(move || {
+        let _ = &hold;
+    }));
+    if kept.is_err() {
+        workspace.kept_for.store(0, Ordering::Release);
+    }
+    kept
+}
