@@ -180,7 +180,7 @@ EXPORT void fakeblas_fail(const char *name, int status, long from_call, long tim
     pthread_mutex_lock(&lock);
     struct call_slot *s = slot(name);
     s->fail_status = status;
-    s->fail_from = from_call;
+    s->fail_from = s->calls + from_call; /* counted from the next call */
     s->fail_times = times;
     pthread_mutex_unlock(&lock);
 }

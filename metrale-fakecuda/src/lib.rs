@@ -788,8 +788,8 @@ impl FakeBlas {
         call!(self, "fakeblas_reset", unsafe extern "C" fn());
     }
 
-    /// Make `call` return `status` from its `from_call`-th call on (1-based), for
-    /// `times` calls, or for ever with `None`.
+    /// Make `call` return `status` from its `from_call`-th next call on (1: the
+    /// next one), for `times` calls, or for ever with `None`.
     pub fn fail(&self, call: &str, status: u32, from_call: i64, times: Option<i64>) {
         let name = CString::new(call).unwrap_or_default();
         call!(

@@ -277,5 +277,24 @@ fn check_operand(
 
 /// Whether the `a_len` elements at `a` and the `b_len` at `b` share a byte.
 fn overlaps(a: &Operand<'_>, a_len: u64, b: &Operand<'_>, b_len: u64) -> bool {
-    a.ptr < b.end(b_len) && b.ptr < a.end(a_len)
+    ranges_overlap((a.ptr, a.end(a_len)), (b.ptr, b.end(b_len)))
+}
+
+/// Whether two byte ranges `[start, end)` share a byte.
+fn ranges_overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.1 && b.0 < a.1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ranges_overlap;
+
+    #[test]
+    fn ranges_overlap_only_when_they_share_a_byte() {
+        assert!(ranges_overlap((0, 16), (8, 24)));
+        assert!(ranges_overlap((8, 24), (0, 16)));
+        assert!(ranges_overlap((0, 16), (4, 8)), "inside");
+        assert!(!ranges_overlap((0, 16), (16, 32)), "adjacent");
+        assert!(!ranges_overlap((16, 32), (0, 16)));
+    }
 }
