@@ -38,22 +38,21 @@ status_type!(
     "CUBLAS_STATUS_UNKNOWN"
 );
 
-// Both generated files define `FUNCTION_NAMES` and `FUNCTION_COUNT`; those two
-// names are ambiguous here (and so not exported): the `CUBLAS_`/`CUBLASLT_`
-// constants below name each.
-#[allow(ambiguous_glob_reexports)]
+// Both generated files define `FUNCTION_NAMES` and `FUNCTION_COUNT`; here
+// the plain names are cuBLAS's (explicit imports win over the globs), and the
+// `CUBLAS_`/`CUBLASLT_` names below say which is which.
 pub use bindings::*;
-#[allow(ambiguous_glob_reexports)]
+pub use bindings::{FUNCTION_COUNT, FUNCTION_NAMES};
 pub use lt_bindings::*;
 
-/// The names of the plain cuBLAS table's functions, in header order.
-pub const CUBLAS_FUNCTION_NAMES: &[&str] = &bindings::FUNCTION_NAMES;
-/// The names of the cuBLASLt table's functions, in header order.
-pub const CUBLASLT_FUNCTION_NAMES: &[&str] = &lt_bindings::FUNCTION_NAMES;
 /// How many functions the plain cuBLAS table holds.
-pub const CUBLAS_FUNCTION_COUNT: usize = bindings::FUNCTION_COUNT;
+pub use bindings::FUNCTION_COUNT as CUBLAS_FUNCTION_COUNT;
+/// The names of the plain cuBLAS table's functions, in header order.
+pub use bindings::FUNCTION_NAMES as CUBLAS_FUNCTION_NAMES;
 /// How many functions the cuBLASLt table holds.
-pub const CUBLASLT_FUNCTION_COUNT: usize = lt_bindings::FUNCTION_COUNT;
+pub use lt_bindings::FUNCTION_COUNT as CUBLASLT_FUNCTION_COUNT;
+/// The names of the cuBLASLt table's functions, in header order.
+pub use lt_bindings::FUNCTION_NAMES as CUBLASLT_FUNCTION_NAMES;
 
 /// Environment variable naming the exact cuBLAS library file to load.
 pub const LIBCUBLAS_PATH_VAR: &str = "METRALE_LIBCUBLAS_PATH";

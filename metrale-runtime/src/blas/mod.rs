@@ -8,7 +8,8 @@
 //! | `error.rs` | [`BlasError`], how it fills the library-error shape, the status texts |
 //! | `handle.rs` | [`BlasLt`]: the cuBLASLt handle of a device, its plan cache |
 //! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive |
-//! | `plan.rs` | [`MatmulDesc`] (the problem), [`MatrixLayout`], [`Epilogue`], [`ScaleMode`]; its rules; the heuristic |
+//! | `plan.rs` | [`MatmulDesc`] (the problem) and its rules, [`Problem`] (the checked problem, the cache's key) |
+//! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`] |
 //! | `matmul.rs` | [`MatmulPlan`]: its descriptors, the heuristic, its `matmul` |
 //! | `check.rs` | the checks of every call's buffers, [`MatmulExtras`] (bias, FP8 scales) |
 //! | `gemm.rs` | [`Blas`]: plain cuBLAS (`gemm_ex`, strided batches, device scalars) |
@@ -53,6 +54,7 @@ mod error;
 mod gemm;
 mod grouped;
 mod handle;
+mod layout;
 mod matmul;
 mod plan;
 mod shape;
