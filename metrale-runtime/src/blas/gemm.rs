@@ -24,13 +24,13 @@ use metrale_cuda_sys::LibraryMissingSymbol;
 use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::Result;
 use crate::memory::{note_use, DeviceMemory, DeviceMemoryMut};
-use crate::stream::CudaStream;
+use crate::stream::{CudaStream, Section};
 
 use super::check::{check, MatmulExtras, Operand};
 use super::error::{missing, plain_call_error, refused, unavailable};
 use super::handle::prepare;
 use super::shape::{GemmShape, MathMode};
-use super::workspace::{keep_for_capture, Workspace, Workspaces};
+use super::workspace::{Workspace, Workspaces};
 use super::{scale_bytes, BlasElement, ComputeType};
 
 pub(super) struct State {
@@ -222,13 +222,14 @@ impl Blas {
         }
     }
 
-    /// The stream's workspace (refused in capture when not made), held by a
-    /// capture that records it.
-    pub(super) fn workspace_for(
+    /// The stream's workspace and the section to call in (refused in capture
+    /// when not made; held by a capture that records it), after the device
+    /// check.
+    pub(super) fn workspace_for<'s>(
         &self,
-        stream: &CudaStream,
+        stream: &'s CudaStream,
         call: &'static str,
-    ) -> Result<Arc<Workspace>> {
+    ) -> Result<(Section<'s>, Arc<Workspace>)> {
         let inner = &*self.inner;
         if !stream.context().same(&inner.ctx) {
             return Err(refused(
@@ -241,31 +242,9 @@ impl Blas {
                 ),
             ));
         }
-        let capture = if stream.marked_for_capture() {
-            stream
-                .capture_id_raw()
-                .map_err(|e| e.about(stream.subject("capture id")))?
-        } else {
-            None
-        };
-        match capture {
-            Some(id) => {
-                let Some(w) = inner.workspaces.get(stream) else {
-                    return Err(refused(
-                        call,
-                        self.subject(),
-                        format!(
-                            "{} is being captured and has no workspace of this handle yet: make \
-                             it before the capture (Blas::prepare, or one eager GEMM on it)",
-                            stream.subject("")
-                        ),
-                    ));
-                };
-                keep_for_capture(stream, &w, id)?;
-                Ok(w)
-            }
-            None => inner.workspaces.get_or_make(&inner.ctx, stream),
-        }
+        inner
+            .workspaces
+            .for_call(&inner.ctx, stream, call, || self.subject())
     }
 
     /// Under the state lock: point the handle at `stream`, its workspace and
@@ -482,7 +461,7 @@ impl Blas {
         note_use(a, stream)?;
         note_use(b, stream)?;
         note_use(&*c, stream)?;
-        let ws = self.workspace_for(stream, call)?;
+        let (_section, ws) = self.workspace_for(stream, call)?;
         let mut state = self.lock();
         let (mode, alpha, beta, host);
         match scalars {

@@ -126,7 +126,7 @@ impl Blas {
         let arrays = DeviceBuffer::from_host(stream, &ptrs)?;
         let base = arrays.device_ptr();
         let (pa, pb, pc) = (base, base + 8 * total as u64, base + 16 * total as u64);
-        let ws = self.workspace_for(stream, call)?;
+        let (section, ws) = self.workspace_for(stream, call)?;
         let mut state = self.lock();
         self.configure(
             &mut state,
@@ -172,6 +172,7 @@ impl Blas {
             },
         );
         drop(state);
+        drop(section);
         // The pointer arrays must outlive the GEMMs that read them.
         let waited = stream.synchronize();
         drop(arrays);

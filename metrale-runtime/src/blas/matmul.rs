@@ -26,10 +26,9 @@ use crate::memory::{note_use, DeviceMemory, DeviceMemoryMut};
 use super::check::{check, MatmulExtras, Operand};
 use crate::stream::CudaStream;
 
-use super::error::{into_error, refused, BlasError};
+use super::error::{into_error, BlasError};
 use super::handle::LtCore;
 use super::plan::{Problem, ScaleMode};
-use super::workspace::keep_for_capture;
 use super::{scale_bytes, BlasElement, Order};
 
 /// The cuBLASLt objects of a plan, destroyed when it goes.
@@ -451,41 +450,9 @@ impl MatmulPlan {
         let inner = &*self.inner;
         let core = &inner.core;
         let subject = || format!("device {} {}", core.ctx.ordinal(), inner.problem);
-        let capture = if stream.marked_for_capture() {
-            let section = stream.section();
-            let capturing = stream
-                .capturing_now(&section)
-                .map_err(|e| e.about(stream.subject("capture status")))?;
-            drop(section);
-            if capturing {
-                stream
-                    .capture_id_raw()
-                    .map_err(|e| e.about(stream.subject("capture id")))?
-            } else {
-                None
-            }
-        } else {
-            None
-        };
-        let workspace = match capture {
-            Some(id) => {
-                let Some(w) = core.workspaces.get(stream) else {
-                    return Err(refused(
-                        "cublasLtMatmul",
-                        subject(),
-                        format!(
-                            "{} is being captured and has no workspace of this handle yet: make \
-                             it before the capture (BlasLt::prepare, or one eager matmul on the \
-                             stream)",
-                            stream.subject("")
-                        ),
-                    ));
-                };
-                keep_for_capture(stream, &w, id)?;
-                w
-            }
-            None => core.workspaces.get_or_make(&core.ctx, stream)?,
-        };
+        let (_section, workspace) =
+            core.workspaces
+                .for_call(&core.ctx, stream, "cublasLtMatmul", subject)?;
         let (ws, ws_size) = if inner.algo_workspace == 0 {
             (std::ptr::null_mut(), 0)
         } else {

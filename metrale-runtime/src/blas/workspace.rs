@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use crate::context::CudaContext;
 use crate::error::Result;
 use crate::memory::DeviceBuffer;
-use crate::stream::CudaStream;
+use crate::stream::{CudaStream, Section};
+
+use super::error::refused;
 
 /// The scratch memory of one stream.
 pub(crate) struct Workspace {
@@ -117,6 +119,64 @@ impl Workspaces {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .len()
+    }
+}
+
+impl Workspaces {
+    /// The workspace a GEMM `call` on `stream` uses, and the section of the
+    /// stream to make the call in (so no capture begins between this answer
+    /// and the call): outside capture the stream's workspace, made now if
+    /// need be; in a capture the stream's existing workspace, held by the
+    /// capture's graph, or a refusal when there is none.
+    pub(crate) fn for_call<'s>(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &'s CudaStream,
+        call: &'static str,
+        subject: impl Fn() -> String,
+    ) -> Result<(Section<'s>, Arc<Workspace>)> {
+        // At most a few rounds: a round that queued the capture's holder
+        // looks again (the capture may have ended or changed meanwhile).
+        for _ in 0..3 {
+            let section = stream.section();
+            let capturing = stream
+                .capturing_now(&section)
+                .map_err(|e| e.about(stream.subject("capture status")))?;
+            if !capturing {
+                let w = self.get_or_make(ctx, stream)?;
+                return Ok((section, w));
+            }
+            let id = stream
+                .capture_id_raw()
+                .map_err(|e| e.about(stream.subject("capture id")))?;
+            let Some(w) = self.get(stream) else {
+                return Err(refused(
+                    call,
+                    subject(),
+                    format!(
+                        "{} is being captured and has no workspace of this handle yet: make it \
+                         before the capture (prepare the stream, or run one GEMM on it eagerly)",
+                        stream.subject("")
+                    ),
+                ));
+            };
+            match id {
+                Some(id) if w.kept_for.load(Ordering::Acquire) != id => {
+                    // Queued outside the section: it takes one of its own.
+                    drop(section);
+                    keep_for_capture(stream, &w, id)?;
+                }
+                _ => return Ok((section, w)),
+            }
+        }
+        Err(refused(
+            call,
+            subject(),
+            format!(
+                "{}: its capture kept changing while its workspace was being attached",
+                stream.subject("")
+            ),
+        ))
     }
 }
 
