@@ -23,7 +23,9 @@ use metrale_runtime::blas::{
     Blas, BlasError, BlasLt, BlasLtOptions, ComputeType, Epilogue, Fp8E4M3, GemmGroup, GemmShape,
     MathMode, MatmulDesc, MatmulExtras, MatrixLayout, ScaleMode, Transpose,
 };
-use metrale_runtime::{context, CudaContext, CudaStream, DeviceBuffer, MetraleError};
+use metrale_runtime::{
+    context, CudaContext, CudaStream, DeviceBuffer, GreenContext, MetraleError, SmResource,
+};
 
 fn fake() -> &'static Fake {
     static F: OnceLock<Fake> = OnceLock::new();
@@ -902,6 +904,40 @@ fn every_call_binds_the_handles_context() {
     assert_eq!(blas().records().last().unwrap().device, 0);
 }
 
+fn green_context_streams_and_a_released_host_work() {
+    let (lt, _s) = setup();
+    let c0 = ctx(0);
+    let split = SmResource::of_device(&c0)
+        .unwrap()
+        .split_by_count(2, 64)
+        .unwrap();
+    let green = GreenContext::new(&[&split.groups[0]]).unwrap();
+    let gs = CudaStream::on_green_context(&green).unwrap();
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2))
+        .unwrap();
+    let a = DeviceBuffer::from_host(&gs, &[1.0f32, 2.0, 3.0, 4.0]).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&gs, 4).unwrap();
+    let mut d = DeviceBuffer::<f32>::zeroed(&gs, 4).unwrap();
+    plan.matmul(&gs, 1.0, &a, &a, 0.0, &c, &mut d).unwrap();
+    assert_eq!(gs.to_vec(&d).unwrap(), [7.0, 10.0, 15.0, 22.0]);
+    let r = blas().records().pop().unwrap();
+    assert_eq!(r.stream, gs.raw().cast(), "the green stream itself");
+    assert_eq!(
+        r.context,
+        c0.raw().cast(),
+        "with the device's primary context bound"
+    );
+    // release() drops the process's host; the handle holds its context, so
+    // its plans go on working on the device.
+    let h = metrale_runtime::host(0).unwrap();
+    drop(h);
+    metrale_runtime::release(0);
+    plan.matmul(&gs, 2.0, &a, &a, 0.0, &c, &mut d).unwrap();
+    assert_eq!(gs.to_vec(&d).unwrap(), [14.0, 20.0, 30.0, 44.0]);
+    assert_eq!(blas().records().pop().unwrap().context, c0.raw().cast());
+}
+
 fn library_errors_name_call_status_text_and_subject() {
     let (lt, s) = setup();
     let plan = lt
@@ -1283,6 +1319,7 @@ fn main() -> ExitCode {
         each_stream_has_its_own_workspace,
         captures_need_a_prepared_workspace_which_the_graph_keeps,
         every_call_binds_the_handles_context,
+        green_context_streams_and_a_released_host_work,
         library_errors_name_call_status_text_and_subject,
         plain_gemms_compute_and_check,
         grouped_gemms_compute_each_group,

@@ -519,6 +519,103 @@ fn plain_gemm_ex_grouped_and_device_scalars() {
     );
 }
 
+fn handles_work_with_another_context_current_on_green_streams_and_after_release() {
+    let (lt, s) = setup();
+    let ctx = context(0).unwrap();
+    let (m, n, k) = (128, 64, 96);
+    let a = exact(m * k, 17);
+    let b = exact(k * n, 18);
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(
+            m as u64, n as u64, k as u64,
+        ))
+        .unwrap();
+    let plain = Blas::new(&ctx).unwrap();
+    let da = DeviceBuffer::from_host(&s, &a).unwrap();
+    let db = DeviceBuffer::from_host(&s, &b).unwrap();
+    let dc = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
+    let mut dd = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
+    // Another context of the same device current on the thread.
+    let d = sys::driver().unwrap();
+    let mut other: sys::CUcontext = std::ptr::null_mut();
+    // SAFETY: writes one context; no creation parameters.
+    let made =
+        unsafe { (d.cuCtxCreate_v4().unwrap())(&mut other, std::ptr::null_mut(), 0, ctx.device()) };
+    assert!(made.is_success(), "cuCtxCreate_v4: {made}");
+    // SAFETY: the live context made above.
+    assert!(unsafe { (d.cuCtxSetCurrent().unwrap())(other) }.is_success());
+    plan.matmul(&s, 1.0, &da, &db, 0.0, &dc, &mut dd).unwrap();
+    compare(
+        "another context current",
+        &s.to_vec(&dd).unwrap(),
+        &a,
+        false,
+        &b,
+        false,
+        (m, n, k),
+        0.0,
+        0.0,
+    );
+    // SAFETY: the live context made above.
+    assert!(unsafe { (d.cuCtxSetCurrent().unwrap())(other) }.is_success());
+    let mut dc2 = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
+    plain
+        .gemm_ex(
+            &s,
+            &GemmShape::new(m as u32, n as u32, k as u32),
+            1.0,
+            &da,
+            &db,
+            0.0,
+            &mut dc2,
+            ComputeType::F32,
+        )
+        .unwrap();
+    assert_eq!(
+        s.to_vec(&dc2).unwrap(),
+        s.to_vec(&dd).unwrap(),
+        "gemm_ex with another context current"
+    );
+    // SAFETY: made above, destroyed once; metrale's context is current now.
+    assert!(unsafe { (d.cuCtxDestroy_v2().unwrap())(other) }.is_success());
+    // A green-context stream (the device's primary context under it).
+    let split = SmResource::of_device(&ctx)
+        .unwrap()
+        .split_by_count(1, 16)
+        .unwrap();
+    let green = GreenContext::new(&[&split.groups[0]]).unwrap();
+    let gs = CudaStream::on_green_context(&green).unwrap();
+    let mut dg = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
+    s.synchronize().unwrap();
+    plan.matmul(&gs, 1.0, &da, &db, 0.0, &dc, &mut dg).unwrap();
+    compare(
+        "green stream",
+        &gs.to_vec(&dg).unwrap(),
+        &a,
+        false,
+        &b,
+        false,
+        (m, n, k),
+        0.0,
+        0.0,
+    );
+    // After release(): the handle holds its context.
+    release(0);
+    let mut dr = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
+    plan.matmul(&s, 1.0, &da, &db, 0.0, &dc, &mut dr).unwrap();
+    compare(
+        "after release",
+        &s.to_vec(&dr).unwrap(),
+        &a,
+        false,
+        &b,
+        false,
+        (m, n, k),
+        0.0,
+        0.0,
+    );
+}
+
 fn refusals_hold_on_the_gpu_too() {
     let (lt, s) = setup();
     let plan = lt
@@ -603,6 +700,11 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "blas::plain_gemm_ex_grouped_and_device_scalars",
             run: plain_gemm_ex_grouped_and_device_scalars,
+        },
+        Test {
+            name:
+                "blas::handles_work_with_another_context_current_on_green_streams_and_after_release",
+            run: handles_work_with_another_context_current_on_green_streams_and_after_release,
         },
         Test {
             name: "blas::refusals_hold_on_the_gpu_too",
