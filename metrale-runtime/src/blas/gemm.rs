@@ -469,8 +469,8 @@ impl Blas {
                 let scale = compute.scale_type();
                 host = (scale_bytes(al, scale), scale_bytes(be, scale));
                 mode = cublasPointerMode_t::CUBLAS_POINTER_MODE_HOST;
-                alpha = host.0.as_ptr().cast::<c_void>();
-                beta = host.1.as_ptr().cast::<c_void>();
+                alpha = host.0.as_ptr();
+                beta = host.1.as_ptr();
             }
             Scalars::Device(al, be) => {
                 mode = cublasPointerMode_t::CUBLAS_POINTER_MODE_DEVICE;

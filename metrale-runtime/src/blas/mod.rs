@@ -247,15 +247,28 @@ pub enum Order {
     Row,
 }
 
+/// A scalar (alpha, beta) in the scale type, aligned for any of them: the
+/// library reads it through a pointer to the scale type.
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+pub(crate) struct Scalar([u8; 8]);
+
+impl Scalar {
+    /// The address the library reads.
+    pub(crate) fn as_ptr(&self) -> *const std::ffi::c_void {
+        std::ptr::from_ref(self).cast()
+    }
+}
+
 /// An f32 as the scale type's bytes (f16 for an f16 scale type), in the low
-/// bytes of the result.
-pub(crate) fn scale_bytes(value: f32, scale: DataType) -> [u8; 8] {
+/// bytes (the scale type's value at the start, on a little-endian host).
+pub(crate) fn scale_bytes(value: f32, scale: DataType) -> Scalar {
     let mut out = [0u8; 8];
     match scale {
-        DataType::F16 => out[..2].copy_from_slice(&half::f16::from_f32(value).to_le_bytes()),
-        _ => out[..4].copy_from_slice(&value.to_le_bytes()),
+        DataType::F16 => out[..2].copy_from_slice(&half::f16::from_f32(value).to_ne_bytes()),
+        _ => out[..4].copy_from_slice(&value.to_ne_bytes()),
     }
-    out
+    Scalar(out)
 }
 
 #[cfg(test)]
@@ -279,7 +292,13 @@ mod tests {
 
     #[test]
     fn scales_are_written_in_the_scale_type() {
-        assert_eq!(&scale_bytes(1.5, DataType::F32)[..4], &1.5f32.to_le_bytes());
-        assert_eq!(&scale_bytes(1.5, DataType::F16)[..2], &[0x00, 0x3e]);
+        let f = scale_bytes(1.5, DataType::F32);
+        assert_eq!(&f.0[..4], &1.5f32.to_ne_bytes());
+        assert_eq!(f.as_ptr() as usize % 8, 0);
+        assert_eq!(
+            &scale_bytes(1.5, DataType::F16).0[..2],
+            &half::f16::from_f32(1.5).to_ne_bytes()
+        );
+        assert_eq!(half::f16::from_f32(1.5).to_bits(), 0x3e00);
     }
 }

@@ -444,12 +444,11 @@ impl Problem {
         (self.m, self.n, self.k)
     }
 
-    /// The bias vector's length when the epilogue has one: `m` per batch.
+    /// The bias vector's length when the epilogue has one: `m`, one element per
+    /// row of D.
+    /// One vector serves every matrix of a batch (its batch stride is 0).
     pub fn bias_len(&self) -> Option<u64> {
-        self.epilogue.has_bias().then(|| {
-            let batches = u64::from(self.layouts[3].batch_count);
-            self.m.saturating_mul(batches)
-        })
+        self.epilogue.has_bias().then_some(self.m)
     }
 
     /// The element types of A, B, C and D.
