@@ -800,6 +800,7 @@ fn captures_need_a_prepared_workspace_which_the_graph_keeps() {
     let a = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
     let c = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
     let mut d = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let mut d2 = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
     let devmem = fake().live(Live::DeviceMemory);
     // Not prepared: refused, nothing allocated into the capture.
     let e = s
@@ -832,7 +833,16 @@ fn captures_need_a_prepared_workspace_which_the_graph_keeps() {
         .filter(|n| n.kind() == metrale_runtime::GraphNodeKind::Host)
         .count();
     assert_eq!(host_nodes, 1, "one holder per capture, not one per GEMM");
-    let exec = graph.instantiate().unwrap();
+    let mut exec = graph.instantiate().unwrap();
+    // The same plan captured with other buffers updates the executable.
+    let graph2 = s
+        .capture(|s| {
+            plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d2)?;
+            plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d2)
+        })
+        .unwrap();
+    exec.update(&graph2).unwrap();
+    drop(graph2);
     // The handle, the plan and the stream's entry go: the graph still holds it.
     assert!(lt.release_workspace(&s));
     drop(plan);

@@ -394,6 +394,24 @@ fn a_captured_plan_replays_100_times_bit_identical_to_eager() {
             );
         }
     }
+    // New pointers: the same plan captured over another D updates the
+    // executable in place.
+    let mut d2 = DeviceBuffer::<bf16>::zeroed(&s, m * n).unwrap();
+    let graph2 = s
+        .capture(|s| plan.matmul(s, 1.0, &da, &db, 0.0, &dc, &mut d2))
+        .unwrap();
+    let mut exec = exec;
+    exec.update(&graph2).unwrap();
+    // SAFETY: as above, with d2.
+    unsafe { exec.launch(&s) }.unwrap();
+    let got = s.to_vec(&d2).unwrap();
+    assert!(
+        got.iter()
+            .zip(&want)
+            .all(|(g, w)| g.to_bits() == w.to_bits()),
+        "the updated graph differs from eager"
+    );
+    drop(graph2);
     drop(graph);
     drop(plan);
     drop(lt);
