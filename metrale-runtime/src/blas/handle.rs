@@ -12,6 +12,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::cublas::{self as raw, cublasLtHandle_t, cublasStatus_t, CublasLt};
@@ -25,6 +26,65 @@ use super::error::{lt_call_error, missing, refused, unavailable};
 use super::matmul::{MatmulPlan, PlanInner};
 use super::plan::{MatmulDesc, Problem};
 use super::workspace::{Workspace, Workspaces};
+
+/// The plan cache's hasher: a multiply-rotate over the key's words (the
+/// Fx hash). Keys are small plain data the program itself makes, so no
+/// flooding resistance is needed, and a hit costs a few nanoseconds of
+/// hashing instead of SipHash's hundred.
+struct KeyHasher(u64);
+
+impl Default for KeyHasher {
+    /// A non-zero start, so that zero words still change the state.
+    fn default() -> KeyHasher {
+        KeyHasher(0x243f_6a88_85a3_08d3)
+    }
+}
+
+impl KeyHasher {
+    #[inline]
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+impl Hasher for KeyHasher {
+    #[inline]
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+
+    #[inline]
+    fn write_u8(&mut self, n: u8) {
+        self.add(u64::from(n));
+    }
+
+    #[inline]
+    fn write_u32(&mut self, n: u32) {
+        self.add(u64::from(n));
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.add(n);
+    }
+
+    #[inline]
+    fn write_usize(&mut self, n: usize) {
+        self.add(n as u64);
+    }
+}
+
+/// The plan cache: checked problems to their plans.
+type PlanCache = HashMap<Problem, Arc<PlanInner>, BuildHasherDefault<KeyHasher>>;
 
 /// How a [`BlasLt`] handle is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -143,7 +203,7 @@ impl Drop for LtCore {
 #[derive(Clone)]
 pub struct BlasLt {
     core: Arc<LtCore>,
-    cache: Arc<Mutex<HashMap<Problem, Arc<PlanInner>>>>,
+    cache: Arc<Mutex<PlanCache>>,
 }
 
 impl fmt::Debug for BlasLt {
@@ -335,4 +395,33 @@ pub(crate) fn prepare(
     }
     drop(section);
     workspaces.get_or_make(ctx, stream)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::hash::Hasher;
+
+    use super::KeyHasher;
+
+    #[test]
+    fn the_key_hasher_tells_words_and_their_order_apart() {
+        let hash = |words: &[u64]| {
+            let mut h = KeyHasher::default();
+            words.iter().for_each(|&w| h.write_u64(w));
+            h.finish()
+        };
+        assert_ne!(hash(&[1, 2]), hash(&[2, 1]));
+        assert_ne!(hash(&[0]), hash(&[0, 0]));
+        assert_eq!(hash(&[7, 9]), hash(&[7, 9]));
+        let mut bytes = KeyHasher::default();
+        bytes.write(&[1, 0, 0, 0, 0, 0, 0, 0, 2]);
+        let mut words = KeyHasher::default();
+        words.write_u64(1);
+        words.write_u64(2);
+        assert_eq!(
+            bytes.finish(),
+            words.finish(),
+            "bytes are read as little-endian words"
+        );
+    }
 }
