@@ -529,6 +529,10 @@ fn problems_that_break_a_rule_are_refused_before_the_heuristic() {
             "alignment 8 must be a power of two from 16 to 256",
         ),
         (
+            MatmulDesc::new::<f32, f32, f32, f32>(1 << 40, 1 << 40, 2).batch(4),
+            "operand C: layout 1099511627776x1099511627776 col ld 1099511627776, batch 4 stride 18446744073709551615 overflows",
+        ),
+        (
             MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2).workspace_limit(64 << 20),
             "the workspace limit 67108864 is more than the handle's workspace (33554432 bytes per stream",
         ),
@@ -1116,6 +1120,11 @@ fn plain_gemms_compute_and_check() {
         ),
         "{e}"
     );
+    let huge = GemmShape::new(1 << 31, 1, 1);
+    let e = plain
+        .gemm_ex(&s, &huge, 1.0, &da, &db, 0.0, &mut dc, ComputeType::F32)
+        .unwrap_err();
+    assert!(refusal(&e).contains("exceeds i32::MAX"), "{e}");
     let fp8 = DeviceBuffer::from_host(&s, &[Fp8E4M3(0); 16]).unwrap();
     let e = plain
         .gemm_ex(

@@ -433,18 +433,11 @@ impl Blas {
         let p = shape
             .problem([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
             .map_err(|r| refused(call, self.subject(), r))?;
-        if shape.m > i32::MAX as u32
-            || shape.n > i32::MAX as u32
-            || shape.k > i32::MAX as u32
-            || shape.batch > i32::MAX as u32
-            || [shape.lda, shape.ldb, shape.ldc]
-                .iter()
-                .any(|&l| l > i32::MAX as u32)
-        {
+        if !shape.fits_the_api() {
             return Err(refused(
                 call,
                 self.subject(),
-                "a size or leading dimension exceeds i32::MAX",
+                "a size, leading dimension or batch count exceeds i32::MAX, or a stride i64::MAX",
             ));
         }
         let cc = Operand::of(&*c);

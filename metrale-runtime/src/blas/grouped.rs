@@ -86,6 +86,13 @@ impl Blas {
                     ),
                 ));
             }
+            if !s.fits_the_api() || group.a.len() > i32::MAX as usize {
+                return Err(refused(
+                    call,
+                    self.subject(),
+                    format!("group {g}: a size, leading dimension or count exceeds i32::MAX"),
+                ));
+            }
             let p = s
                 .problem([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
                 .map_err(|r| refused(call, self.subject(), format!("group {g}: {r}")))?;
@@ -136,7 +143,9 @@ impl Blas {
         )?;
         let raw = state.raw;
         let (at, bt, ct) = (A::DATA_TYPE.raw(), B::DATA_TYPE.raw(), C::DATA_TYPE.raw());
-        let groups_n = sizes.len() as i32;
+        let Ok(groups_n) = i32::try_from(sizes.len()) else {
+            return Err(refused(call, self.subject(), "more than i32::MAX groups"));
+        };
         let done = self.call(
             call,
             || self.subject(),

@@ -258,7 +258,7 @@ impl MatmulDesc {
                 None => {
                     let (r, c) = stored[i];
                     let l = MatrixLayout::col_major(r, c);
-                    let stride = if batch > 1 { r * c } else { 0 };
+                    let stride = if batch > 1 { r.saturating_mul(c) } else { 0 };
                     l.with_batch(batch, stride)
                 }
             };
@@ -290,7 +290,11 @@ impl MatmulDesc {
             if l.batch_count == 0 {
                 return Err(format!("operand {op}: the batch count must be at least 1"));
             }
-            if l.required_len().is_none() || l.ld > i64::MAX as u64 {
+            if l.required_len().is_none()
+                || l.ld > i64::MAX as u64
+                || l.batch_stride > i64::MAX as u64
+                || l.batch_count > i32::MAX as u32
+            {
                 return Err(format!("operand {op}: layout {l} overflows"));
             }
         }

@@ -136,6 +136,18 @@ impl GemmShape {
         self
     }
 
+    /// Whether every size, leading dimension and batch count fits cuBLAS's
+    /// `int`, and every stride its `long long`.
+    pub(crate) fn fits_the_api(&self) -> bool {
+        let small = [
+            self.m, self.n, self.k, self.lda, self.ldb, self.ldc, self.batch,
+        ];
+        small.iter().all(|&x| x <= i32::MAX as u32)
+            && [self.stride_a, self.stride_b, self.stride_c]
+                .iter()
+                .all(|&x| x <= i64::MAX as u64)
+    }
+
     /// The matmul problem of the same GEMM (C is also D), checked by the
     /// plans' rules.
     pub(crate) fn problem(
