@@ -28,7 +28,6 @@ use crate::stream::{CudaStream, Section};
 
 use super::check::{check, MatmulExtras, Operand};
 use super::error::{missing, plain_call_error, refused, unavailable};
-use super::handle::prepare;
 use super::shape::{GemmShape, MathMode};
 use super::workspace::{Workspace, Workspaces};
 use super::{scale_bytes, BlasElement, ComputeType};
@@ -166,7 +165,10 @@ impl Blas {
     /// # Errors
     /// Another device's stream, a stream being captured, the allocation.
     pub fn prepare(&self, stream: &CudaStream) -> Result<()> {
-        prepare(&self.inner.ctx, &self.inner.workspaces, stream, "cuBLAS").map(|_| ())
+        self.inner
+            .workspaces
+            .prepare(&self.inner.ctx, stream, "cuBLAS")
+            .map(|_| ())
     }
 
     /// Forget `stream`'s workspace; whether it had one.

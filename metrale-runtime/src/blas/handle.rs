@@ -15,17 +15,17 @@ use std::fmt;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use metrale_cuda_sys::cublas::{self as raw, cublasLtHandle_t, cublasStatus_t, CublasLt};
-use metrale_cuda_sys::LibraryMissingSymbol;
+use metrale_cuda_sys::cublas::{self as raw, cublasLtHandle_t};
 
-use crate::context::{AsContext, CudaContext, Generation};
+use crate::context::{AsContext, CudaContext};
 use crate::error::Result;
 use crate::stream::CudaStream;
 
+use super::core::LtCore;
 use super::error::{lt_call_error, missing, refused, unavailable};
 use super::matmul::{MatmulPlan, PlanInner};
 use super::plan::{MatmulDesc, Problem};
-use super::workspace::{Workspace, Workspaces};
+use super::workspace::Workspaces;
 
 /// The plan cache's hasher: a multiply-rotate over the key's words (the
 /// Fx hash). Keys are small plain data the program itself makes, so no
@@ -109,73 +109,6 @@ impl BlasLtOptions {
     pub fn with_workspace_bytes(mut self, bytes: usize) -> BlasLtOptions {
         self.workspace_bytes = bytes;
         self
-    }
-}
-
-/// What a handle and its plans share: the library, the context, the raw
-/// handle and the workspaces.
-pub(crate) struct LtCore {
-    pub(crate) lib: &'static CublasLt,
-    pub(crate) ctx: Arc<CudaContext>,
-    pub(crate) raw: cublasLtHandle_t,
-    made: Generation,
-    pub(crate) workspaces: Workspaces,
-}
-
-// SAFETY: the raw handle is written once and only read; cuBLASLt lets any
-// thread use a handle (its matmul and heuristic calls keep no per-handle
-// state a call changes: the workspace and stream are arguments).
-unsafe impl Send for LtCore {}
-// SAFETY: as for Send; the workspaces are behind a lock.
-unsafe impl Sync for LtCore {}
-
-impl LtCore {
-    /// Bind the context, then call `f` (a cuBLASLt call returning a status):
-    /// the room's one path into cuBLASLt. `subject` is evaluated on failure.
-    #[inline]
-    pub(crate) fn call<S: fmt::Display>(
-        &self,
-        call: &'static str,
-        subject: impl FnOnce() -> S,
-        f: impl FnOnce(&'static CublasLt) -> std::result::Result<cublasStatus_t, LibraryMissingSymbol>,
-    ) -> Result<()> {
-        if let Err(e) = self.ctx.bind_fast() {
-            return Err(e.about(subject()));
-        }
-        match f(self.lib) {
-            Ok(s) if s.is_success() => Ok(()),
-            Ok(s) => Err(lt_call_error(self.lib, call, s, subject())),
-            Err(m) => Err(missing(m, subject())),
-        }
-    }
-}
-
-impl Drop for LtCore {
-    fn drop(&mut self) {
-        let (lib, raw) = (self.lib, self.raw);
-        self.ctx.release_with(
-            self.made,
-            format_args!(
-                "destroying the cuBLASLt handle of device {}",
-                self.ctx.ordinal()
-            ),
-            |_, failures| {
-                let Ok(destroy) = lib.cublasLtDestroy() else {
-                    crate::error::report_line(format_args!(
-                        "the cuBLASLt handle {raw:p}: leaked, the library lacks cublasLtDestroy"
-                    ));
-                    return;
-                };
-                // SAFETY: the handle was made by cublasLtCreate and is destroyed once.
-                let status = unsafe { destroy(raw) };
-                if !status.is_success() {
-                    let _ = failures;
-                    crate::error::report_line(format_args!(
-                        "destroying the cuBLASLt handle {raw:p}: cublasLtDestroy failed: {status}"
-                    ));
-                }
-            },
-        );
     }
 }
 
@@ -324,7 +257,10 @@ impl BlasLt {
     /// Another device's stream, a stream being captured, the allocation's
     /// failure.
     pub fn prepare(&self, stream: &CudaStream) -> Result<()> {
-        prepare(&self.core.ctx, &self.core.workspaces, stream, "cuBLASLt").map(|_| ())
+        self.core
+            .workspaces
+            .prepare(&self.core.ctx, stream, "cuBLASLt")
+            .map(|_| ())
     }
 
     /// Forget `stream`'s workspace (freed once no graph holds it); whether it
@@ -359,42 +295,6 @@ impl BlasLt {
     pub fn version(&self) -> Option<(u32, u32, u32)> {
         self.core.lib.version()
     }
-}
-
-/// Make `stream`'s workspace in `workspaces` (of `ctx`), refusing another
-/// device's stream and a stream being captured.
-pub(crate) fn prepare(
-    ctx: &Arc<CudaContext>,
-    workspaces: &Workspaces,
-    stream: &CudaStream,
-    library: &str,
-) -> Result<Arc<Workspace>> {
-    let call = "cublasSetWorkspace_v2";
-    if !stream.context().same(ctx) {
-        return Err(refused(
-            call,
-            format!("device {} {library} handle", ctx.ordinal()),
-            format!(
-                "the stream is of device {}, the handle of device {}",
-                stream.ordinal(),
-                ctx.ordinal()
-            ),
-        ));
-    }
-    let section = stream.section();
-    let capturing = stream
-        .capturing_now(&section)
-        .map_err(|e| e.about(stream.subject("capture status")))?;
-    if capturing {
-        return Err(refused(
-            call,
-            stream.subject(""),
-            "the stream is being captured: its workspace must be made before the capture \
-             begins (prepare the stream, or run one GEMM on it eagerly, first)",
-        ));
-    }
-    drop(section);
-    workspaces.get_or_make(ctx, stream)
 }
 
 #[cfg(test)]

@@ -26,8 +26,8 @@ use crate::memory::{note_use, DeviceMemory, DeviceMemoryMut};
 use super::check::{check, MatmulExtras, Operand};
 use crate::stream::CudaStream;
 
+use super::core::LtCore;
 use super::error::{into_error, BlasError};
-use super::handle::LtCore;
 use super::plan::{Problem, ScaleMode};
 use super::{scale_bytes, BlasElement, Order};
 

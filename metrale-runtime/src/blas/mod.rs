@@ -7,6 +7,7 @@
 //! | `mod.rs` | the element types ([`BlasElement`], [`Fp8E4M3`], [`Fp8E5M2`]), [`ComputeType`], [`Transpose`], [`Order`] |
 //! | `error.rs` | [`BlasError`], how it fills the library-error shape, the status texts |
 //! | `handle.rs` | [`BlasLt`]: the cuBLASLt handle of a device, its plan cache |
+//! | `core.rs` | what a handle and its plans share; the one path into cuBLASLt |
 //! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive |
 //! | `plan.rs` | [`MatmulDesc`] (the problem) and its rules, [`Problem`] (the checked problem, the cache's key) |
 //! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`] |
@@ -50,6 +51,7 @@ use metrale_cuda_sys::cublas::{cublasComputeType_t, cublasOperation_t, cudaDataT
 use crate::memory::{DevicePod, DeviceRepr};
 
 mod check;
+mod core;
 mod error;
 mod gemm;
 mod grouped;

@@ -123,6 +123,42 @@ impl Workspaces {
 }
 
 impl Workspaces {
+    /// Make `stream`'s workspace (in `ctx`), refusing another device's stream
+    /// and a stream being captured.
+    pub(crate) fn prepare(
+        &self,
+        ctx: &Arc<CudaContext>,
+        stream: &CudaStream,
+        library: &str,
+    ) -> Result<Arc<Workspace>> {
+        let call = "cublasSetWorkspace_v2";
+        if !stream.context().same(ctx) {
+            return Err(refused(
+                call,
+                format!("device {} {library} handle", ctx.ordinal()),
+                format!(
+                    "the stream is of device {}, the handle of device {}",
+                    stream.ordinal(),
+                    ctx.ordinal()
+                ),
+            ));
+        }
+        let section = stream.section();
+        let capturing = stream
+            .capturing_now(&section)
+            .map_err(|e| e.about(stream.subject("capture status")))?;
+        if capturing {
+            return Err(refused(
+                call,
+                stream.subject(""),
+                "the stream is being captured: its workspace must be made before the capture \
+                 begins (prepare the stream, or run one GEMM on it eagerly, first)",
+            ));
+        }
+        drop(section);
+        self.get_or_make(ctx, stream)
+    }
+
     /// The workspace a GEMM `call` on `stream` uses, and the section of the
     /// stream to make the call in (so no capture begins between this answer
     /// and the call): outside capture the stream's workspace, made now if
