@@ -109,8 +109,16 @@ pub mod prelude {
         KernelArgList, LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, NullPtr,
         PinnedBuffer, Result,
     };
+    #[cfg(feature = "cublas")]
+    pub use crate::{Blas, BlasLt, MatmulDesc, MatmulPlan};
 }
 
+#[cfg(feature = "cublas")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
+pub use blas::{
+    Blas, BlasElement, BlasError, BlasLt, BlasLtOptions, ComputeType, Epilogue, Fp8E4M3, Fp8E5M2,
+    GemmShape, MatmulDesc, MatmulExtras, MatmulPlan, MatrixLayout, ScaleMode, Transpose,
+};
 pub use blob::BlobKind;
 pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
 pub use device::{enable_peer_access, memory_info, Device, PeerLink};
