@@ -439,6 +439,8 @@ fn two_streams_at_once_each_with_its_own_workspace() {
     let dc = DeviceBuffer::<f32>::zeroed(&s1, m * n).unwrap();
     let mut d1 = DeviceBuffer::<f32>::zeroed(&s1, m * n).unwrap();
     let mut d2 = DeviceBuffer::<f32>::zeroed(&s1, m * n).unwrap();
+    // The fills above are queued on s1; s2 must not race them.
+    s1.synchronize().unwrap();
     for _ in 0..20 {
         plan.matmul(&s1, 1.0, &da, &db, 0.0, &dc, &mut d1).unwrap();
         plan.matmul(&s2, 1.0, &da, &db, 0.0, &dc, &mut d2).unwrap();
