@@ -413,6 +413,17 @@ impl Fake {
         }
     }
 
+    /// Live user objects (`cuUserObjectCreate`, not yet released by every
+    /// holder: their creator, graphs, executable graphs).
+    pub fn user_objects(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_user_objects",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
     /// Green contexts destroyed while streams made on them were still alive.
     pub fn green_orphans(&self) -> i64 {
         let n: c_long = call!(

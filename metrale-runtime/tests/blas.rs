@@ -836,7 +836,12 @@ fn captures_need_a_prepared_workspace_which_the_graph_keeps() {
         .iter()
         .filter(|n| n.kind() == metrale_runtime::GraphNodeKind::Host)
         .count();
-    assert_eq!(host_nodes, 1, "one holder per capture, not one per GEMM");
+    assert_eq!(host_nodes, 0, "held by a user object, not a node");
+    assert_eq!(
+        fake().user_objects(),
+        1,
+        "one holder per capture, not one per GEMM"
+    );
     let mut exec = graph.instantiate().unwrap();
     // The same plan captured with other buffers updates the executable.
     let graph2 = s
@@ -845,8 +850,10 @@ fn captures_need_a_prepared_workspace_which_the_graph_keeps() {
             plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d2)
         })
         .unwrap();
+    assert_eq!(fake().user_objects(), 2, "each capture holds it");
     exec.update(&graph2).unwrap();
     drop(graph2);
+    assert_eq!(fake().user_objects(), 1);
     // The handle, the plan and the stream's entry go: the graph still holds it.
     assert!(lt.release_workspace(&s));
     drop(plan);
@@ -1294,6 +1301,52 @@ fn missing_library_missing_symbol_and_old_library() {
     );
 }
 
+/// On a driver without user objects (the old stand-in), a capture holds its
+/// workspace through a host node instead.
+fn without_user_objects_a_host_node_holds_the_workspace() {
+    let old = metrale_fakecuda::old_library_path().display().to_string();
+    let (ok, stdout, stderr) =
+        child_output("old_driver_capture", &[("METRALE_LIBCUDA_PATH", &old)]);
+    assert!(ok, "{stdout}{stderr}");
+    assert!(
+        stdout.contains("host nodes 1, memory held 1, freed 1"),
+        "{stdout}{stderr}"
+    );
+}
+
+fn old_driver_capture_child() {
+    // The old stand-in is the loaded driver here: read its counters.
+    let old = Fake::open(metrale_fakecuda::old_library_path());
+    let c0 = ctx(0);
+    let s = CudaStream::new(&c0).unwrap();
+    let lt = BlasLt::new(&c0).unwrap();
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2))
+        .unwrap();
+    let a = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let mut d = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let before = old.live(Live::DeviceMemory);
+    lt.prepare(&s).unwrap();
+    let graph = s
+        .capture(|s| plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d))
+        .unwrap();
+    let hosts = graph
+        .nodes()
+        .unwrap()
+        .iter()
+        .filter(|n| n.kind() == metrale_runtime::GraphNodeKind::Host)
+        .count();
+    lt.release_workspace(&s);
+    drop(plan);
+    drop(lt);
+    let held = old.live(Live::DeviceMemory) - before;
+    drop(graph);
+    s.synchronize().unwrap();
+    let freed = held - (old.live(Live::DeviceMemory) - before);
+    println!("host nodes {hosts}, memory held {held}, freed {freed}");
+}
+
 fn grouped_child() {
     let c0 = ctx(0);
     let s = CudaStream::new(&c0).unwrap();
@@ -1343,6 +1396,7 @@ fn main() -> ExitCode {
         plain_gemms_compute_and_check,
         grouped_gemms_compute_each_group,
         missing_library_missing_symbol_and_old_library,
+        without_user_objects_a_host_node_holds_the_workspace,
     ];
     let children = [
         harness::Child {
@@ -1355,6 +1409,10 @@ fn main() -> ExitCode {
         harness::Child {
             name: "grouped",
             run: grouped_child,
+        },
+        harness::Child {
+            name: "old_driver_capture",
+            run: old_driver_capture_child,
         },
         harness::Child {
             name: "grouped_claims_new",

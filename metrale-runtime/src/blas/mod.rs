@@ -8,7 +8,7 @@
 //! | `error.rs` | [`BlasError`], how it fills the library-error shape, the status texts |
 //! | `handle.rs` | [`BlasLt`]: the cuBLASLt handle of a device, its plan cache |
 //! | `core.rs` | what a handle and its plans share; the one path into cuBLASLt |
-//! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive |
+//! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive (a user object in the graph) |
 //! | `plan.rs` | [`MatmulDesc`] (the problem) and its rules, [`Problem`] (the checked problem, the cache's key) |
 //! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`] |
 //! | `matmul.rs` | [`MatmulPlan`]: its descriptors, the heuristic, its `matmul` |
@@ -40,7 +40,7 @@
 //!   [`BlasLt::prepare`]); a GEMM on a stream being captured without a
 //!   workspace ready is refused, not allocated into the capture. A graph that
 //!   captured a workspace holds it as long as the graph or an executable graph
-//!   made from it lives.
+//!   made from it lives (a user object in the graph, no node added).
 //! - [`BlasLt`] is `Send` and `Sync` (cuBLASLt's calls are thread-safe for one
 //!   handle; plans that set per-call pointers take a lock for it). [`Blas`]
 //!   keeps the cuBLAS handle's stream, workspace and modes behind a lock, so

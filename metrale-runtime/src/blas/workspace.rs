@@ -13,16 +13,16 @@
 //!   stream's handle is never confused with a later stream's at the same
 //!   address; [`Workspaces::release`] gives one back.
 //! - A graph that captured a GEMM holds that GEMM's workspace
-//!   ([`keep_for_capture`]) as long as the graph or an executable graph made
-//!   from it lives; freeing a workspace (`cuMemFree`) waits for the work that
-//!   uses it.
+//!   ([`keep_for_capture`]: a user object, or on drivers without them a host
+//!   node) as long as the graph or an executable graph made from it lives;
+//!   freeing a workspace (`cuMemFree`) waits for the work that uses it.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use crate::context::CudaContext;
-use crate::error::Result;
+use crate::error::{cu, Result};
 use crate::memory::DeviceBuffer;
 use crate::stream::{CudaStream, Section};
 
@@ -220,13 +220,15 @@ impl Workspaces {
 /// recording hold `workspace`, once per capture: the graph and every
 /// executable graph made from it then keep the memory alive.
 ///
-/// This is the room's one use of the crate's keep-alive mechanism: a
-/// repeatable host function ([`CudaStream::launch_host_fn_repeat`]), which a
-/// capture turns into a host node that the graph and its executables hold.
-/// Its closure does nothing when replayed; it only owns a clone of the
-/// workspace. Should its last clone go inside a host function (a replay's
-/// keeper), the workspace moves to the drop-later list instead of being freed
-/// there, where the driver may not be called.
+/// This is the room's one use of a keep-alive mechanism. With a driver that
+/// has user objects (CUDA 11.3+), a user object owning a clone of the
+/// workspace is moved into the capture's graph (`cuGraphRetainUserObject`):
+/// no node is added, and the graph's executables hold it too. Its destructor
+/// runs on a thread of the driver's, where the driver may not be called, so
+/// it hands the clone to the drop-later list (emptied at the next
+/// synchronisation). Without user objects, a repeatable host function
+/// holding a clone is captured instead ([`CudaStream::launch_host_fn_repeat`]:
+/// a host node that the graph holds).
 pub(crate) fn keep_for_capture(
     stream: &CudaStream,
     workspace: &Arc<Workspace>,
@@ -235,6 +237,115 @@ pub(crate) fn keep_for_capture(
     if workspace.kept_for.swap(capture, Ordering::AcqRel) == capture {
         return Ok(());
     }
+    let kept = match hold_by_user_object(stream, workspace) {
+        Ok(true) => Ok(()),
+        Ok(false) => hold_by_host_function(stream, workspace),
+        Err(e) => Err(e),
+    };
+    if kept.is_err() {
+        workspace.kept_for.store(0, Ordering::Release);
+    }
+    kept
+}
+
+/// Move a user object owning a clone of `workspace` into the graph `stream`
+/// is capturing into; `false` when the driver has no user objects.
+fn hold_by_user_object(stream: &CudaStream, workspace: &Arc<Workspace>) -> Result<bool> {
+    use metrale_cuda_sys::{
+        CUgraph, CUstreamCaptureStatus, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags,
+    };
+
+    /// The user object's destructor: the clone goes to the drop-later list.
+    unsafe extern "C" fn release(held: *mut c_void) {
+        // SAFETY: `held` is the box made below for exactly one user object,
+        // whose destructor the driver runs once.
+        let held = unsafe { Box::from_raw(held.cast::<Arc<Workspace>>()) };
+        crate::context::drop_later(held);
+    }
+
+    let d = stream.context().driver();
+    let has = d.cuUserObjectCreate().is_ok()
+        && d.cuGraphRetainUserObject().is_ok()
+        && d.cuUserObjectRelease().is_ok();
+    if !has {
+        return Ok(false);
+    }
+    let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+    let mut graph: CUgraph = std::ptr::null_mut();
+    stream.call("capture graph", |d, s| {
+        // SAFETY: writes the status and the graph only; the other outputs are
+        // optional (null).
+        unsafe {
+            cu!(
+                d,
+                cuStreamGetCaptureInfo_v3(
+                    s,
+                    &mut status,
+                    std::ptr::null_mut(),
+                    &mut graph,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut()
+                )
+            )
+        }
+    })?;
+    if graph.is_null() || status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
+        // The capture ended (or was invalidated) meanwhile: nothing to hold.
+        return Ok(true);
+    }
+    let held = Box::into_raw(Box::new(Arc::clone(workspace))).cast::<c_void>();
+    let mut object: CUuserObject = std::ptr::null_mut();
+    let made = stream.call("making a user object for the workspace", |d, _| {
+        // SAFETY: `release` takes back `held` once, when the object's last
+        // reference goes; the flag is the one the driver requires.
+        unsafe {
+            cu!(
+                d,
+                cuUserObjectCreate(
+                    &mut object,
+                    held,
+                    Some(release),
+                    1,
+                    CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC.0
+                )
+            )
+        }
+    });
+    if let Err(e) = made {
+        // SAFETY: the driver refused the object, so it never received `held`.
+        drop(unsafe { Box::from_raw(held.cast::<Arc<Workspace>>()) });
+        return Err(e);
+    }
+    let moved = stream.call("giving the workspace to the captured graph", |d, _| {
+        // SAFETY: a live user object (our one reference, moved) and the graph
+        // the stream is capturing into.
+        unsafe {
+            cu!(
+                d,
+                cuGraphRetainUserObject(
+                    graph,
+                    object,
+                    1,
+                    CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE.0
+                )
+            )
+        }
+    });
+    if let Err(e) = moved {
+        // Our reference was not moved: releasing it runs the destructor.
+        // SAFETY: the live object made above, released once.
+        let _ = stream.call("releasing a user object", |d, _| unsafe {
+            cu!(d, cuUserObjectRelease(object, 1))
+        });
+        return Err(e);
+    }
+    Ok(true)
+}
+
+/// Capture a repeatable host function owning a clone of `workspace` (for a
+/// driver without user objects).
+fn hold_by_host_function(stream: &CudaStream, workspace: &Arc<Workspace>) -> Result<()> {
     struct Hold(Option<Arc<Workspace>>);
     impl Drop for Hold {
         fn drop(&mut self) {
@@ -246,11 +357,7 @@ pub(crate) fn keep_for_capture(
         }
     }
     let hold = Hold(Some(Arc::clone(workspace)));
-    let kept = stream.launch_host_fn_repeat(Arc::new(move || {
+    stream.launch_host_fn_repeat(Arc::new(move || {
         let _ = &hold;
-    }));
-    if kept.is_err() {
-        workspace.kept_for.store(0, Ordering::Release);
-    }
-    kept
+    }))
 }
