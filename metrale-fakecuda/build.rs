@@ -1,7 +1,9 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`) as a third; the stand-in cuBLAS and cuBLASLt
-//! (`fakeblas.c`) as a fourth, and as a fifth built as an older release.
+//! stand-in NCCL (`fakenccl.c`) as a third, the stand-in NVTX tool
+//! (`fakenvtx.c`) twice: one that attaches, one whose init returns 0, and the
+//! stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as 13.1.0, and as an
+//! older release (12.4.0, without the grouped GEMM).
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -14,6 +16,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
     println!("cargo:rerun-if-changed=src/fakenccl.c");
+    println!("cargo:rerun-if-changed=src/fakenvtx.c");
     println!("cargo:rerun-if-changed=src/fakeblas.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
@@ -25,6 +28,12 @@ fn main() {
             Some("-DFAKECUDA_OLD"),
         ),
         ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
+        ("libmetrale_fakenvtx.so", "src/fakenvtx.c", None),
+        (
+            "libmetrale_fakenvtx_fail.so",
+            "src/fakenvtx.c",
+            Some("-DFAKENVTX_FAIL"),
+        ),
         ("libmetrale_fakeblas.so", "src/fakeblas.c", None),
         (
             "libmetrale_fakeblas_old.so",

@@ -22,7 +22,9 @@
 //! the `nccl` feature, the module `nccl` binds NCCL the same way (`nccl::nccl()`,
 //! `METRALE_LIBNCCL_PATH`), and with `cublas` the module `cublas` binds cuBLAS and
 //! cuBLASLt (`cublas::cublas()`, `cublas::cublas_lt()`, `METRALE_LIBCUBLAS_PATH`,
-//! `METRALE_LIBCUBLASLT_PATH`).
+//! `METRALE_LIBCUBLASLT_PATH`). With the `nvtx` feature, the module `nvtx` holds
+//! NVTX v3's types and its injection loader: there is no NVTX library to load;
+//! a profiling tool named by `NVTX_INJECTION64_PATH` fills its entries.
 //!
 //! One loader serves them all: each library is a [`Library<T>`] over its generated
 //! [`Table`] `T`, and an [`Api`] impl beside the table says how it is named
@@ -123,6 +125,9 @@ pub mod nvjitlink;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
+#[cfg(feature = "nvtx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvtx")))]
+pub mod nvtx;
 
 /// Environment variable naming the exact driver library file to load.
 pub const LIBCUDA_PATH_VAR: &str = "METRALE_LIBCUDA_PATH";

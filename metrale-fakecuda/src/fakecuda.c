@@ -1937,6 +1937,47 @@ EXPORT CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     LOCKED(do_mem_info(free_bytes, total));
 }
 
+/* The device allocation containing `a` (a linear scan: tests only). */
+static struct handle *containing(CUdeviceptr a) {
+    if (!a) return NULL;
+    for (int i = 0; i < TABLE; i++) {
+        struct handle *h = &handles[i];
+        if (h->kind != K_DEVMEM) continue;
+        CUdeviceptr base = (CUdeviceptr)(uintptr_t)h->p;
+        if (base <= a && a < base + h->bytes) return h;
+    }
+    return NULL;
+}
+
+/* cuPointerGetAttribute: the memory type (2, device) and device ordinal (9) of
+ * device allocations; anything else is not memory the stand-in knows. */
+static CUresult do_pointer_attr(void *data, int attr, CUdeviceptr p) {
+    NEED_INIT();
+    if (!data) return INVALID_VALUE;
+    struct handle *h = containing(p);
+    if (!h) return INVALID_VALUE;
+    switch (attr) {
+    case 2: *(unsigned *)data = 2; return SUCCESS;
+    case 9: *(int *)data = h->dev; return SUCCESS;
+    default: return NOT_SUPPORTED;
+    }
+}
+EXPORT CUresult cuPointerGetAttribute(void *data, int attr, CUdeviceptr p) {
+    LOCKED(do_pointer_attr(data, attr, p));
+}
+
+static CUresult do_address_range(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    NEED_CTX();
+    struct handle *h = containing(p);
+    if (!h) return NOT_FOUND;
+    if (base) *base = (CUdeviceptr)(uintptr_t)h->p;
+    if (size) *size = h->bytes;
+    return SUCCESS;
+}
+EXPORT CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+    LOCKED(do_address_range(base, size, p));
+}
+
 static CUresult do_alloc_host(void **p, size_t bytes) {
     NEED_CTX();
     if (!p || !bytes) return INVALID_VALUE;
@@ -1951,7 +1992,13 @@ static CUresult do_free_host(void *p) {
     NEED_CTX();
     struct handle *h = find(p, K_HOSTMEM);
     if (!h) return INVALID_VALUE;
+    /* The driver's cuMemFreeHost waits for the context's work, as
+     * cuCtxSynchronize does (a stream blocked on an unmet wait blocks it). */
     run_all_pending(current->dev);
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && handles[i].dev == current->dev)
+            drain(handles[i].p);
+    drain(&legacy_stream);
     untrack(h);
     host_free(p);
     return SUCCESS;
@@ -2389,6 +2436,50 @@ static CUresult do_dtoh(void *dst, CUdeviceptr src, size_t n, void *stream) {
 EXPORT CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *stream) {
     LOCKED(do_dtoh(dst, src, n, stream));
 }
+
+#ifndef FAKECUDA_OLD
+/* cuMemcpyBatchAsync_v2 (CUDA 12.8+; absent from the old build): each pair in
+ * order, device ends checked, a device-to-host write left pending as
+ * cuMemcpyDtoHAsync's is. The legacy stream is refused, as the driver does;
+ * the attributes must start at index 0 and name a source access order. */
+struct batch_attrs { int order; int src_type, src_id, dst_type, dst_id; unsigned flags; };
+static CUresult do_copy_batch(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes, size_t count,
+                         struct batch_attrs *attrs, size_t *idxs, size_t nattrs, void *stream) {
+    NEED_CTX();
+    if (!stream) return INVALID_VALUE;
+    CUresult r = stream_ok(stream);
+    if (r) return r;
+    NO_CAPTURE(stream);
+    if (!count || !dsts || !srcs || !sizes || !attrs || !idxs || !nattrs) return INVALID_VALUE;
+    if (idxs[0] != 0) return INVALID_VALUE;
+    for (size_t a = 0; a < nattrs; a++) {
+        if (attrs[a].order == 0) return INVALID_VALUE;
+        if (a && idxs[a] <= idxs[a - 1]) return INVALID_VALUE;
+        if (idxs[a] >= count) return INVALID_VALUE;
+    }
+    for (size_t i = 0; i < count; i++) {
+        if (!sizes[i] || !dsts[i] || !srcs[i]) return INVALID_VALUE;
+        int dd = device_range_ok(dsts[i], sizes[i]), sd = device_range_ok(srcs[i], sizes[i]);
+        if ((containing(dsts[i]) && !dd) || (containing(srcs[i]) && !sd)) return INVALID_VALUE;
+    }
+    struct stream *st = stream;
+    for (size_t i = 0; i < count; i++) {
+        void *to = (void *)(uintptr_t)dsts[i];
+        const void *from = (const void *)(uintptr_t)srcs[i];
+        if (!device_range_ok(dsts[i], sizes[i]) && st->npending < MAX_PENDING) {
+            st->pending[st->npending++] = (struct op){to, from, sizes[i]};
+            continue;
+        }
+        memmove(to, from, sizes[i]);
+    }
+    return SUCCESS;
+}
+EXPORT CUresult cuMemcpyBatchAsync_v2(CUdeviceptr *dsts, CUdeviceptr *srcs, size_t *sizes,
+                                      size_t count, void *attrs, size_t *idxs, size_t nattrs,
+                                      void *stream) {
+    LOCKED(do_copy_batch(dsts, srcs, sizes, count, attrs, idxs, nattrs, stream));
+}
+#endif
 
 static CUresult do_dtod(CUdeviceptr dst, CUdeviceptr src, size_t n, void *stream) {
     NEED_CTX();

@@ -8,6 +8,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "memory/batch_rows.rs"]
+mod batch_rows;
 mod common;
 #[path = "memory/tma_row.rs"]
 mod tma_row;
@@ -244,6 +246,8 @@ fn run() -> Result<(), MetraleError> {
     // Issue 21: virtual memory; issue 23: the TMA copy.
     vmm_rows::run(s, big, rounds.min(7))?;
     tma_row::run(&reg, s, big, rounds.min(7))?;
+    // Issue 34: batched copies.
+    batch_rows::run(s, rounds.max(5))?;
     Ok(())
 }
 

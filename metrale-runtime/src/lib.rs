@@ -42,6 +42,7 @@
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
 //! | `nccl` (feature `nccl`) | collective communication: `Communicator`, checked collectives |
 //! | `blas` (feature `cublas`) | cuBLASLt plans and plain cuBLAS GEMMs: `BlasLt`, `MatmulPlan`, `Blas` |
+//! | `nvtx` (feature `nvtx`) | profiler ranges, marks, domains and names (NVTX v3, nothing linked) |
 //! | [`guide`] | no code: the user's guide, a chapter per topic |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
@@ -96,6 +97,9 @@ pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
+#[cfg(feature = "nvtx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvtx")))]
+pub mod nvtx;
 pub mod registry;
 pub mod stream;
 
@@ -129,8 +133,8 @@ pub use error::{
 };
 pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};
 pub use graph::{
-    CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
-    InstantiateOptions, KernelNode,
+    CaptureArena, CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphBuckets,
+    GraphNode, GraphNodeKind, InstantiateOptions, KernelNode,
 };
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
@@ -140,8 +144,8 @@ pub use launch::{
     TensorMap, TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
-    deferred_frees, granularity, Access, DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod,
-    DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
+    deferred_frees, granularity, Access, BatchCopy, DeviceBuffer, DeviceMemory, DeviceMemoryMut,
+    DevicePod, DeviceRepr, DeviceSlice, DeviceSliceMut, DeviceSymbol, Granularity, GrowableBuffer,
     HandleTypes, ManagedBuffer, MappedWords, MemOp, MemPool, PendingCopy, PhysicalMemory,
     PinnedBuffer, PrefetchTarget, SignalValue, SignalWord, SleepError, SleepState, SleepingBuffer,
     VirtualRange, WaitCondition, WaitFlags, WakeError, WriteFlags, MAX_BATCH_MEM_OPS,

@@ -9,12 +9,18 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "fault/arena.rs"]
+mod arena;
 #[path = "fault/args.rs"]
 mod args;
+#[path = "fault/batch.rs"]
+mod batch;
 #[path = "fault/common.rs"]
 mod common;
 #[path = "fault/errors.rs"]
 mod errors;
+#[path = "fault/foreign.rs"]
+mod foreign;
 #[path = "fault/futures.rs"]
 mod futures;
 #[path = "fault/graph.rs"]
@@ -31,6 +37,8 @@ mod multi;
 mod registry;
 #[path = "fault/review2.rs"]
 mod review2;
+#[path = "fault/review3.rs"]
+mod review3;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -67,6 +75,9 @@ fn main() -> ExitCode {
         futures::tests(),
         signals::tests(),
         memory::tests(),
+        foreign::tests(),
+        batch::tests(),
+        arena::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),
@@ -78,6 +89,7 @@ fn main() -> ExitCode {
         vmm::tests(),
         round4::tests(),
         review2::tests(),
+        review3::tests(),
     ]
     .into_iter()
     .flatten()
@@ -100,6 +112,8 @@ fn main() -> ExitCode {
             .chain(vmm::children())
             .chain(round4::children())
             .chain(review2::children())
+            .chain(batch::children())
+            .chain(review3::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -3,8 +3,8 @@
 //! The workspace README says what metrale is, how to add it and run it; this module
 //! is the rest. It holds no code: each chapter is an empty module whose
 //! documentation is a Markdown file next to this one, so `cargo test --doc` compiles
-//! every example (examples that need a GPU are `no_run`; the `nvrtc`, `nccl` and `blas`
-//! chapters compile their examples with those features on).
+//! every example (examples that need a GPU are `no_run`; the `nvrtc`, `nccl`,
+//! `nvtx` and `blas` chapters compile their examples with those features on).
 //!
 //! | chapter | what it covers |
 //! | --- | --- |
@@ -15,9 +15,11 @@
 //! | [`nccl`] | collective communication (feature `nccl`) |
 //! | [`nvrtc`] | run-time compilation and linking (feature `nvrtc`) |
 //! | [`blas`] | cuBLASLt plans and plain cuBLAS GEMMs (feature `cublas`) |
+//! | [`nvtx`] | profiler ranges, marks, domains and names for Nsight (feature `nvtx`) |
 //! | [`virtual_memory`] | growable buffers, sleep and wake, sharing memory between processes, legacy IPC |
 //! | [`asynchronous`] | host functions, futures, GPU-side signals |
 //! | [`tensor_maps`] | Hopper tensor maps (TMA) and green contexts |
+//! | [`interop`] | foreign memory, run-time argument lists, other libraries' streams, `metrale doctor` |
 //! | [`errors`] | what an error says, blob checks, what Drop does |
 //! | [`registry_api`] | coming from the registry API: what changed and why |
 //! | [`environment`] | the environment variables metrale reads |
@@ -51,11 +53,13 @@
 //! | virtual memory: growable buffers, sleep and wake | `GrowableBuffer::new(s, cap)?.grow_to(n)`, `buf.sleep(s)`, `VirtualRange::reserve`, `PhysicalMemory::new` | 10.2+ and the device's VMM support |
 //! | sharing memory between processes (Linux) | `PhysicalMemory::export_fd`, `import_fd`, `send` / `receive` over a `UnixStream` | 10.2+, POSIX descriptors |
 //! | host functions, futures, GPU-side signals | `stream.launch_host_fn(..)`, `stream.done().await`, `stream.wait_value32(..)` | any (64-bit signals: the device's support) |
+//! | foreign device memory (another library's pointer) | `unsafe { DeviceSliceMut::from_raw_mut(&h, ptr, len)? }` | any (checked with `cuPointerGetAttribute`, `cuMemGetAddressRange`) |
 //! | tensor maps (TMA) | `TensorMap::tiled(&buf)..encode()`, `TensorMapLayout::encode(&mem)` | 12.0+, compute capability 9.0 |
 //! | green contexts | `SmResource::of_device(ctx)?.split_by_count(..)`, `GreenContext::new`, `CudaStream::on_green_context` | 12.4+ |
 //! | run-time compilation | feature `nvrtc`: `Program`, `CompileCache`, `Linker` | NVRTC and nvJitLink 12 or 13 |
 //! | collective communication | feature `nccl`: `Communicator`, `group` | NCCL 2 |
 //! | GEMMs: cuBLASLt plans, plain cuBLAS | feature `cublas`: `BlasLt`, `MatmulPlan`, `Blas` | cuBLAS 12 or 13 (grouped GEMMs 12.5+) |
+//! | profiler ranges, marks, domains, names (NVTX v3) | feature `nvtx`: `nvtx::range("decode")`, `Domain`, `EventAttributes` | any; a tool named by `NVTX_INJECTION64_PATH` (Nsight) |
 //!
 //! The table's calls, compiled:
 //!
@@ -136,12 +140,17 @@ pub mod nvrtc {}
 
 #[doc = include_str!("blas.md")]
 pub mod blas {}
+#[doc = include_str!("nvtx.md")]
+pub mod nvtx {}
 
 #[doc = include_str!("virtual_memory.md")]
 pub mod virtual_memory {}
 
 #[doc = include_str!("asynchronous.md")]
 pub mod asynchronous {}
+
+#[doc = include_str!("interop.md")]
+pub mod interop {}
 
 #[doc = include_str!("tensor_maps.md")]
 pub mod tensor_maps {}

@@ -101,6 +101,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         &self.ctx
     }
 
+    /// The allocation's use record (for views of it made elsewhere: a capture
+    /// arena's).
+    pub(crate) fn uses_ref(&self) -> &Uses {
+        &self.uses
+    }
+
     /// Allocate (`cuMemAlloc`) and fill from `data` with a copy queued on
     /// `stream` (a stream, or a host's or registry's stream) after its work so
     /// far; returns once the copy is done, so the buffer is ready for work on
@@ -192,6 +198,50 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
             _elem: PhantomData,
         })
     }
+
+    /// Shared views of consecutive `size`-element chunks (the last may be
+    /// shorter), as `<[T]>::chunks`; none for `size` 0.
+    pub fn chunks(&self, size: usize) -> impl Iterator<Item = DeviceSlice<'_, T>> + '_ {
+        chunk_views::<T>(self.ptr, self.len, size).map(|(ptr, len)| DeviceSlice {
+            ptr,
+            len,
+            ctx: self.ctx(),
+            uses: Some(&self.uses),
+            _elem: PhantomData,
+        })
+    }
+
+    /// Disjoint mutable views of consecutive `size`-element chunks (the last
+    /// may be shorter), as `<[T]>::chunks_mut`: for copying many blocks of one
+    /// buffer at once ([`CudaStream::copy_batch`]); none for `size` 0.
+    pub fn chunks_mut(&mut self, size: usize) -> impl Iterator<Item = DeviceSliceMut<'_, T>> + '_ {
+        let (ctx, uses) = (&self.ctx, &self.uses);
+        chunk_views::<T>(self.ptr, self.len, size).map(move |(ptr, len)| DeviceSliceMut {
+            ptr,
+            len,
+            ctx,
+            uses: Some(uses),
+            _elem: PhantomData,
+        })
+    }
+}
+
+/// `(address, len)` of the consecutive `size`-element chunks of `len`
+/// elements of `T` at `ptr`: disjoint, covering all of them.
+fn chunk_views<T>(
+    ptr: CUdeviceptr,
+    len: usize,
+    size: usize,
+) -> impl Iterator<Item = (CUdeviceptr, usize)> {
+    let step = size.max(1);
+    let count = if size == 0 { 0 } else { len.div_ceil(step) };
+    (0..count).map(move |i| {
+        let start = i * step;
+        (
+            ptr + (start * std::mem::size_of::<T>()) as u64,
+            step.min(len - start),
+        )
+    })
 }
 
 /// `(start, len)` of `range` within `0..len`.
@@ -388,7 +438,20 @@ slice_type!(
 
 impl<T: DeviceRepr> DeviceMemoryMut<T> for DeviceSliceMut<'_, T> {}
 
-impl<T: DeviceRepr> DeviceSliceMut<'_, T> {
+impl<'a, T: DeviceRepr> DeviceSliceMut<'a, T> {
+    /// Disjoint mutable views of consecutive `size`-element chunks of this
+    /// view (the last may be shorter), as `<[T]>::chunks_mut`; none for `size` 0.
+    pub fn chunks_mut(&mut self, size: usize) -> impl Iterator<Item = DeviceSliceMut<'_, T>> + '_ {
+        let (ctx, uses) = (self.ctx, self.uses);
+        chunk_views::<T>(self.ptr, self.len, size).map(move |(ptr, len)| DeviceSliceMut {
+            ptr,
+            len,
+            ctx,
+            uses,
+            _elem: PhantomData,
+        })
+    }
+
     /// A mutable sub-view of `range`, relative to this view.
     ///
     /// # Errors

@@ -18,6 +18,11 @@
 //!   collective queued inside a group reaches its stream only at the outermost
 //!   `ncclGroupEnd`, so the uses noted for it are not yet on the stream. The
 //!   fast path pays one atomic load for this.
+//! - Pinned host memory (`cuMemFreeHost` waits for the whole context's work)
+//!   is freed only while no GPU-side wait on a mapped word is pending on its
+//!   context, outside host functions and captures on the dropping thread;
+//!   otherwise its free is deferred like the others (so a Drop never blocks
+//!   behind a wait only the host can end).
 
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -35,6 +40,10 @@ pub(crate) enum Kind {
     Device,
     /// `cuMemAllocManaged`.
     Managed,
+    /// `cuMemAllocHost` / `cuMemHostAlloc` (a pinned buffer): `cuMemFreeHost`
+    /// waits for the whole context's work, so it goes only when no GPU-side
+    /// wait on a mapped word is pending and no capture is on this thread.
+    Host,
 }
 
 /// An allocation whose owner went: freed as soon as nothing can use it.
@@ -161,6 +170,7 @@ impl FreeJob {
     fn what(&self) -> String {
         let kind = match (self.kind, self.uses.own.is_some()) {
             (Kind::Managed, _) => "managed buffer",
+            (Kind::Host, _) => "pinned buffer",
             (Kind::Device, true) => "stream-ordered buffer",
             (Kind::Device, false) => "device buffer",
         };
@@ -190,6 +200,11 @@ impl FreeJob {
     /// Free, or hand the job back when it must wait for a capture or an NCCL
     /// group to end.
     fn try_free(self) -> Option<FreeJob> {
+        if self.kind == Kind::Host {
+            // No collective takes pinned memory metrale hands out, and no
+            // stream use is recorded for it: only the context-wide wait matters.
+            return self.free_now(&[]);
+        }
         if nccl_groups_open() {
             // A collective queued in the group may use this memory and reach
             // its stream only at the group's end.
@@ -296,6 +311,10 @@ impl FreeJob {
 
     /// `cuMemFree` after the foreign streams' work.
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
+        // A pinned free (no foreign streams) is in flight from its check
+        // through `cuMemFreeHost`: a wait counted meanwhile is queued after it.
+        let ctx = Arc::clone(&self.ctx);
+        let _in_flight = (self.kind == Kind::Host).then(|| ctx.enter_context_wide_free());
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the
@@ -325,12 +344,21 @@ impl FreeJob {
                 }
             }
         }
-        let ptr = self.ptr;
+        let (ptr, kind) = (self.ptr, self.kind);
         self.ctx
             .release_with(self.made, format_args!("{what}"), |d, failures| {
-                // SAFETY: this allocation's own, freed once; `cuMemFree` waits for the
-                // work of its context, and foreign streams were waited for above.
-                if let Err(e) = unsafe { cu!(d, cuMemFree_v2(ptr)) } {
+                let freed = if kind == Kind::Host {
+                    // SAFETY: a pinned allocation of this context handed over by
+                    // its dropped owner, freed once, here; `cuMemFreeHost` waits
+                    // for the context's work (none can wait for ever: checked).
+                    unsafe { cu!(d, cuMemFreeHost(ptr as usize as *mut std::ffi::c_void)) }
+                } else {
+                    // SAFETY: this allocation's own, freed once; `cuMemFree` waits
+                    // for the work of its context, and foreign streams were waited
+                    // for above.
+                    unsafe { cu!(d, cuMemFree_v2(ptr)) }
+                };
+                if let Err(e) = freed {
                     failures.push(e);
                 }
             });
@@ -408,6 +436,45 @@ pub(crate) fn release(
         uses: std::mem::replace(uses, Uses::new(None)),
     }
     .release();
+}
+
+/// Whether freeing pinned host memory of `ctx` now could block for ever or is
+/// refused: inside a host function (no driver call), on a thread that is
+/// capturing (a context-wide wait is refused there), or while a GPU-side wait
+/// on a mapped word is pending on the context (`cuMemFreeHost` waits for the
+/// context's work, which such a wait never ends until the host writes).
+#[inline]
+pub(crate) fn host_free_must_wait(ctx: &CudaContext) -> bool {
+    crate::context::in_host_function()
+        || crate::stream::capturing_on_this_thread()
+        || ctx.pending_waits() > 0
+}
+
+/// Hand pinned host memory `ptr` of `ctx` (made in `made`) to the deferred
+/// frees: freed by the next drain at which [`host_free_must_wait`] no longer
+/// holds (a stream's or context's synchronize, `MappedWords::new`, a capture's
+/// end), never leaked silently.
+pub(crate) fn defer_host_free(
+    ptr: *mut std::ffi::c_void,
+    ctx: &Arc<CudaContext>,
+    made: Generation,
+) {
+    DEFERRED
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .push(FreeJob {
+            ptr: ptr as usize as CUdeviceptr,
+            kind: Kind::Host,
+            ctx: Arc::clone(ctx),
+            made,
+            uses: Uses::new(None),
+        });
+    crate::context::note_deferred_free();
+    // What made it wait may have ended between the check and the push (a
+    // capture whose retry ran meanwhile): then free now, as a release does.
+    if !host_free_must_wait(ctx) && !crate::stream::captures_in_progress() {
+        retry_deferred();
+    }
 }
 
 /// Formats a closure's text only when written.

@@ -44,8 +44,10 @@ use crate::context::CudaContext;
 use crate::error::{invalid_arg, Result};
 use crate::stream::CudaStream;
 
+mod batch;
 mod copy;
 mod device;
+mod foreign;
 mod free;
 mod growable;
 #[cfg(unix)]
@@ -59,6 +61,7 @@ mod signal;
 mod symbol;
 mod vmm;
 
+pub use batch::BatchCopy;
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
@@ -218,13 +221,24 @@ pub(crate) fn note_use<T: DeviceRepr>(
     mem: &(impl DeviceMemory<T> + ?Sized),
     stream: &CudaStream,
 ) -> Result<()> {
-    let Some(uses) = mem.uses() else {
+    note_use_parts(mem.uses(), mem.memory_context(), stream)
+}
+
+/// [`note_use`] for memory given by its use record and context (the ends of
+/// a batched copy).
+#[inline]
+pub(crate) fn note_use_parts(
+    uses: Option<&Uses>,
+    ctx: &Arc<CudaContext>,
+    stream: &CudaStream,
+) -> Result<()> {
+    let Some(uses) = uses else {
         return Ok(());
     };
     match &uses.own {
         Some(own) if own.same_stream(stream) => Ok(()),
         Some(own) => note_foreign(uses, Some(own), stream),
-        None if stream.context().same(mem.memory_context()) => Ok(()),
+        None if stream.context().same(ctx) => Ok(()),
         None => note_foreign(uses, None, stream),
     }
 }

@@ -13,7 +13,10 @@ use crate::error::{cu, invalid_arg, report_line, ErrorKind, Result};
 use crate::stream::{CudaStream, DoneEvent};
 
 /// `len` elements of `T` in page-locked host memory (`cuMemAllocHost`), zeroed at
-/// allocation, freed on drop. Dereferences to a slice. Copies from and to pinned
+/// allocation, freed on drop (`cuMemFreeHost` waits for the context's work: while
+/// a GPU-side wait on a mapped word is pending there, or inside a host function
+/// or a capture, the free is deferred to the next synchronize instead, so the
+/// drop returns at once). Dereferences to a slice. Copies from and to pinned
 /// memory run at full bus speed and truly asynchronously
 /// ([`CudaStream::copy_h2d_pinned`]).
 ///
@@ -231,6 +234,16 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
             return;
         }
         let ptr = self.ptr.cast::<c_void>();
+        // From the check through the free: a wait counted meanwhile is
+        // queued only after it (see `enter_context_wide_free`).
+        let in_flight = self.ctx.enter_context_wide_free();
+        if super::free::host_free_must_wait(&self.ctx) {
+            drop(in_flight);
+            // `cuMemFreeHost` would wait for a GPU-side wait nobody may ever
+            // pass (or is refused here): freed by a later drain instead.
+            super::free::defer_host_free(ptr, &self.ctx, self.made);
+            return;
+        }
         self.ctx.release_with(
             self.made,
             format_args!(
@@ -244,6 +257,7 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
                 }
             },
         );
+        drop(in_flight);
     }
 }
 

@@ -20,10 +20,13 @@ fn finish() {
 }
 
 /// Item 1: `launch_host_fn_repeat` on a stream that is not marked for a capture
-/// drops its section before handing the closure to `launch_host_fn`, so a
-/// capture can begin between its "not capturing" and the driver's call. The
-/// repeatable host function then goes into the graph through a once-only pool
-/// slot: the graph's first replay runs it, later replays run nothing.
+/// dropped its section before handing the closure to `launch_host_fn`, so a
+/// capture could begin between its "not capturing" and the driver's call. The
+/// repeatable host function then went into the graph through a once-only pool
+/// slot: the graph's first replay ran it, later replays ran nothing. Now the
+/// capture's start waits for the call: the function runs on the stream, once,
+/// and the graph has no node of it (or, had the capture taken it, it would run
+/// on every replay).
 fn child_defect_repeat_host_fn_captured_after_its_check_runs_once() {
     fake().reset();
     let h = host(0).unwrap();
@@ -41,13 +44,20 @@ fn child_defect_repeat_host_fn_captured_after_its_check_runs_once() {
         fake().wait_paused("cuLaunchHostFunc", 10_000),
         "the host function is being queued"
     );
-    // Between its check and the driver's call: a capture begins.
-    s.begin_capture(CaptureMode::Relaxed).unwrap();
+    // Between its check and the driver's call: a capture begins on another
+    // thread (it may wait for the call to be made).
+    let s3 = s.clone();
+    let capturer = std::thread::spawn(move || s3.begin_capture(CaptureMode::Relaxed));
+    std::thread::sleep(std::time::Duration::from_millis(50));
     fake().resume("cuLaunchHostFunc");
     queuer.join().unwrap().unwrap();
+    capturer.join().unwrap().unwrap();
     let graph = s.end_capture().unwrap();
+    let in_graph = graph.nodes().unwrap().len();
     let exec = graph.instantiate().unwrap();
     drop(graph);
+    s.synchronize().unwrap();
+    let before = runs.load(Ordering::SeqCst);
     for _ in 0..3 {
         // SAFETY: the graph runs a host function only.
         unsafe { exec.launch(&s) }.unwrap();
@@ -57,10 +67,20 @@ fn child_defect_repeat_host_fn_captured_after_its_check_runs_once() {
     drop(exec);
     drop((s, h));
     finish();
-    assert_eq!(
-        ran, 3,
-        "a repeatable host function taken by a capture runs on every replay"
-    );
+    assert!(in_graph <= 1, "{in_graph} nodes");
+    if in_graph == 1 {
+        assert_eq!(
+            (before, ran),
+            (0, 3),
+            "a repeatable host function taken by a capture runs on every replay"
+        );
+    } else {
+        assert_eq!(
+            (before, ran),
+            (1, 1),
+            "a repeatable host function queued before the capture runs once, on the stream"
+        );
+    }
 }
 
 /// Item 1: when the capture id is known at neither end (the query after the
@@ -472,7 +492,6 @@ fn in_child(name: &str) {
     );
 }
 
-#[allow(dead_code)] // the open defect above
 fn defect_repeat_host_fn_captured_after_its_check_runs_once() {
     in_child("review2_defect_repeat_host_fn_captured_after_its_check_runs_once");
 }
@@ -566,11 +585,10 @@ pub fn tests() -> Vec<Test> {
             name: "review2::defect_two_ends_of_one_capture_free_its_host_function",
             run: defect_two_ends_of_one_capture_free_its_host_function,
         },
-        // Not listed: issue 29's review found `launch_host_fn_repeat` falls back to a
-        // run-once slot when its check sees no capture, so a capture begun in that
-        // gap replays the function once (a wrong result, never a second run of
-        // freed bytes). Queuing inside the section deadlocks this scenario; the fix
-        // is open, and this test fails until it lands.
+        Test {
+            name: "review2::defect_repeat_host_fn_captured_after_its_check_runs_once",
+            run: defect_repeat_host_fn_captured_after_its_check_runs_once,
+        },
         Test {
             name: "review2::defect_capture_id_unknown_at_both_ends_leaks_its_host_function",
             run: defect_capture_id_unknown_at_both_ends_leaks_its_host_function,

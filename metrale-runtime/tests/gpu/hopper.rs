@@ -95,6 +95,71 @@ fn a_2d_tensor_map_copy_moves_every_tile() {
     );
 }
 
+/// The same copy over memory metrale did not allocate (raw `cuMemAlloc`
+/// through the sys table, as another library would): the tensor map and the
+/// output are foreign views (issue 35, item 1).
+fn a_tensor_map_over_foreign_memory_copies_every_tile() {
+    let reg = registry();
+    if !has_tma(&reg) {
+        return;
+    }
+    let (rows, cols) = (64usize, 96usize);
+    let tma = MetraleRegistry::load(0, &[("tma", TMA_PTX)]).unwrap();
+    let f = tma.function("tma", "tma_copy_2d").unwrap();
+    let s = reg.stream();
+    let ctx = reg.ctx();
+    let a = data(rows * cols, 11);
+    let bytes = rows * cols * 4;
+    let d = sys::driver().unwrap();
+    ctx.bind().unwrap();
+    let (mut pa, mut pout): (sys::CUdeviceptr, sys::CUdeviceptr) = (0, 0);
+    // SAFETY: each writes one address; the context is current.
+    unsafe {
+        assert!(d.cuMemAlloc_v2().unwrap()(&mut pa, bytes).is_success());
+        assert!(d.cuMemAlloc_v2().unwrap()(&mut pout, bytes).is_success());
+    }
+    {
+        // SAFETY: both allocations stay alive, used only through these views,
+        // until they are freed below after the stream's work.
+        let mut fa = unsafe { DeviceSliceMut::<f32>::from_raw_mut(ctx, pa, rows * cols) }.unwrap();
+        // SAFETY: as above.
+        let mut fout =
+            unsafe { DeviceSliceMut::<f32>::from_raw_mut(ctx, pout, rows * cols) }.unwrap();
+        s.copy_h2d(&a, &mut fa).unwrap();
+        let src = fa.slice(..).unwrap();
+        let map = TensorMap::tiled(&src)
+            .dims(&[cols as u64, rows as u64])
+            .strides(&[(cols * 4) as u64])
+            .box_dims(&[32, 32])
+            .encode()
+            .unwrap();
+        assert_eq!(map.address(), pa);
+        let cfg =
+            LaunchConfig::new(((cols / 32) as u32, (rows / 32) as u32, 1), (128, 1, 1), 0).unwrap();
+        s.memset_u32(&mut fout, f32::NAN.to_bits()).unwrap();
+        // SAFETY: tma_copy_2d writes rows x cols floats of `fout` through a map
+        // over `fa`; both outlive the launch (the stream is waited below).
+        unsafe { s.launch(&f, cfg, (&map, &mut fout, cols as u32)) }.unwrap();
+        check_copy(
+            &s.to_vec(&fout).unwrap(),
+            &a,
+            cols,
+            "the copy through a map over foreign memory",
+        );
+        // Past the allocation: refused by the driver's own range.
+        // SAFETY: refused before any view exists.
+        let e = unsafe { DeviceSlice::<f32>::from_raw(ctx, pa + 4, rows * cols) }.unwrap_err();
+        assert!(e.to_string().contains("run past the allocation"), "{e}");
+    }
+    s.synchronize().unwrap();
+    ctx.bind().unwrap();
+    // SAFETY: the allocations made above, freed once, after the stream's work.
+    unsafe {
+        assert!(d.cuMemFree_v2().unwrap()(pa).is_success());
+        assert!(d.cuMemFree_v2().unwrap()(pout).is_success());
+    }
+}
+
 /// The same copy with the map passed by value in a run-time argument list.
 fn a_tensor_map_in_a_run_time_list_copies_every_tile() {
     let reg = registry();
@@ -426,6 +491,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "hopper::a_2d_tensor_map_copy_moves_every_tile",
             run: a_2d_tensor_map_copy_moves_every_tile,
+        },
+        Test {
+            name: "hopper::a_tensor_map_over_foreign_memory_copies_every_tile",
+            run: a_tensor_map_over_foreign_memory_copies_every_tile,
         },
         Test {
             name: "hopper::a_tensor_map_in_a_run_time_list_copies_every_tile",

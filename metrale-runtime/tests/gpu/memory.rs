@@ -204,8 +204,72 @@ fn device_information() {
     assert_ne!(d.uuid().unwrap(), [0; 16]);
 }
 
+/// Issue 34: a paged-KV move of 512 blocks of 16 KiB, pinned host to device
+/// blocks in reverse order and back in one `copy_batch` each, bit-exact; a
+/// device-to-device batch beside it; a bad pair refused by the real driver's
+/// path too.
+fn copy_batch_moves_512_kv_blocks_exactly() {
+    let reg = registry();
+    let s = reg.stream();
+    let (blocks, elems) = (512usize, 4096usize);
+    let mut host = PinnedBuffer::<u32>::zeroed(s, blocks * elems).unwrap();
+    for (i, v) in host.iter_mut().enumerate() {
+        *v = (i as u32).wrapping_mul(2_654_435_761);
+    }
+    let mut cache = DeviceBuffer::<u32>::zeroed(s, blocks * elems).unwrap();
+    {
+        let mut views: Vec<DeviceSliceMut<'_, u32>> = cache.chunks_mut(elems).collect();
+        let copies: Vec<BatchCopy<'_>> = host
+            .chunks(elems)
+            .zip(views.iter_mut().rev())
+            .map(|(f, t)| BatchCopy::h2d(f, t))
+            .collect();
+        s.copy_batch(&copies).unwrap();
+    }
+    let mut back = PinnedBuffer::<u32>::zeroed(s, blocks * elems).unwrap();
+    {
+        let views: Vec<DeviceSlice<'_, u32>> = cache.chunks(elems).collect();
+        let copies: Vec<BatchCopy<'_>> = views
+            .iter()
+            .rev()
+            .zip(back.chunks_mut(elems))
+            .map(|(f, t)| BatchCopy::d2h(f, t))
+            .collect();
+        s.copy_batch(&copies).unwrap();
+    }
+    assert!(back[..] == host[..], "every block back where it started");
+    let direct = s.to_vec(&cache).unwrap();
+    assert_eq!(
+        &direct[..elems],
+        &host[(blocks - 1) * elems..],
+        "block order"
+    );
+    // Device to device, returned at once, then waited.
+    let mut twin = DeviceBuffer::<u32>::zeroed(s, blocks * elems).unwrap();
+    {
+        let src: Vec<DeviceSlice<'_, u32>> = cache.chunks(elems).collect();
+        let mut dst: Vec<DeviceSliceMut<'_, u32>> = twin.chunks_mut(elems).collect();
+        let copies: Vec<BatchCopy<'_>> = src
+            .iter()
+            .zip(dst.iter_mut())
+            .map(|(f, t)| BatchCopy::d2d(f, t))
+            .collect();
+        s.copy_batch(&copies).unwrap();
+    }
+    assert_eq!(s.to_vec(&twin).unwrap(), direct);
+    let short = vec![0u32; elems - 1];
+    let e = s
+        .copy_batch(&[BatchCopy::h2d(&short, &mut cache)])
+        .unwrap_err();
+    assert!(e.to_string().contains("lengths differ"), "{e}");
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "memory::copy_batch_moves_512_kv_blocks_exactly",
+            run: copy_batch_moves_512_kv_blocks_exactly,
+        },
         Test {
             name: "memory::memset_patterns_at_unaligned_offsets_and_odd_lengths",
             run: memset_patterns_at_unaligned_offsets_and_odd_lengths,
