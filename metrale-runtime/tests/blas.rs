@@ -24,7 +24,8 @@ use metrale_runtime::blas::{
     MathMode, MatmulDesc, MatmulExtras, MatrixLayout, ScaleMode, Transpose,
 };
 use metrale_runtime::{
-    context, CudaContext, CudaStream, DeviceBuffer, GreenContext, MetraleError, SmResource,
+    context, CudaContext, CudaStream, DeviceBuffer, DeviceSlice, DeviceSliceMut, GreenContext,
+    MetraleError, SmResource,
 };
 
 fn fake() -> &'static Fake {
@@ -711,8 +712,51 @@ fn buffers_are_checked_against_the_plan_before_the_library() {
 }
 
 /// Safe code cannot alias A or B with D (a shared and a mutable borrow of one
-/// buffer); the overlap rule itself is unit-tested in the room. What safe code
-/// can do is pass D as C in place, which needs C and D alike.
+/// buffer); views of foreign memory (`from_raw`, unsafe) can, and are refused.
+fn d_overlapping_a_or_part_of_c_is_refused() {
+    let (lt, s) = setup();
+    let c0 = ctx(0);
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(4, 4, 4))
+        .unwrap();
+    let buf = DeviceBuffer::<f32>::zeroed(&s, 64).unwrap();
+    let b = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    let base = buf.device_ptr();
+    // SAFETY: views of a live buffer of this test; the overlapping call below
+    // is refused before any work is queued, so nothing reads or writes them.
+    let (a, mut d) = unsafe {
+        (
+            DeviceSlice::<f32>::from_raw(&c0, base, 16).unwrap(),
+            DeviceSliceMut::<f32>::from_raw_mut(&c0, base + 32, 16).unwrap(),
+        )
+    };
+    let calls = blas().calls("cublasLtMatmul");
+    let e = plan.matmul(&s, 1.0, &a, &b, 0.0, &c, &mut d).unwrap_err();
+    let text = refusal(&e);
+    assert!(
+        text.contains("operand D: cublasLtMatmul not called: D (")
+            && text.contains(") overlaps A (")
+            && text.contains("D may share memory with C only"),
+        "{text}"
+    );
+    // C overlapping D without being D.
+    // SAFETY: as above.
+    let c_part = unsafe { DeviceSlice::<f32>::from_raw(&c0, base + 32 + 16, 16).unwrap() };
+    let e = plan
+        .matmul(&s, 1.0, &b, &b, 0.0, &c_part, &mut d)
+        .unwrap_err();
+    assert!(refusal(&e).contains("D overlaps C without being C"), "{e}");
+    assert_eq!(
+        blas().calls("cublasLtMatmul"),
+        calls,
+        "refused before the library"
+    );
+    drop((a, d, c_part));
+    drop(buf);
+}
+
+/// What safe code can do is pass D as C in place, which needs C and D alike.
 fn in_place_needs_c_and_d_alike() {
     let (lt, s) = setup();
     let plan = lt
@@ -1387,6 +1431,7 @@ fn main() -> ExitCode {
         zero_algorithms_is_a_typed_error_naming_the_problem,
         the_plan_cache_hits_on_equal_problems_and_misses_on_any_change,
         buffers_are_checked_against_the_plan_before_the_library,
+        d_overlapping_a_or_part_of_c_is_refused,
         in_place_needs_c_and_d_alike,
         each_stream_has_its_own_workspace,
         captures_need_a_prepared_workspace_which_the_graph_keeps,
