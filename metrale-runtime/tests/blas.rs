@@ -752,8 +752,6 @@ fn d_overlapping_a_or_part_of_c_is_refused() {
         calls,
         "refused before the library"
     );
-    drop((a, d, c_part));
-    drop(buf);
 }
 
 /// What safe code can do is pass D as C in place, which needs C and D alike.
