@@ -1,6 +1,6 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`) as a third.
+//! stand-in NCCL (`fakenccl.c`), also as an older NCCL (2.26.5).
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -23,6 +23,11 @@ fn main() {
             Some("-DFAKECUDA_OLD"),
         ),
         ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
+        (
+            "libmetrale_fakenccl_old.so",
+            "src/fakenccl.c",
+            Some("-DFAKENCCL_OLD"),
+        ),
     ] {
         let mut cmd: Command = compiler.to_command();
         cmd.args([

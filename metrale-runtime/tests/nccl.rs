@@ -537,10 +537,10 @@ fn errors_name_the_call_status_text_and_communicator() {
 
     // Missing symbols name the library's version.
     let lib = metrale_runtime::sys::nccl::nccl().unwrap();
-    let m = lib.ncclCommShrink().unwrap_err();
+    let m = lib.ncclBcast().unwrap_err();
     assert_eq!(
         m.to_string(),
-        "the loaded NCCL library does not export `ncclCommShrink` (it is version 2.28)"
+        "the loaded NCCL library does not export `ncclBcast` (it is version 2.28)"
     );
     assert_eq!(lib.version(), Some((2, 28, 9)));
     assert_eq!(

@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use metrale_cuda_sys::nccl::{
-    self as raw, cudaStream_t, ncclComm_t, ncclDataType_t, ncclResult_t, Nccl,
+    self as raw, cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, Nccl,
 };
 use metrale_cuda_sys::LibraryMissingSymbol;
 
@@ -16,9 +16,29 @@ use crate::stream::CudaStream;
 
 use super::agree::Shape;
 use super::comm::Communicator;
-use super::error::{missing, refused};
+use super::error::{into_error, missing, refused, NcclError};
+use super::premul::Reduction;
 use super::state::{in_group, is_listed};
 use super::{NcclType, ReduceOp};
+
+/// A reduction as NCCL takes it: a built-in operation or one made for this
+/// communicator (a pre-multiplied sum), with the operation the ranks are
+/// checked to agree on (a pre-multiplied sum agrees as a sum).
+#[derive(Clone, Copy)]
+pub(super) struct Red {
+    raw: ncclRedOp_t,
+    agree: ReduceOp,
+}
+
+impl From<ReduceOp> for Red {
+    #[inline]
+    fn from(op: ReduceOp) -> Red {
+        Red {
+            raw: op.to_raw(),
+            agree: op,
+        }
+    }
+}
 
 /// The device pointer of `mem` as NCCL takes it.
 #[inline]
@@ -35,14 +55,20 @@ fn nccl_stream(stream: &CudaStream) -> cudaStream_t {
 /// collective, send and receive goes through [`Communicator::submit`] with one,
 /// which checks it by the rules here.
 #[derive(Clone, Copy)]
-enum Op {
-    AllReduce(ReduceOp),
+pub(super) enum Op {
+    AllReduce(Red),
     /// From this root.
     Broadcast(usize),
     /// To this root.
-    Reduce(ReduceOp, usize),
+    Reduce(Red, usize),
     AllGather,
-    ReduceScatter(ReduceOp),
+    ReduceScatter(Red),
+    /// Block `j` of every rank's send to rank `j`.
+    AllToAll,
+    /// To this root.
+    Gather(usize),
+    /// From this root.
+    Scatter(usize),
     /// To this peer.
     Send(usize),
     /// From this peer.
@@ -61,6 +87,9 @@ enum Sizes {
     RecvRanksTimesSend,
     /// The send buffer has exactly ranks × the receive buffer's elements.
     SendRanksTimesRecv,
+    /// Both buffers have the same number of elements, a multiple of ranks
+    /// (the count is that over ranks).
+    BothRanksTimes,
     /// One buffer: nothing to compare.
     One,
 }
@@ -74,6 +103,9 @@ impl Op {
             Op::Reduce(..) => "ncclReduce",
             Op::AllGather => "ncclAllGather",
             Op::ReduceScatter(_) => "ncclReduceScatter",
+            Op::AllToAll => "ncclAlltoAll",
+            Op::Gather(_) => "ncclGather",
+            Op::Scatter(_) => "ncclScatter",
             Op::Send(_) => "ncclSend",
             Op::Recv(_) => "ncclRecv",
         }
@@ -83,7 +115,9 @@ impl Op {
     #[inline]
     fn rank(self) -> Option<(&'static str, usize)> {
         match self {
-            Op::Broadcast(root) | Op::Reduce(_, root) => Some(("root", root)),
+            Op::Broadcast(root) | Op::Reduce(_, root) | Op::Gather(root) | Op::Scatter(root) => {
+                Some(("root", root))
+            }
             Op::Send(peer) | Op::Recv(peer) => Some(("peer", peer)),
             _ => None,
         }
@@ -95,8 +129,9 @@ impl Op {
         match self {
             Op::AllReduce(_) | Op::Reduce(..) => Sizes::RecvAtLeastSend,
             Op::Broadcast(_) => Sizes::SendAtLeastRecv,
-            Op::AllGather => Sizes::RecvRanksTimesSend,
-            Op::ReduceScatter(_) => Sizes::SendRanksTimesRecv,
+            Op::AllGather | Op::Gather(_) => Sizes::RecvRanksTimesSend,
+            Op::ReduceScatter(_) | Op::Scatter(_) => Sizes::SendRanksTimesRecv,
+            Op::AllToAll => Sizes::BothRanksTimes,
             Op::Send(_) | Op::Recv(_) => Sizes::One,
         }
     }
@@ -106,10 +141,10 @@ impl Op {
     #[inline]
     fn shape<T: NcclType>(self, count: usize, rank: i32) -> Option<Shape> {
         let (op, root) = match self {
-            Op::AllReduce(op) | Op::ReduceScatter(op) => (Some(op), None),
-            Op::Broadcast(_) => (None, Some(rank)),
-            Op::Reduce(op, _) => (Some(op), Some(rank)),
-            Op::AllGather => (None, None),
+            Op::AllReduce(op) | Op::ReduceScatter(op) => (Some(op.agree), None),
+            Op::Broadcast(_) | Op::Gather(_) | Op::Scatter(_) => (None, Some(rank)),
+            Op::Reduce(op, _) => (Some(op.agree), Some(rank)),
+            Op::AllGather | Op::AllToAll => (None, None),
             Op::Send(_) | Op::Recv(_) => return None,
         };
         Shape::of::<T>(self.call(), count, op, root)
@@ -133,8 +168,10 @@ impl Op {
     /// `comm` is a live communicator of `lib`, and `stream` a stream of its
     /// device; `rank` is one of its ranks; `send` and `recv` point to device
     /// memory of that device holding what the call reads and writes (`count`
-    /// elements, ranks × `count` for an all-gather's `recv` and a
-    /// reduce-scatter's `send`), which stays allocated until the work is done.
+    /// elements, ranks × `count` for an all-gather's or gather's `recv`, a
+    /// reduce-scatter's or scatter's `send`, and both of an all-to-all), which
+    /// stays allocated until the work is done; a reduction made for a
+    /// communicator (a pre-multiplied sum) is `comm`'s and still alive.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     unsafe fn issue(
@@ -151,15 +188,16 @@ impl Op {
         // NCCL allows `send == recv` (in place) for every collective.
         Ok(unsafe {
             match self {
-                Op::AllReduce(op) => lib.ncclAllReduce()?(s, r, n, ty, op.to_raw(), comm, stream),
+                Op::AllReduce(op) => lib.ncclAllReduce()?(s, r, n, ty, op.raw, comm, stream),
                 Op::Broadcast(_) => lib.ncclBroadcast()?(s, r, n, ty, rank, comm, stream),
-                Op::Reduce(op, _) => {
-                    lib.ncclReduce()?(s, r, n, ty, op.to_raw(), rank, comm, stream)
-                }
+                Op::Reduce(op, _) => lib.ncclReduce()?(s, r, n, ty, op.raw, rank, comm, stream),
                 Op::AllGather => lib.ncclAllGather()?(s, r, n, ty, comm, stream),
                 Op::ReduceScatter(op) => {
-                    lib.ncclReduceScatter()?(s, r, n, ty, op.to_raw(), comm, stream)
+                    lib.ncclReduceScatter()?(s, r, n, ty, op.raw, comm, stream)
                 }
+                Op::AllToAll => lib.ncclAlltoAll()?(s, r, n, ty, comm, stream),
+                Op::Gather(_) => lib.ncclGather()?(s, r, n, ty, rank, comm, stream),
+                Op::Scatter(_) => lib.ncclScatter()?(s, r, n, ty, rank, comm, stream),
                 Op::Send(_) => lib.ncclSend()?(s, n, ty, rank, comm, stream),
                 Op::Recv(_) => lib.ncclRecv()?(r, n, ty, rank, comm, stream),
             }
@@ -198,6 +236,7 @@ impl Communicator {
             Sizes::SendAtLeastRecv => self.at_least(call, ("send", s), ("receive", r))?,
             Sizes::RecvRanksTimesSend => self.ranks_times(call, ("receive", r), ("send", s))?,
             Sizes::SendRanksTimesRecv => self.ranks_times(call, ("send", s), ("receive", r))?,
+            Sizes::BothRanksTimes => self.per_rank(call, s, r)?,
             Sizes::One => s,
         };
         self.prepare::<T>(call, stream, mems, op.shape::<T>(count, rank))?;
@@ -228,7 +267,7 @@ impl Communicator {
 
     /// [`submit`](Self::submit) with a send and a receive buffer.
     #[inline]
-    fn pair<T: NcclType>(
+    pub(super) fn pair<T: NcclType>(
         &self,
         op: Op,
         send: &impl DeviceMemory<T>,
@@ -238,6 +277,77 @@ impl Communicator {
         let lens = (send.len(), recv.len());
         let mems: [(_, &dyn DeviceMemory<T>); 2] = [("send", send), ("receive", recv)];
         self.submit(op, stream, &mems, (ptr(send), ptr(recv)), lens)
+    }
+
+    /// [`pair`](Self::pair) or [`single`](Self::single) (`recv` `None`: in
+    /// place) with a reduction that may read a scalar in device memory (noted
+    /// as used, and checked for its device, like the buffers).
+    #[inline]
+    fn reducing<T: NcclType>(
+        &self,
+        op: impl Fn(Red) -> Op,
+        red: Reduction<'_, T>,
+        send: &dyn DeviceMemory<T>,
+        recv: Option<&dyn DeviceMemory<T>>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        let (red, scalar) = self.reduction(op(ReduceOp::Sum.into()).call(), red)?;
+        let op = op(red);
+        let sp = send.device_ptr() as usize as *mut c_void;
+        let (rp, lens) = match &recv {
+            Some(r) => (
+                r.device_ptr() as usize as *mut c_void,
+                (send.len(), r.len()),
+            ),
+            None => (sp, (send.len(), send.len())),
+        };
+        let first = ("send", send);
+        let mut mems: [(&'static str, &dyn DeviceMemory<T>); 3] = [first, first, first];
+        let mut n = 1;
+        if let Some(r) = recv {
+            mems[n] = ("receive", r);
+            n += 1;
+        } else {
+            mems[0].0 = "in-place";
+        }
+        if let Some(sc) = scalar {
+            mems[n] = ("scalar", sc);
+            n += 1;
+        }
+        self.submit(op, stream, &mems[..n], (sp, rp), lens)
+    }
+
+    /// The reduction NCCL takes for `red`; a pre-multiplied sum must be this
+    /// communicator's (and its device scalar comes along).
+    #[inline]
+    fn reduction<'r, T: NcclType>(
+        &self,
+        call: &'static str,
+        red: Reduction<'r, T>,
+    ) -> Result<(Red, Option<&'r dyn DeviceMemory<T>>)> {
+        match red {
+            Reduction::Op(op) => Ok((op.into(), None)),
+            Reduction::PreMulSum(p) => {
+                if !std::ptr::eq(p.comm(), self) {
+                    return Err(refused(
+                        call,
+                        Some(self.info()),
+                        format!(
+                            "the pre-multiplied sum was made for another communicator ({}); \
+                             NCCL's reduction operations belong to one communicator",
+                            p.comm().info()
+                        ),
+                    ));
+                }
+                Ok((
+                    Red {
+                        raw: p.raw(),
+                        agree: ReduceOp::Sum,
+                    },
+                    p.scalar(),
+                ))
+            }
+        }
     }
 
     /// [`submit`](Self::submit) with one buffer (`role`): sent and received in
@@ -267,6 +377,12 @@ impl Communicator {
         shape: Option<Shape>,
     ) -> Result<()> {
         self.enter(call)?;
+        if self.ledger.revoked.get() {
+            return Err(into_error(NcclError::Revoked {
+                call,
+                comm: self.info(),
+            }));
+        }
         self.check_stream(call, stream)?;
         for &(role, mem) in mems {
             if !Arc::ptr_eq(mem.memory_context(), self.context()) {
@@ -389,6 +505,23 @@ impl Communicator {
         Ok(needs)
     }
 
+    /// Refuse buffers of different lengths, or a length that is not a multiple
+    /// of ranks; else the length over ranks (each rank's block).
+    #[inline]
+    fn per_rank(&self, call: &'static str, send: usize, recv: usize) -> Result<usize> {
+        let n = self.size();
+        if send != recv || !send.is_multiple_of(n) {
+            return Err(self.count_refused(
+                call,
+                format!(
+                    "the send buffer has {send} elements and the receive buffer {recv}; both \
+                     need ranks × per-rank count ({n} × k) elements, the same on both"
+                ),
+            ));
+        }
+        Ok(send / n)
+    }
+
     /// Refuse a `role` buffer of `has` elements unless it is exactly ranks ×
     /// the `other` buffer's `per_rank`; else `per_rank`.
     #[inline]
@@ -420,27 +553,33 @@ impl Communicator {
     /// [`NcclError::Refused`](super::NcclError::Refused) for a short `recv` or
     /// memory or stream of another device (naming the call, the rank and both
     /// sizes), before NCCL; NCCL's status.
-    pub fn all_reduce<T: NcclType>(
+    pub fn all_reduce<'r, T: NcclType>(
         &self,
         send: &impl DeviceMemory<T>,
         recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
+        op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.pair(Op::AllReduce(op), send, recv, stream)
+        match op.into() {
+            Reduction::Op(op) => self.pair(Op::AllReduce(op.into()), send, recv, stream),
+            red => self.reducing(Op::AllReduce, red, send, Some(&*recv), stream),
+        }
     }
 
     /// [`all_reduce`](Self::all_reduce) with `buf` both sent and received.
     ///
     /// # Errors
     /// As `all_reduce`.
-    pub fn all_reduce_in_place<T: NcclType>(
+    pub fn all_reduce_in_place<'r, T: NcclType>(
         &self,
         buf: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
+        op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.single(Op::AllReduce(op), "in-place", buf, stream)
+        match op.into() {
+            Reduction::Op(op) => self.single(Op::AllReduce(op.into()), "in-place", buf, stream),
+            red => self.reducing(Op::AllReduce, red, &*buf, None, stream),
+        }
     }
 
     /// Copy `root`'s `send` into `recv` of every rank (`ncclBroadcast`);
@@ -480,29 +619,35 @@ impl Communicator {
     /// # Errors
     /// A root that is not a rank, a short `recv`, memory or stream of another
     /// device (before NCCL); NCCL's status.
-    pub fn reduce<T: NcclType>(
+    pub fn reduce<'r, T: NcclType>(
         &self,
         send: &impl DeviceMemory<T>,
         recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
+        op: impl Into<Reduction<'r, T>>,
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.pair(Op::Reduce(op, root), send, recv, stream)
+        match op.into() {
+            Reduction::Op(op) => self.pair(Op::Reduce(op.into(), root), send, recv, stream),
+            red => self.reducing(|r| Op::Reduce(r, root), red, send, Some(&*recv), stream),
+        }
     }
 
     /// [`reduce`](Self::reduce) with `buf` both sent and (on the root) received.
     ///
     /// # Errors
     /// As `reduce`.
-    pub fn reduce_in_place<T: NcclType>(
+    pub fn reduce_in_place<'r, T: NcclType>(
         &self,
         buf: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
+        op: impl Into<Reduction<'r, T>>,
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.single(Op::Reduce(op, root), "in-place", buf, stream)
+        match op.into() {
+            Reduction::Op(op) => self.single(Op::Reduce(op.into(), root), "in-place", buf, stream),
+            red => self.reducing(|r| Op::Reduce(r, root), red, &*buf, None, stream),
+        }
     }
 
     /// Gather every rank's `send` into `recv` of every rank, in rank order
@@ -526,14 +671,17 @@ impl Communicator {
     /// # Errors
     /// Sizes out of that rule, memory or stream of another device (before NCCL);
     /// NCCL's status.
-    pub fn reduce_scatter<T: NcclType>(
+    pub fn reduce_scatter<'r, T: NcclType>(
         &self,
         send: &impl DeviceMemory<T>,
         recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
+        op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        self.pair(Op::ReduceScatter(op), send, recv, stream)
+        match op.into() {
+            Reduction::Op(op) => self.pair(Op::ReduceScatter(op.into()), send, recv, stream),
+            red => self.reducing(Op::ReduceScatter, red, send, Some(&*recv), stream),
+        }
     }
 
     /// Send `buf` to rank `peer` (`ncclSend`), which receives it with

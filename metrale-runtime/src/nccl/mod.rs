@@ -89,20 +89,30 @@ use crate::memory::DeviceRepr;
 use crate::stream::CudaStream;
 
 mod agree;
+mod buffer;
 mod collective;
 mod comm;
 mod config;
 mod error;
+mod fault;
 mod group;
 mod init;
+mod ledger;
+mod moe;
+mod premul;
+mod register;
 mod state;
 mod teardown;
 mod wait;
 
+pub use buffer::NcclBuffer;
 pub use comm::Communicator;
 pub use config::CommConfig;
 pub use error::{CommInfo, NcclError, NcclStatus};
 pub use group::group;
+pub use premul::{PreMulSum, Reduction};
+pub use register::{Registration, Window, WindowFlags};
+pub use wait::OnFailure;
 
 /// The process-wide NCCL library, or the load error as a [`MetraleError`].
 pub(crate) fn lib() -> Result<&'static Nccl> {
