@@ -1316,6 +1316,10 @@ EXPORT ncclResult_t ncclGroupEnd(void) {
 
 /* ---- NCCL memory, registrations, windows ---------------------------------- */
 
+/* ncclMemAlloc's buffers are 4096-byte aligned (as NCCL's are): each is a
+ * stand-in driver allocation 4096 bytes larger, remembered to be freed. */
+#define MAX_NCCL_MEM 256
+static struct { unsigned long long base; uintptr_t aligned; } nccl_mem[MAX_NCCL_MEM];
 EXPORT ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
     find_driver();
     pthread_mutex_lock(&lock);
@@ -1324,24 +1328,41 @@ EXPORT ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
     if (!ptr) return fail(NULL, ncclInvalidArgument, "fakenccl: ncclMemAlloc: null pointer");
     if (!drv_alloc) return fail(NULL, ncclUnhandledCudaError, "fakenccl: no stand-in driver loaded");
     unsigned long long d = 0;
-    if (drv_alloc(&d, size)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemAlloc failed");
-    *ptr = (void *)(uintptr_t)d;
+    if (drv_alloc(&d, size + 4096)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemAlloc failed");
+    uintptr_t a = ((uintptr_t)d + 4095) & ~(uintptr_t)4095;
     pthread_mutex_lock(&lock);
+    int slot_i = -1;
+    for (int i = 0; i < MAX_NCCL_MEM && slot_i < 0; i++)
+        if (!nccl_mem[i].aligned) slot_i = i;
+    if (slot_i < 0) {
+        pthread_mutex_unlock(&lock);
+        drv_free(d);
+        return fail(NULL, ncclInternalError, "fakenccl: too many ncclMemAlloc buffers");
+    }
+    nccl_mem[slot_i].base = d;
+    nccl_mem[slot_i].aligned = a;
     mem_live++;
     pthread_mutex_unlock(&lock);
+    *ptr = (void *)a;
     return ncclSuccess;
 }
 EXPORT ncclResult_t ncclMemFree(void *ptr) {
     find_driver();
     pthread_mutex_lock(&lock);
     ENTER();
+    if (!ptr) { pthread_mutex_unlock(&lock); return ncclSuccess; }
+    unsigned long long base = 0;
+    for (int i = 0; i < MAX_NCCL_MEM; i++)
+        if (nccl_mem[i].aligned == (uintptr_t)ptr) {
+            base = nccl_mem[i].base;
+            nccl_mem[i].aligned = 0;
+            mem_live--;
+            break;
+        }
     pthread_mutex_unlock(&lock);
-    if (!ptr) return ncclSuccess;
+    if (!base) return fail(NULL, ncclInvalidArgument, "fakenccl: ncclMemFree of a pointer ncclMemAlloc did not give");
     if (!drv_free) return fail(NULL, ncclUnhandledCudaError, "fakenccl: no stand-in driver loaded");
-    if (drv_free((unsigned long long)(uintptr_t)ptr)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemFree failed");
-    pthread_mutex_lock(&lock);
-    mem_live--;
-    pthread_mutex_unlock(&lock);
+    if (drv_free(base)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemFree failed");
     return ncclSuccess;
 }
 

@@ -171,13 +171,13 @@ mod sealed {
         }
     }
 }
-pub(crate) use sealed::Uses;
+#[cfg(feature = "nccl")]
+pub(crate) use device::bounds;
 /// The seal of [`DeviceMemory`], for device memory types of other rooms (an
 /// NCCL buffer).
 #[cfg(feature = "nccl")]
 pub(crate) use sealed::Sealed;
-#[cfg(feature = "nccl")]
-pub(crate) use device::bounds;
+pub(crate) use sealed::Uses;
 
 /// Device memory holding elements of `T`: buffers, slices, managed buffers and
 /// typed symbols. Copies, fills and kernel arguments accept any of them.

@@ -270,7 +270,11 @@ impl fmt::Display for NcclError {
                 found,
                 comm,
             } => {
-                write!(f, "{call} not called{}: it needs NCCL {a}.{b}.{c} or newer; ", on(comm))?;
+                write!(
+                    f,
+                    "{call} not called{}: it needs NCCL {a}.{b}.{c} or newer; ",
+                    on(comm)
+                )?;
                 match found {
                     Some((x, y, z)) => write!(f, "the loaded NCCL is {x}.{y}.{z}"),
                     None => write!(f, "the loaded NCCL does not say its version"),

@@ -188,7 +188,11 @@ impl Communicator {
     /// say what failed; when the revoke cannot be made, abort after all and
     /// say why.
     #[cold]
-    pub(super) fn revoked_wait(&self, status: Option<ncclResult_t>, waited: Duration) -> MetraleError {
+    pub(super) fn revoked_wait(
+        &self,
+        status: Option<ncclResult_t>,
+        waited: Duration,
+    ) -> MetraleError {
         let pending = self.last_op.get().to_owned();
         let (description, last_error) = match status {
             Some(st) => {
@@ -284,7 +288,8 @@ impl Communicator {
             .lib()
             .ncclCommShrink()
             .map_err(|m| missing(m, Some(info)))?;
-        let n = i32::try_from(list.len()).map_err(|_| refused(CALL, Some(info), "too many ranks"))?;
+        let n =
+            i32::try_from(list.len()).map_err(|_| refused(CALL, Some(info), "too many ranks"))?;
         self.context().bind()?;
         // Every rank that stays counts this, as a split (the children's key).
         let index = self.splits.get();
@@ -296,7 +301,16 @@ impl Communicator {
             // ranks of it (checked); writes one handle before returning (a
             // blocking shrink outside any group: both checked); the config
             // outlives the call and its strings the child (kept in it).
-            unsafe { f(self.raw_handle(), list.as_mut_ptr(), n, &mut comm, &mut cfg, flags) }
+            unsafe {
+                f(
+                    self.raw_handle(),
+                    list.as_mut_ptr(),
+                    n,
+                    &mut comm,
+                    &mut cfg,
+                    flags,
+                )
+            }
         };
         let below = excluded.iter().filter(|&&r| r < info.rank).count();
         let child_info = CommInfo {
@@ -353,10 +367,12 @@ impl Communicator {
             i32::try_from(ids.len()).map_err(|_| refused(CALL, None, "more than i32::MAX ids"))?;
         require_version(super::lib()?, CALL, SCALABLE_SINCE, None)?;
         let mut raw_ids: Vec<raw::ncclUniqueId> = ids.iter().map(|id| id.to_raw()).collect();
-        let clique = ids.iter().skip(1).fold(
-            super::agree::clique_of_id(first, nranks),
-            |h, id| h.rotate_left(7) ^ super::agree::clique_of_id(id, nranks),
-        );
+        let clique = ids
+            .iter()
+            .skip(1)
+            .fold(super::agree::clique_of_id(first, nranks), |h, id| {
+                h.rotate_left(7) ^ super::agree::clique_of_id(id, nranks)
+            });
         Communicator::init_by_rank(
             CALL,
             (nranks, rank),

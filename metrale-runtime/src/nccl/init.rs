@@ -69,7 +69,8 @@ impl Communicator {
             i32,
             i32,
             &mut raw::ncclConfig_t,
-        ) -> std::result::Result<ncclResult_t, metrale_cuda_sys::LibraryMissingSymbol>,
+        )
+            -> std::result::Result<ncclResult_t, metrale_cuda_sys::LibraryMissingSymbol>,
     ) -> Result<Communicator> {
         let info = CommInfo {
             rank,
