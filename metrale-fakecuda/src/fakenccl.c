@@ -466,30 +466,29 @@ static uint16_t float_to_bf16(float f) {
         for (size_t i = 0; i < n; i++) a[i] = (T)(a[i] / (T)nranks);               \
     } while (0)
 
+/* The switch cases of the NCCL types that are a C type (the half types are
+ * not), each running M on it. */
+#define C_TYPE_CASES(M)                                                            \
+    case 0: M(int8_t); break;                                                      \
+    case 1: M(uint8_t); break;                                                     \
+    case 2: M(int32_t); break;                                                     \
+    case 3: M(uint32_t); break;                                                    \
+    case 4: M(int64_t); break;                                                     \
+    case 5: M(uint64_t); break;                                                    \
+    case 7: M(float); break;                                                       \
+    case 8: M(double); break;
+
 /* Half types are reduced in float, in a float accumulator. */
 static void combine(void *acc, const void *src, size_t n, int dtype, int op, int first) {
     switch (dtype) {
-    case 0: COMBINE(int8_t); break;
-    case 1: COMBINE(uint8_t); break;
-    case 2: COMBINE(int32_t); break;
-    case 3: COMBINE(uint32_t); break;
-    case 4: COMBINE(int64_t); break;
-    case 5: COMBINE(uint64_t); break;
-    case 7: COMBINE(float); break;
-    case 8: COMBINE(double); break;
+    C_TYPE_CASES(COMBINE)
     default: break;
     }
 }
 static void finish_avg(void *acc, size_t n, int dtype, int nranks) {
     switch (dtype) {
-    case 0: FINISH_AVG(int8_t); break;
-    case 1: FINISH_AVG(uint8_t); break;
-    case 2: FINISH_AVG(int32_t); break;
-    case 3: FINISH_AVG(uint32_t); break;
-    case 4: FINISH_AVG(int64_t); break;
-    case 5: FINISH_AVG(uint64_t); break;
-    case 6: case 9: case 7: FINISH_AVG(float); break;
-    case 8: FINISH_AVG(double); break;
+    C_TYPE_CASES(FINISH_AVG)
+    case 6: case 9: FINISH_AVG(float); break;
     default: break;
     }
 }
@@ -504,14 +503,7 @@ static void finish_avg(void *acc, size_t n, int dtype, int nranks) {
 static void *scaled_copy(const void *src, size_t n, int dtype, double s) {
     void *out = malloc(n * type_size(dtype) + 1);
     switch (dtype) {
-    case 0: SCALE(int8_t); break;
-    case 1: SCALE(uint8_t); break;
-    case 2: SCALE(int32_t); break;
-    case 3: SCALE(uint32_t); break;
-    case 4: SCALE(int64_t); break;
-    case 5: SCALE(uint64_t); break;
-    case 7: SCALE(float); break;
-    case 8: SCALE(double); break;
+    C_TYPE_CASES(SCALE)
     case 6: case 9: {
         const uint16_t *a = src;
         uint16_t *o = out;
@@ -1398,34 +1390,21 @@ static ncclResult_t drop_reg(struct comm *c, void *handle, int window) {
     free(g);
     return ncclSuccess;
 }
-EXPORT ncclResult_t ncclCommRegister(void *comm, void *buff, size_t size, void **handle) {
-    pthread_mutex_lock(&lock);
-    ENTER();
-    ncclResult_t r = add_reg(comm, buff, size, handle, 0, 0);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-EXPORT ncclResult_t ncclCommDeregister(void *comm, void *handle) {
-    pthread_mutex_lock(&lock);
-    ENTER();
-    ncclResult_t r = drop_reg(comm, handle, 0);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-EXPORT ncclResult_t ncclCommWindowRegister(void *comm, void *buff, size_t size, void **win, int flags) {
-    pthread_mutex_lock(&lock);
-    ENTER();
-    ncclResult_t r = add_reg(comm, buff, size, win, 1, flags);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
-EXPORT ncclResult_t ncclCommWindowDeregister(void *comm, void *win) {
-    pthread_mutex_lock(&lock);
-    ENTER();
-    ncclResult_t r = drop_reg(comm, win, 1);
-    pthread_mutex_unlock(&lock);
-    return r;
-}
+/* The body of an entry point that runs `expr` under the lock, counted. */
+#define LOCKED_ENTRY(expr)                                                         \
+    {                                                                              \
+        pthread_mutex_lock(&lock);                                                 \
+        ENTER();                                                                   \
+        ncclResult_t r = (expr);                                                   \
+        pthread_mutex_unlock(&lock);                                               \
+        return r;                                                                  \
+    }
+EXPORT ncclResult_t ncclCommRegister(void *comm, void *buff, size_t size, void **handle)
+    LOCKED_ENTRY(add_reg(comm, buff, size, handle, 0, 0))
+EXPORT ncclResult_t ncclCommDeregister(void *comm, void *handle) LOCKED_ENTRY(drop_reg(comm, handle, 0))
+EXPORT ncclResult_t ncclCommWindowRegister(void *comm, void *buff, size_t size, void **win, int flags)
+    LOCKED_ENTRY(add_reg(comm, buff, size, win, 1, flags))
+EXPORT ncclResult_t ncclCommWindowDeregister(void *comm, void *win) LOCKED_ENTRY(drop_reg(comm, win, 1))
 
 /* ---- pre-multiplied sums -------------------------------------------------- */
 

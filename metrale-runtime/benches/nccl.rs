@@ -208,27 +208,33 @@ fn registered_latency(
         } else {
             None
         };
-        let raw_on = |p: *mut std::ffi::c_void| {
+        // `calls` of `one`, then a sync: microseconds per call.
+        let per_call = |one: &mut dyn FnMut()| {
             time(|| {
                 for _ in 0..calls {
-                    // SAFETY: n floats at `p` on device 0 (a live buffer); a
-                    // live communicator and stream of that device.
-                    let st = unsafe {
-                        raw_all_reduce(
-                            p,
-                            p,
-                            n,
-                            ncclDataType_t::ncclFloat32,
-                            ncclRedOp_t::ncclSum,
-                            raw_comm,
-                            raw_stream,
-                        )
-                    };
-                    assert!(st.is_success(), "{st}");
+                    one();
                 }
                 s.synchronize().unwrap();
             }) * 1e6
                 / calls as f64
+        };
+        let raw_on = |p: *mut std::ffi::c_void| {
+            move || {
+                // SAFETY: n floats at `p` on device 0 (a live buffer); a live
+                // communicator and stream of that device.
+                let st = unsafe {
+                    raw_all_reduce(
+                        p,
+                        p,
+                        n,
+                        ncclDataType_t::ncclFloat32,
+                        ncclRedOp_t::ncclSum,
+                        raw_comm,
+                        raw_stream,
+                    )
+                };
+                assert!(st.is_success(), "{st}");
+            }
         };
         let plain_ptr = plain.device_ptr() as usize as *mut std::ffi::c_void;
         let reg_ptr = reg.device_ptr() as usize as *mut std::ffi::c_void;
@@ -236,41 +242,21 @@ fn registered_latency(
         for round in 0..n_rounds {
             for k in 0..5 {
                 let which = (round + k) % 5;
-                let t = match which {
-                    0 => raw_on(plain_ptr),
-                    1 => {
-                        time(|| {
-                            for _ in 0..calls {
-                                comm.all_reduce_in_place(&mut plain, ReduceOp::Sum, s)
-                                    .unwrap();
-                            }
-                            s.synchronize().unwrap();
-                        }) * 1e6
-                            / calls as f64
+                let t = match (which, win.as_mut()) {
+                    (0, _) => per_call(&mut raw_on(plain_ptr)),
+                    (1, _) => per_call(&mut || {
+                        comm.all_reduce_in_place(&mut plain, ReduceOp::Sum, s)
+                            .unwrap()
+                    }),
+                    (2, _) => per_call(&mut raw_on(reg_ptr)),
+                    (3, _) => per_call(&mut || {
+                        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, s)
+                            .unwrap()
+                    }),
+                    (_, Some(w)) => {
+                        per_call(&mut || comm.all_reduce_in_place(w, ReduceOp::Sum, s).unwrap())
                     }
-                    2 => raw_on(reg_ptr),
-                    3 => {
-                        time(|| {
-                            for _ in 0..calls {
-                                comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, s)
-                                    .unwrap();
-                            }
-                            s.synchronize().unwrap();
-                        }) * 1e6
-                            / calls as f64
-                    }
-                    _ => match win.as_mut() {
-                        Some(w) => {
-                            time(|| {
-                                for _ in 0..calls {
-                                    comm.all_reduce_in_place(w, ReduceOp::Sum, s).unwrap();
-                                }
-                                s.synchronize().unwrap();
-                            }) * 1e6
-                                / calls as f64
-                        }
-                        None => continue,
-                    },
+                    (_, None) => continue,
                 };
                 rows[which].push(t);
             }

@@ -42,8 +42,8 @@ use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 use std::time::Instant;
 
-use metrale_cuda_sys::nccl::{self as raw, ncclWindow_t};
-use metrale_cuda_sys::CUdeviceptr;
+use metrale_cuda_sys::nccl::{self as raw, ncclComm_t, ncclResult_t, ncclWindow_t, Nccl};
+use metrale_cuda_sys::{CUdeviceptr, LibraryMissingSymbol};
 
 use crate::context::CudaContext;
 use crate::error::Result;
@@ -166,29 +166,15 @@ impl Communicator {
     ) -> Result<Registration<'c, 'b, T>> {
         const CALL: &str = "ncclCommRegister";
         let bytes = self.registrable(CALL, buf)?;
-        let f = self
-            .lib()
-            .ncclCommRegister()
-            .map_err(|m| missing(m, Some(self.info())))?;
-        let mut handle: *mut c_void = std::ptr::null_mut();
-        let status = {
-            let _turn = self.turn();
+        let handle = self.registered(CALL, buf, bytes, |lib, comm, p, out| {
+            let f = lib.ncclCommRegister()?;
             // SAFETY: a live communicator (`enter` refused an aborted one);
             // the buffer is device memory of its device (checked), `bytes`
             // long, and stays allocated while the returned guard borrows it
             // (deregistered in its Drop, or freed by NCCL with the
             // communicator, which the guard also borrows); writes one handle.
-            unsafe {
-                f(
-                    self.raw_handle(),
-                    buf.device_ptr() as usize as *mut c_void,
-                    bytes,
-                    &mut handle,
-                )
-            }
-        };
-        self.finish(CALL, status)?;
-        self.note_registered(bytes);
+            Ok(unsafe { f(comm, p, bytes, out) })
+        })?;
         Ok(Registration {
             comm: self,
             buf,
@@ -241,28 +227,13 @@ impl Communicator {
                 ),
             ));
         }
-        let f = self
-            .lib()
-            .ncclCommWindowRegister()
-            .map_err(|m| missing(m, Some(self.info())))?;
-        let mut win: ncclWindow_t = std::ptr::null_mut();
-        let status = {
-            let _turn = self.turn();
+        let win = self.registered(CALL, buf, bytes, |lib, comm, p, out| {
+            let f = lib.ncclCommWindowRegister()?;
             // SAFETY: as in `register`: a live communicator, device memory of
             // its device (checked) of `bytes` bytes, kept allocated while the
             // returned guard borrows it; writes one window handle.
-            unsafe {
-                f(
-                    self.raw_handle(),
-                    buf.device_ptr() as usize as *mut c_void,
-                    bytes,
-                    &mut win,
-                    flags.bits(),
-                )
-            }
-        };
-        self.finish(CALL, status)?;
-        self.note_registered(bytes);
+            Ok(unsafe { f(comm, p, bytes, out, flags.bits()) })
+        })?;
         let index = self.ledger.windows_made.get();
         self.ledger.windows_made.set(index.wrapping_add(1));
         Ok(Window {
@@ -274,6 +245,34 @@ impl Communicator {
             index,
             done: false,
         })
+    }
+
+    /// The handle `make` (the NCCL call, handed the library, the
+    /// communicator, the buffer's address and where to write the handle) gives
+    /// for `bytes` of `buf`, made in this communicator's turn, its outcome
+    /// settled and the bytes counted.
+    fn registered<T: DeviceRepr, X>(
+        &self,
+        call: &'static str,
+        buf: &NcclBuffer<T>,
+        bytes: usize,
+        make: impl FnOnce(
+            &Nccl,
+            ncclComm_t,
+            *mut c_void,
+            &mut *mut X,
+        ) -> std::result::Result<ncclResult_t, LibraryMissingSymbol>,
+    ) -> Result<*mut X> {
+        let mut handle: *mut X = std::ptr::null_mut();
+        let status = {
+            let _turn = self.turn();
+            let p = buf.device_ptr() as usize as *mut c_void;
+            make(self.lib(), self.raw_handle(), p, &mut handle)
+                .map_err(|m| missing(m, Some(self.info())))?
+        };
+        self.finish(call, status)?;
+        self.note_registered(bytes);
+        Ok(handle)
     }
 
     /// The checks every registration makes; the buffer's bytes.
@@ -362,20 +361,6 @@ fn must_deregister(comm: &Communicator, call: &'static str) -> Result<bool> {
 }
 
 impl<T: DeviceRepr> Registration<'_, '_, T> {
-    /// Deregister now (`ncclCommDeregister`), or get the guard back with the
-    /// reason.
-    ///
-    /// # Errors
-    /// The guard and why it is still registered: a capture in progress, inside
-    /// a host function (refused before NCCL), or NCCL's status.
-    #[allow(clippy::result_large_err)]
-    pub fn deregister(mut self) -> std::result::Result<(), (Self, crate::MetraleError)> {
-        match self.release() {
-            Ok(()) => Ok(()),
-            Err(e) => Err((self, e)),
-        }
-    }
-
     /// The registered bytes.
     pub fn byte_len(&self) -> usize {
         self.bytes
@@ -408,42 +393,7 @@ impl<T: DeviceRepr> Registration<'_, '_, T> {
     }
 }
 
-impl<T: DeviceRepr> Drop for Registration<'_, '_, T> {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        if let Err(e) = self.release() {
-            let l = &self.comm.ledger;
-            l.guards.set(l.guards.get().saturating_sub(1));
-            crate::error::report_line(format_args!(
-                "NCCL registration of {} bytes (communicator {}): left registered, NCCL \
-                 releases it with the communicator: {e}",
-                self.bytes,
-                self.comm.info()
-            ));
-        }
-    }
-}
-
 impl<T: DeviceRepr> Window<'_, '_, T> {
-    /// Deregister the window now (`ncclCommWindowDeregister`, collective), or
-    /// get the guard back with the reason.
-    ///
-    /// # Errors
-    /// The guard and why it is still registered: a capture in progress, inside
-    /// a host function (refused before NCCL), or NCCL's status; a
-    /// deregistration that did not return within the communicator's drop
-    /// timeout (a peer that never deregisters) leaves the communicator aborted
-    /// and is an error with the guard inert.
-    #[allow(clippy::result_large_err)]
-    pub fn deregister(mut self) -> std::result::Result<(), (Self, crate::MetraleError)> {
-        match self.release() {
-            Ok(()) => Ok(()),
-            Err(e) => Err((self, e)),
-        }
-    }
-
     /// The window's bytes.
     pub fn byte_len(&self) -> usize {
         self.bytes
@@ -536,26 +486,6 @@ impl<T: DeviceRepr> Window<'_, '_, T> {
     }
 }
 
-impl<T: DeviceRepr> Drop for Window<'_, '_, T> {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        if let Err(e) = self.release() {
-            if !self.done {
-                let l = &self.comm.ledger;
-                l.guards.set(l.guards.get().saturating_sub(1));
-            }
-            crate::error::report_line(format_args!(
-                "NCCL window of {} bytes (communicator {}): {e}; left to NCCL, which releases \
-                 it with the communicator",
-                self.bytes,
-                self.comm.info()
-            ));
-        }
-    }
-}
-
 /// A window handle handed to the helper thread with its communicator.
 struct WinHandle(ncclWindow_t);
 
@@ -564,7 +494,49 @@ struct WinHandle(ncclWindow_t);
 unsafe impl Send for WinHandle {}
 
 macro_rules! guard_memory {
-    ($name:ident) => {
+    ($name:ident, $what:literal) => {
+        impl<T: DeviceRepr> $name<'_, '_, T> {
+            /// Deregister now (`ncclCommDeregister`; a window's collectively,
+            /// `ncclCommWindowDeregister`), or get the guard back with the
+            /// reason.
+            ///
+            /// # Errors
+            /// The guard and why it is still registered: a capture in
+            /// progress, inside a host function (refused before NCCL), or
+            /// NCCL's status. A window's deregistration that did not return
+            /// within the communicator's drop timeout (a peer that never
+            /// deregisters) leaves the communicator aborted and the guard
+            /// inert.
+            #[allow(clippy::result_large_err)]
+            pub fn deregister(mut self) -> std::result::Result<(), (Self, crate::MetraleError)> {
+                match self.release() {
+                    Ok(()) => Ok(()),
+                    Err(e) => Err((self, e)),
+                }
+            }
+        }
+
+        impl<T: DeviceRepr> Drop for $name<'_, '_, T> {
+            fn drop(&mut self) {
+                if self.done {
+                    return;
+                }
+                if let Err(e) = self.release() {
+                    if !self.done {
+                        let l = &self.comm.ledger;
+                        l.guards.set(l.guards.get().saturating_sub(1));
+                    }
+                    crate::error::report_line(format_args!(
+                        "NCCL {} of {} bytes (communicator {}): {e}; left to NCCL, which \
+                         releases it with the communicator",
+                        $what,
+                        self.bytes,
+                        self.comm.info()
+                    ));
+                }
+            }
+        }
+
         impl<T: DeviceRepr> Deref for $name<'_, '_, T> {
             type Target = NcclBuffer<T>;
             fn deref(&self) -> &NcclBuffer<T> {
@@ -609,5 +581,5 @@ macro_rules! guard_memory {
         }
     };
 }
-guard_memory!(Registration);
-guard_memory!(Window);
+guard_memory!(Registration, "registration");
+guard_memory!(Window, "window");
