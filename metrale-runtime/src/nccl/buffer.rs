@@ -65,7 +65,8 @@ impl<T: DeviceRepr> NcclBuffer<T> {
     /// nothing (address 0).
     ///
     /// # Errors
-    /// A byte size that overflows; inside a host function; the NCCL library's
+    /// A byte size that overflows; inside a host function or while this thread
+    /// captures a graph (refused before NCCL); the NCCL library's
     /// load error or missing symbol; `ncclMemAlloc`'s status (out of memory),
     /// naming the size and device.
     pub fn alloc(ctx: &impl AsContext, len: usize) -> Result<NcclBuffer<T>> {
@@ -77,6 +78,16 @@ impl<T: DeviceRepr> NcclBuffer<T> {
             if crate::context::in_host_function() {
                 return Err(crate::error::CallError::InHostFunction
                     .about("ncclMemAlloc (NcclBuffer::alloc)"));
+            }
+            if crate::stream::capturing_on_this_thread() {
+                // NCCL maps the memory (cuMem* calls, or cudaMalloc), which a
+                // capture on this thread is invalidated by.
+                return Err(super::error::refused(
+                    CALL,
+                    None,
+                    "allocating while this thread captures a graph is refused (NCCL's \
+                     allocation would invalidate the capture); allocate before it",
+                ));
             }
             let lib = lib()?;
             let f = lib.ncclMemAlloc().map_err(|m| missing(m, None))?;

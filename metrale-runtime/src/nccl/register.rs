@@ -31,7 +31,13 @@
 //!   NCCL version, the size, the device and (for a symmetric window) the
 //!   4096-byte alignment before NCCL, and numbers each communicator's windows
 //!   ([`Window::index`]) so ranks can compare what they made. Ranks in other
-//!   threads and processes stay the user's duty. The deregistration runs on a
+//!   threads and processes stay the user's duty.
+//! - Deregistering (a guard's Drop or `deregister`) first waits, within the
+//!   communicator's drop timeout, for the work the communicator queued (on
+//!   every stream it used), so no queued collective loses its registration;
+//!   it is refused inside a `group` (whose work is launched at its end).
+//!   Past the bound the guard stays registered (NCCL releases it with the
+//!   communicator). A window's deregistration then runs on a
 //!   helper thread, bounded by the communicator's drop timeout: a peer that
 //!   never deregisters makes the communicator count as aborted (aborted when
 //!   the deregistration returns), so Drop never blocks forever.
@@ -357,7 +363,47 @@ fn must_deregister(comm: &Communicator, call: &'static str) -> Result<bool> {
     }
     comm.enter(call)?;
     refuse_in_capture(comm, call, "deregistering")?;
+    if in_group() {
+        return Err(refused(
+            call,
+            Some(comm.info()),
+            "deregistering inside `group` is refused: the group's collectives, which may \
+             use the buffer, are launched only at its end; deregister after the group",
+        ));
+    }
+    wait_for_queued(comm, call)?;
     Ok(true)
+}
+
+/// Wait, within the communicator's drop timeout, for the work it queued on
+/// every stream it used: NCCL must not lose a registration that queued work
+/// still uses. Past the bound it is an error (and the guard stays
+/// registered).
+fn wait_for_queued(comm: &Communicator, call: &'static str) -> Result<()> {
+    let streams: Vec<crate::stream::CudaStream> = match comm.streams.try_borrow() {
+        Ok(s) => s.clone(),
+        Err(_) => Vec::new(),
+    };
+    let start = Instant::now();
+    let mut spins = 0u32;
+    for s in &streams {
+        while !s.query()? {
+            if start.elapsed() >= comm.drop_timeout {
+                return Err(refused(
+                    call,
+                    Some(comm.info()),
+                    format!(
+                        "work the communicator queued ({}) had not finished after {:?} (its drop \
+                         timeout), and it may use the registered buffer",
+                        comm.last_op.get(),
+                        start.elapsed()
+                    ),
+                ));
+            }
+            super::teardown::backoff(&mut spins);
+        }
+    }
+    Ok(())
 }
 
 impl<T: DeviceRepr> Registration<'_, '_, T> {

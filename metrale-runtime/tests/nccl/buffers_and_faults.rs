@@ -14,7 +14,7 @@ use metrale_runtime::nccl::{
 };
 use metrale_runtime::{deferred_frees, CudaStream, DeviceBuffer, Result};
 
-use super::{ctx, fake, harness, nccl, one_rank, refusal, reset, two_ranks};
+use super::{ctx, fake, group, harness, nccl, one_rank, refusal, reset, two_ranks};
 
 /// Run `f(rank, comm, stream)` on `n` threads, rank r on device r % 2.
 fn ranks<R: Send + 'static>(
@@ -191,6 +191,11 @@ fn registration_is_refused_during_a_capture() {
             let (guard, e) = reg.deregister().unwrap_err();
             assert!(refusal(&e).contains("deregistering during a graph capture"), "{e}");
             back = Some(guard);
+            let e = NcclBuffer::<u8>::alloc(comm.context(), 8).unwrap_err();
+            assert!(
+                refusal(&e).contains("allocating while this thread captures a graph is refused"),
+                "{e}"
+            );
             Ok(())
         })
         .unwrap();
@@ -212,6 +217,44 @@ fn registration_is_refused_during_a_capture() {
         .unwrap();
     drop(graph);
     assert_eq!(s.to_vec(&reg.as_slice()).unwrap(), vec![2.0f32; 16]);
+}
+
+fn deregistration_waits_for_queued_work_and_groups() {
+    reset();
+    let config = CommConfig::new().drop_timeout(Duration::from_millis(50));
+    let (comm, s) = one_rank(&config);
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    // Inside a group: refused (the group's work is launched at its end).
+    let reg = comm.register(&mut buf).unwrap();
+    let (reg, e) = group(&[&comm], || Ok(reg.deregister()))
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        refusal(&e).contains("deregistering inside `group` is refused"),
+        "{e}"
+    );
+    // Behind queued work that never finishes: refused past the drop timeout.
+    let mut reg = reg;
+    nccl().set_hang(true);
+    comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+        .unwrap();
+    let start = std::time::Instant::now();
+    let (reg, e) = reg.deregister().unwrap_err();
+    assert!(start.elapsed() >= Duration::from_millis(50));
+    assert!(
+        refusal(&e).contains("work the communicator queued (ncclAllReduce) had not finished after"),
+        "{e}"
+    );
+    assert_eq!(nccl().calls("ncclCommDeregister"), 0);
+    assert_eq!(nccl().registrations(), 1);
+    // The work finishes (here: the communicator is aborted, which releases
+    // it); then the guard goes quietly.
+    nccl().set_hang(false);
+    comm.abort();
+    s.synchronize().unwrap();
+    drop(reg);
+    assert_eq!(nccl().registrations(), 0, "released with the communicator");
+    drop(comm);
 }
 
 fn registration_bound_and_checks() {
@@ -669,6 +712,7 @@ pub(super) fn tests() -> Vec<harness::Test> {
         registration_lifetimes_in_every_drop_order,
         registration_is_refused_during_a_capture,
         registration_bound_and_checks,
+        deregistration_waits_for_queued_work_and_groups,
         window_all_reduce_and_registered_collectives,
         all_to_all_gather_scatter_results,
         all_to_all_gather_scatter_counts_and_roots_are_refused,
