@@ -545,9 +545,10 @@ impl Communicator {
         Ok(per_rank)
     }
 
-    /// Sum (or another `op`) `send` over all ranks into `recv` of every rank
-    /// (`ncclAllReduce`); `recv` needs at least `send.len()` elements (the first
-    /// `send.len()` are written).
+    /// Sum (or another `op`: a [`ReduceOp`], or `&`[`PreMulSum`](super::PreMulSum)
+    /// of this communicator, as for every reducing collective) `send` over all
+    /// ranks into `recv` of every rank (`ncclAllReduce`); `recv` needs at least
+    /// `send.len()` elements (the first `send.len()` are written).
     ///
     /// # Errors
     /// [`NcclError::Refused`](super::NcclError::Refused) for a short `recv` or

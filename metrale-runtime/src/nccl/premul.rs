@@ -66,7 +66,9 @@ impl<T: NcclType> fmt::Debug for Reduction<'_, T> {
 /// scalar, summed (`ncclRedOpCreatePreMulSum`). Made with
 /// [`PreMulSum::host`] (the value is copied now) or [`PreMulSum::device`]
 /// (NCCL reads one element of device memory when each collective runs); pass
-/// `&op` where a collective takes a reduction.
+/// `&op` where a collective takes a reduction. A graph that captured a
+/// collective with it refers to it: replay such a graph (`unsafe`, as every
+/// replay) only while the operation lives.
 ///
 /// ```no_run
 /// # use metrale_runtime::nccl::{Communicator, PreMulSum};
