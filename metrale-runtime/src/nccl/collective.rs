@@ -17,7 +17,6 @@ use crate::stream::CudaStream;
 use super::agree::Shape;
 use super::comm::Communicator;
 use super::error::{into_error, missing, refused, NcclError};
-use super::premul::Reduction;
 use super::state::{in_group, is_listed};
 use super::{NcclType, ReduceOp};
 
@@ -28,6 +27,17 @@ use super::{NcclType, ReduceOp};
 pub(super) struct Red {
     raw: ncclRedOp_t,
     agree: ReduceOp,
+}
+
+impl Red {
+    /// A reduction made for a communicator (`raw`), agreeing as a sum.
+    #[inline]
+    pub(super) fn custom(raw: ncclRedOp_t) -> Red {
+        Red {
+            raw,
+            agree: ReduceOp::Sum,
+        }
+    }
 }
 
 impl From<ReduceOp> for Red {
@@ -96,7 +106,7 @@ enum Sizes {
 
 impl Op {
     /// The NCCL function.
-    const fn call(self) -> &'static str {
+    pub(super) const fn call(self) -> &'static str {
         match self {
             Op::AllReduce(_) => "ncclAllReduce",
             Op::Broadcast(_) => "ncclBroadcast",
@@ -217,7 +227,7 @@ impl Communicator {
     /// communicator sharing resources with a parent or child takes its turn (no
     /// lock otherwise).
     #[inline]
-    fn submit<T: NcclType>(
+    pub(super) fn submit<T: NcclType>(
         &self,
         op: Op,
         stream: &CudaStream,
@@ -279,81 +289,10 @@ impl Communicator {
         self.submit(op, stream, &mems, (ptr(send), ptr(recv)), lens)
     }
 
-    /// [`pair`](Self::pair) or [`single`](Self::single) (`recv` `None`: in
-    /// place) with a reduction that may read a scalar in device memory (noted
-    /// as used, and checked for its device, like the buffers).
-    #[inline]
-    fn reducing<T: NcclType>(
-        &self,
-        op: impl Fn(Red) -> Op,
-        red: Reduction<'_, T>,
-        send: &dyn DeviceMemory<T>,
-        recv: Option<&dyn DeviceMemory<T>>,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        let (red, scalar) = self.reduction(op(ReduceOp::Sum.into()).call(), red)?;
-        let op = op(red);
-        let sp = send.device_ptr() as usize as *mut c_void;
-        let (rp, lens) = match &recv {
-            Some(r) => (
-                r.device_ptr() as usize as *mut c_void,
-                (send.len(), r.len()),
-            ),
-            None => (sp, (send.len(), send.len())),
-        };
-        let first = ("send", send);
-        let mut mems: [(&'static str, &dyn DeviceMemory<T>); 3] = [first, first, first];
-        let mut n = 1;
-        if let Some(r) = recv {
-            mems[n] = ("receive", r);
-            n += 1;
-        } else {
-            mems[0].0 = "in-place";
-        }
-        if let Some(sc) = scalar {
-            mems[n] = ("scalar", sc);
-            n += 1;
-        }
-        self.submit(op, stream, &mems[..n], (sp, rp), lens)
-    }
-
-    /// The reduction NCCL takes for `red`; a pre-multiplied sum must be this
-    /// communicator's (and its device scalar comes along).
-    #[inline]
-    fn reduction<'r, T: NcclType>(
-        &self,
-        call: &'static str,
-        red: Reduction<'r, T>,
-    ) -> Result<(Red, Option<&'r dyn DeviceMemory<T>>)> {
-        match red {
-            Reduction::Op(op) => Ok((op.into(), None)),
-            Reduction::PreMulSum(p) => {
-                if !std::ptr::eq(p.comm(), self) {
-                    return Err(refused(
-                        call,
-                        Some(self.info()),
-                        format!(
-                            "the pre-multiplied sum was made for another communicator ({}); \
-                             NCCL's reduction operations belong to one communicator",
-                            p.comm().info()
-                        ),
-                    ));
-                }
-                Ok((
-                    Red {
-                        raw: p.raw(),
-                        agree: ReduceOp::Sum,
-                    },
-                    p.scalar(),
-                ))
-            }
-        }
-    }
-
     /// [`submit`](Self::submit) with one buffer (`role`): sent and received in
     /// place, or a send's or a receive's.
     #[inline]
-    fn single<T: NcclType>(
+    pub(super) fn single<T: NcclType>(
         &self,
         op: Op,
         role: &'static str,
@@ -545,44 +484,6 @@ impl Communicator {
         Ok(per_rank)
     }
 
-    /// Sum (or another `op`: a [`ReduceOp`], or `&`[`PreMulSum`](super::PreMulSum)
-    /// of this communicator, as for every reducing collective) `send` over all
-    /// ranks into `recv` of every rank (`ncclAllReduce`); `recv` needs at least
-    /// `send.len()` elements (the first `send.len()` are written).
-    ///
-    /// # Errors
-    /// [`NcclError::Refused`](super::NcclError::Refused) for a short `recv` or
-    /// memory or stream of another device (naming the call, the rank and both
-    /// sizes), before NCCL; NCCL's status.
-    pub fn all_reduce<'r, T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: impl Into<Reduction<'r, T>>,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::AllReduce(op.into()), send, recv, stream),
-            red => self.reducing(Op::AllReduce, red, send, Some(&*recv), stream),
-        }
-    }
-
-    /// [`all_reduce`](Self::all_reduce) with `buf` both sent and received.
-    ///
-    /// # Errors
-    /// As `all_reduce`.
-    pub fn all_reduce_in_place<'r, T: NcclType>(
-        &self,
-        buf: &mut impl DeviceMemoryMut<T>,
-        op: impl Into<Reduction<'r, T>>,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.single(Op::AllReduce(op.into()), "in-place", buf, stream),
-            red => self.reducing(Op::AllReduce, red, &*buf, None, stream),
-        }
-    }
-
     /// Copy `root`'s `send` into `recv` of every rank (`ncclBroadcast`);
     /// `recv.len()` elements move, and `send` needs at least as many (it is read
     /// on the root only).
@@ -613,44 +514,6 @@ impl Communicator {
         self.single(Op::Broadcast(root), "in-place", buf, stream)
     }
 
-    /// Reduce `send` over all ranks into `root`'s `recv` (`ncclReduce`); `recv`
-    /// needs at least `send.len()` elements (on every rank: it is written on the
-    /// root only).
-    ///
-    /// # Errors
-    /// A root that is not a rank, a short `recv`, memory or stream of another
-    /// device (before NCCL); NCCL's status.
-    pub fn reduce<'r, T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: impl Into<Reduction<'r, T>>,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::Reduce(op.into(), root), send, recv, stream),
-            red => self.reducing(|r| Op::Reduce(r, root), red, send, Some(&*recv), stream),
-        }
-    }
-
-    /// [`reduce`](Self::reduce) with `buf` both sent and (on the root) received.
-    ///
-    /// # Errors
-    /// As `reduce`.
-    pub fn reduce_in_place<'r, T: NcclType>(
-        &self,
-        buf: &mut impl DeviceMemoryMut<T>,
-        op: impl Into<Reduction<'r, T>>,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.single(Op::Reduce(op.into(), root), "in-place", buf, stream),
-            red => self.reducing(|r| Op::Reduce(r, root), red, &*buf, None, stream),
-        }
-    }
-
     /// Gather every rank's `send` into `recv` of every rank, in rank order
     /// (`ncclAllGather`); `recv.len()` must be exactly ranks × `send.len()`.
     ///
@@ -664,25 +527,6 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         self.pair(Op::AllGather, send, recv, stream)
-    }
-
-    /// Reduce `send` over all ranks and scatter it: rank `i` receives block `i`
-    /// (`ncclReduceScatter`); `send.len()` must be exactly ranks × `recv.len()`.
-    ///
-    /// # Errors
-    /// Sizes out of that rule, memory or stream of another device (before NCCL);
-    /// NCCL's status.
-    pub fn reduce_scatter<'r, T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: impl Into<Reduction<'r, T>>,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::ReduceScatter(op.into()), send, recv, stream),
-            red => self.reducing(Op::ReduceScatter, red, send, Some(&*recv), stream),
-        }
     }
 
     /// Send `buf` to rank `peer` (`ncclSend`), which receives it with

@@ -116,10 +116,12 @@ mod init;
 mod ledger;
 mod moe;
 mod premul;
+mod reducing;
 mod register;
 mod state;
 mod teardown;
 mod wait;
+mod window;
 
 pub use buffer::NcclBuffer;
 pub use comm::Communicator;
@@ -127,8 +129,9 @@ pub use config::CommConfig;
 pub use error::{CommInfo, NcclError, NcclStatus};
 pub use group::group;
 pub use premul::{PreMulSum, Reduction};
-pub use register::{Registration, Window, WindowFlags};
+pub use register::Registration;
 pub use wait::OnFailure;
+pub use window::{Window, WindowFlags};
 
 /// The process-wide NCCL library, or the load error as a [`MetraleError`].
 pub(crate) fn lib() -> Result<&'static Nccl> {
