@@ -1,8 +1,8 @@
 //! NCCL buffers, registrations, windows, all-to-all / gather / scatter and
 //! pre-multiplied sums on the real library, one rank on device 0: every new
 //! collective exact, registered and not, in and out of a graph capture
-//! (replayed), a symmetric-window all-reduce, and registration refused inside
-//! a capture.
+//! (replayed), a symmetric-window all-reduce, registration refused inside a
+//! capture, and revoke, shrink and the scalable init on one rank.
 
 use metrale_runtime::nccl::{
     nccl_version, CommConfig, Communicator, NcclBuffer, NcclError, NcclId, PreMulSum, ReduceOp,
@@ -189,8 +189,48 @@ fn a_symmetric_window_all_reduce() {
     assert_eq!(comm.registered_bytes(), 0);
 }
 
+fn revoke_shrink_and_a_scalable_init_on_one_rank() {
+    let ctx = context(0).unwrap();
+    let ids = [NcclId::new().unwrap(), NcclId::new().unwrap()];
+    let comm = Communicator::init_rank_scalable(&ids, 1, 0, &ctx, &CommConfig::new()).unwrap();
+    let s = CudaStream::new(&ctx).unwrap();
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32, 2.0, 3.0]).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    assert_eq!(s.to_vec(&b).unwrap(), [1.0, 2.0, 3.0]);
+    if !at_least((2, 28, 0)) {
+        let e = comm.revoke().unwrap_err();
+        assert!(
+            matches!(e.as_nccl(), Some(NcclError::Unsupported { .. })),
+            "{e}"
+        );
+        return;
+    }
+    comm.revoke().unwrap();
+    assert!(comm.is_revoked());
+    let e = comm
+        .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+        .unwrap_err();
+    assert!(
+        matches!(e.as_nccl(), Some(NcclError::Revoked { .. })),
+        "{e}"
+    );
+    let fresh = comm.shrink(&[], &CommConfig::new()).unwrap();
+    assert_eq!((fresh.rank(), fresh.size()), (0, 1));
+    fresh
+        .all_reduce_in_place(&mut b, ReduceOp::Max, &s)
+        .unwrap();
+    fresh.wait(&s, std::time::Duration::from_secs(30)).unwrap();
+    assert_eq!(s.to_vec(&b).unwrap(), [1.0, 2.0, 3.0]);
+    drop(fresh);
+    drop(comm); // revoked: aborted, bounded
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "nccl::revoke_shrink_and_a_scalable_init_on_one_rank",
+            run: revoke_shrink_and_a_scalable_init_on_one_rank,
+        },
         Test {
             name: "nccl::every_new_collective_exact_registered_and_not",
             run: every_new_collective_exact_registered_and_not,
