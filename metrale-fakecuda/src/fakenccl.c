@@ -190,6 +190,7 @@ static long timeout_ms = 10000;
 static long would_hang;
 static int version_code = DEFAULT_VERSION;
 static long mem_live, reg_live, win_live, orphaned, premul_live;
+static long win_dereg_delay_us; /* ncclCommWindowDeregister first sleeps this long, unlocked (a peer late to the collective) */
 static unsigned long long id_counter;
 static __thread char thread_error[256];
 #define MAX_SHARES 64
@@ -282,6 +283,7 @@ EXPORT void fakenccl_reset(void) {
     would_hang = 0;
     version_code = DEFAULT_VERSION;
     orphaned = 0;
+    win_dereg_delay_us = 0;
     shared_overlaps = 0;
     call_delay_us = 0;
     abort_delay_us = 0;
@@ -307,6 +309,7 @@ EXPORT long fakenccl_registrations(void) { return reg_live; }
 EXPORT long fakenccl_windows(void) { return win_live; }
 EXPORT long fakenccl_orphaned_registrations(void) { return orphaned; }
 EXPORT long fakenccl_premul_live(void) { return premul_live; }
+EXPORT void fakenccl_set_window_deregister_delay_us(long us) { win_dereg_delay_us = us; }
 /* Kill `comm`'s rank: its calls fail from now on, and every other rank of its
  * communicator reports ncclRemoteError (a peer process died). */
 EXPORT void fakenccl_kill(void *comm) {
@@ -1404,7 +1407,15 @@ EXPORT ncclResult_t ncclCommRegister(void *comm, void *buff, size_t size, void *
 EXPORT ncclResult_t ncclCommDeregister(void *comm, void *handle) LOCKED_ENTRY(drop_reg(comm, handle, 0))
 EXPORT ncclResult_t ncclCommWindowRegister(void *comm, void *buff, size_t size, void **win, int flags)
     LOCKED_ENTRY(add_reg(comm, buff, size, win, 1, flags))
-EXPORT ncclResult_t ncclCommWindowDeregister(void *comm, void *win) LOCKED_ENTRY(drop_reg(comm, win, 1))
+EXPORT ncclResult_t ncclCommWindowDeregister(void *comm, void *win) {
+    long delay = win_dereg_delay_us;
+    if (delay > 0) {
+        /* Collective: a peer that comes late keeps this rank waiting. */
+        struct timespec d = {delay / 1000000, (delay % 1000000) * 1000};
+        nanosleep(&d, NULL);
+    }
+    LOCKED_ENTRY(drop_reg(comm, win, 1))
+}
 
 /* ---- pre-multiplied sums -------------------------------------------------- */
 
@@ -1474,6 +1485,11 @@ EXPORT ncclResult_t ncclCommRevoke(void *comm, int flags) {
     if (!check_comm(c)) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator"); }
     if (flags != 0) { pthread_mutex_unlock(&lock); return fail(c, ncclInvalidArgument, "fakenccl: revokeFlags must be 0"); }
     c->revoked = 1;
+    ncclResult_t r = ncclSuccess;
+    if (!c->blocking && inprogress_polls > 0) {
+        c->polls_left = inprogress_polls;
+        r = ncclInProgress;
+    }
     struct clique *cl = c->cl;
     if (cl) {
         /* Stop this rank's in-flight work: release its streams, move nothing. */
@@ -1496,7 +1512,7 @@ EXPORT ncclResult_t ncclCommRevoke(void *comm, int flags) {
     }
     pthread_cond_broadcast(&changed);
     pthread_mutex_unlock(&lock);
-    return ncclSuccess;
+    return r;
 }
 
 EXPORT ncclResult_t ncclCommShrink(void *comm, int *exclude, int nexclude, void **newcomm, ncclConfig_t *config,

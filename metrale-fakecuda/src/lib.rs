@@ -664,6 +664,18 @@ impl FakeNccl {
         n as i64
     }
 
+    /// `ncclCommWindowDeregister` first sleeps this long, outside the
+    /// stand-in's lock (a peer late to the collective deregistration); 0: not
+    /// at all.
+    pub fn set_window_deregister_delay_us(&self, us: i64) {
+        call!(
+            self,
+            "fakenccl_set_window_deregister_delay_us",
+            unsafe extern "C" fn(c_long),
+            us as c_long
+        );
+    }
+
     /// Kill `comm`'s rank mid-run: its calls fail from now on, and every other
     /// rank of its communicator reports `ncclRemoteError` (a peer died).
     pub fn kill(&self, comm: *mut c_void) {

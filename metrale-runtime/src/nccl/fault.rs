@@ -35,7 +35,7 @@ use super::error::{
 };
 use super::init::{p2p_counters, Made};
 use super::state::in_group;
-use super::teardown::{abort_raw, backoff, bound_deadline, on_helper, Handle, Helped, ABORT_GRACE};
+use super::teardown::{abort_raw, backoff, bound_deadline, on_helper, Handle, Helped};
 use super::NcclId;
 
 /// The first NCCL with `ncclCommRevoke`.
@@ -109,7 +109,8 @@ impl Communicator {
         let ctx: Arc<CudaContext> = Arc::clone(self.context());
         let serial = self.serial().cloned();
         let start = Instant::now();
-        let deadline = bound_deadline(bound);
+        // `bound` plus the grace, as an abort's.
+        let wait_until = bound_deadline(bound);
         let job = move || {
             let handle = handle;
             if let Err(e) = ctx.bind() {
@@ -132,7 +133,6 @@ impl Communicator {
                  communicator was aborted"
             ));
         };
-        let wait_until = deadline.checked_add(ABORT_GRACE).unwrap_or(deadline);
         match on_helper(wait_until, job, late) {
             Helped::Done((Ok(status), _)) if status == ncclResult_t::ncclInProgress => {
                 self.settle_revoke(wait_until)

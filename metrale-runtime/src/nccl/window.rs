@@ -21,7 +21,7 @@ use super::comm::Communicator;
 use super::error::{missing, refused, require_version};
 use super::register::{guard_memory, must_deregister};
 use super::state::in_group;
-use super::teardown::{abort_raw, bound_deadline, on_helper, Handle, Helped, ABORT_GRACE};
+use super::teardown::{abort_raw, bound_deadline, on_helper, Handle, Helped};
 
 /// The first NCCL with windows (`ncclCommWindowRegister`).
 pub(super) const WINDOWS_SINCE: (u32, u32, u32) = (2, 27, 0);
@@ -172,8 +172,8 @@ impl<T: DeviceRepr> Window<'_, '_, T> {
             let ctx: Arc<CudaContext> = Arc::clone(comm.context());
             let serial = comm.serial().cloned();
             let start = Instant::now();
-            let deadline = bound_deadline(comm.drop_timeout);
-            let wait_until = deadline.checked_add(ABORT_GRACE).unwrap_or(deadline);
+            // The drop timeout plus the grace, as an abort's.
+            let wait_until = bound_deadline(comm.drop_timeout);
             let job = move || {
                 let (handle, win) = (handle, win);
                 if let Err(e) = ctx.bind() {

@@ -609,6 +609,51 @@ fn revoke_on_a_timed_out_wait_and_explicitly() {
     assert!(comm.is_revoked());
 }
 
+fn a_non_blocking_revoke_is_polled_and_a_late_window_deregistration_is_a_bound() {
+    reset();
+    nccl().set_inprogress_polls(3);
+    let (comm, _s) = one_rank(&CommConfig::new().blocking(false));
+    let polls = nccl().calls("ncclCommGetAsyncError");
+    comm.revoke().unwrap();
+    assert!(comm.is_revoked() && !comm.is_aborted());
+    assert!(
+        nccl().calls("ncclCommGetAsyncError") >= polls + 3,
+        "the in-progress revoke was polled to completion"
+    );
+    drop(comm);
+    nccl().set_inprogress_polls(0);
+    // A window whose collective deregistration does not return within the
+    // drop timeout: the drop returns at the bound, the communicator counts as
+    // aborted, and the helper aborts it when the call returns.
+    reset();
+    let (comm, _s) = one_rank(&CommConfig::new().drop_timeout(Duration::from_millis(50)));
+    let mut buf = NcclBuffer::<u8>::alloc(comm.context(), 4096).unwrap();
+    let win = comm
+        .register_window(&mut buf, WindowFlags::DEFAULT)
+        .unwrap();
+    nccl().set_window_deregister_delay_us(800_000);
+    let start = std::time::Instant::now();
+    drop(win);
+    let took = start.elapsed();
+    assert!(
+        took < Duration::from_millis(600),
+        "the drop waited {took:?}"
+    );
+    assert!(comm.is_aborted());
+    drop(comm); // aborted: nothing more
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while nccl().live() > 0 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(
+        nccl().live(),
+        0,
+        "the helper aborted it after the late deregistration"
+    );
+    assert_eq!(nccl().calls("ncclCommAbort"), 1);
+    assert_eq!(nccl().windows(), 0);
+}
+
 fn init_rank_scalable_with_several_ids() {
     reset();
     let ids = [NcclId::new().unwrap(), NcclId::new().unwrap()];
@@ -720,6 +765,7 @@ pub(super) fn tests() -> Vec<harness::Test> {
         revoke_and_shrink_after_a_dead_rank,
         revoke_on_a_timed_out_wait_and_explicitly,
         init_rank_scalable_with_several_ids,
+        a_non_blocking_revoke_is_polled_and_a_late_window_deregistration_is_a_bound,
         an_older_nccl_gates_versions_and_lacks_symbols,
     ]
 }
