@@ -209,6 +209,22 @@ fn registration_is_refused_during_a_capture() {
     assert_eq!(nccl().calls("ncclCommDeregister"), 0);
     back.unwrap().deregister().unwrap();
     assert_eq!(nccl().registrations(), 0);
+    // A guard dropped during a capture stays registered (one line on stderr);
+    // NCCL releases it with the communicator.
+    let dropped = comm.register(&mut b).unwrap();
+    let graph = other
+        .capture(|_cs| -> Result<()> {
+            drop(dropped);
+            Ok(())
+        })
+        .unwrap();
+    drop(graph);
+    assert_eq!(nccl().registrations(), 1);
+    assert_eq!(
+        comm.registered_bytes(),
+        64,
+        "still registered, still counted"
+    );
     // Registered buffers work in a capture (the collective path never syncs).
     let mut reg = comm.register(&mut a).unwrap();
     s.copy_h2d(&[2.0f32; 16], &mut *reg).unwrap();
@@ -217,6 +233,14 @@ fn registration_is_refused_during_a_capture() {
         .unwrap();
     drop(graph);
     assert_eq!(s.to_vec(&reg.as_slice()).unwrap(), vec![2.0f32; 16]);
+    drop(reg);
+    drop(comm);
+    assert_eq!(
+        nccl().orphaned_registrations(),
+        1,
+        "released with the communicator"
+    );
+    assert_eq!(nccl().registrations(), 0);
 }
 
 fn deregistration_waits_for_queued_work_and_groups() {
@@ -474,6 +498,18 @@ fn pre_mul_sum_with_host_and_device_scalars() {
     assert_eq!(s.to_vec(&buf).unwrap(), [2.0]);
     drop(op);
     drop(b);
+    // Dropped inside a group (whose calls are launched at its end): left to
+    // NCCL, which frees it with the communicator.
+    let destroys = nccl().calls("ncclRedOpDestroy");
+    group(&[&a], || {
+        let op = PreMulSum::host(&a, 3.0f64)?;
+        a.all_reduce_in_place(&mut buf, &op, &s)
+    })
+    .unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(s.to_vec(&buf).unwrap(), [6.0]);
+    assert_eq!(nccl().calls("ncclRedOpDestroy"), destroys);
+    assert_eq!(nccl().premul_live(), 1);
     // An operation left when its communicator goes is freed by NCCL.
     let op = PreMulSum::host(&a, 1i32).unwrap();
     std::mem::forget(op);
