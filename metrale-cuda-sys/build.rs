@@ -2,12 +2,15 @@
 //!
 //! By default it does nothing: the committed `src/bindings.rs` (and, with the
 //! `nvrtc` feature, `src/nvrtc_bindings.rs` and `src/nvjitlink_bindings.rs`; with
-//! `nccl`, `src/nccl_bindings.rs`) are
+//! `nccl`, `src/nccl_bindings.rs`; with `nvtx`, `src/nvtx_bindings.rs`) are
 //! used, so a build needs neither a CUDA toolkit nor libclang. With the `bindgen`
 //! feature it runs bindgen (see `build/gen.rs`) on each wrapper header against the
 //! first include folder that has the header, and writes the bindings to
 //! `$OUT_DIR`; when `METRALE_BINDINGS_OUT_DIR` names a folder, the same files are
-//! written there too (the regeneration script uses this).
+//! written there too (the regeneration script uses this). When
+//! `METRALE_BINDINGS_ONLY` lists file names (comma-separated), only those are
+//! generated and the others are the committed files, copied to `$OUT_DIR` (so
+//! `scripts/regen-bindings.sh --only nvtx` needs no other header).
 
 #[cfg(feature = "bindgen")]
 #[path = "build/gen.rs"]
@@ -30,16 +33,36 @@ fn generate_all() -> Result<(), String> {
         "CUDA_PATH",
         "CUDA_HOME",
         "METRALE_BINDINGS_OUT_DIR",
+        "METRALE_BINDINGS_ONLY",
     ] {
         println!("cargo:rerun-if-env-changed={var}");
     }
+    let only = std::env::var("METRALE_BINDINGS_ONLY").ok();
     for spec in gen::SPECS
         .iter()
         .filter_map(|&(on, spec)| on.then_some(spec))
     {
-        generate(spec)?;
+        match &only {
+            Some(list) if !list.split(',').any(|f| f.trim() == spec.file) => committed(spec)?,
+            _ => generate(spec)?,
+        }
     }
     Ok(())
+}
+
+/// Copy the committed `src/<file>` of `spec` to `$OUT_DIR` unchanged.
+#[cfg(feature = "bindgen")]
+fn committed(spec: &gen::Spec) -> Result<(), String> {
+    use std::path::PathBuf;
+
+    let manifest =
+        PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").ok_or("CARGO_MANIFEST_DIR unset")?);
+    let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").ok_or("OUT_DIR unset")?);
+    let from = manifest.join("src").join(spec.file);
+    println!("cargo:rerun-if-changed={}", from.display());
+    std::fs::copy(&from, out_dir.join(spec.file))
+        .map(drop)
+        .map_err(|e| format!("cannot copy {}: {e}", from.display()))
 }
 
 /// Generate one header's bindings into `$OUT_DIR/<file>` (and the extra folder).

@@ -1,6 +1,8 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`), also as an older NCCL (2.26.5).
+//! stand-in NCCL (`fakenccl.c`) as a third (also as an older NCCL, 2.26.5), and
+//! the stand-in NVTX tool (`fakenvtx.c`) twice: one that attaches, one whose
+//! init returns 0.
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -13,6 +15,7 @@ use std::process::Command;
 fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
     println!("cargo:rerun-if-changed=src/fakenccl.c");
+    println!("cargo:rerun-if-changed=src/fakenvtx.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
     for (file, source, define) in [
@@ -27,6 +30,12 @@ fn main() {
             "libmetrale_fakenccl_old.so",
             "src/fakenccl.c",
             Some("-DFAKENCCL_OLD"),
+        ),
+        ("libmetrale_fakenvtx.so", "src/fakenvtx.c", None),
+        (
+            "libmetrale_fakenvtx_fail.so",
+            "src/fakenvtx.c",
+            Some("-DFAKENVTX_FAIL"),
         ),
     ] {
         let mut cmd: Command = compiler.to_command();

@@ -4,9 +4,13 @@
 #   src/nvrtc_bindings.rs      nvrtc.h      (nvidia-cuda-nvrtc, feature nvrtc)
 #   src/nvjitlink_bindings.rs  nvJitLink.h  (nvidia-nvjitlink, feature nvrtc)
 #   src/nccl_bindings.rs       nccl.h       (nvidia-nccl-cu13, feature nccl)
+#   src/nvtx_bindings.rs       nvToolsExt.h (nvidia-nvtx, feature nvtx; types only)
 #
 #   scripts/regen-bindings.sh          rewrite the committed bindings
 #   scripts/regen-bindings.sh --check  fail if any committed file differs
+#   ... --only nvtx                    only those headers (names: cuda, nvrtc,
+#                                      nvjitlink, nccl, nvtx; comma-separated);
+#                                      the others' committed files are used as is
 #
 # Each header comes from its PyPI package (pinned below), fetched with
 # `pip download` into .cuda-header/ (ignored by git; only the wheels' include
@@ -17,23 +21,27 @@
 # (Debian: libclang-dev) and rustfmt.
 set -euo pipefail
 
-# package version header include-folder-in-the-wheel
+# name package version header include-folder-in-the-wheel file include-variable
 PINS=(
-  "nvidia-cuda-runtime 13.0.96 cuda.h nvidia/cu13/include"
-  "nvidia-cuda-nvrtc 13.0.88 nvrtc.h nvidia/cu13/include"
-  "nvidia-nvjitlink 13.0.88 nvJitLink.h nvidia/cu13/include"
-  "nvidia-nccl-cu13 2.28.9 nccl.h nvidia/nccl/include"
+  "cuda nvidia-cuda-runtime 13.0.96 cuda.h nvidia/cu13/include bindings.rs METRALE_CUDA_INCLUDE_DIR"
+  "nvrtc nvidia-cuda-nvrtc 13.0.88 nvrtc.h nvidia/cu13/include nvrtc_bindings.rs METRALE_NVRTC_INCLUDE_DIR"
+  "nvjitlink nvidia-nvjitlink 13.0.88 nvJitLink.h nvidia/cu13/include nvjitlink_bindings.rs METRALE_NVJITLINK_INCLUDE_DIR"
+  "nccl nvidia-nccl-cu13 2.28.9 nccl.h nvidia/nccl/include nccl_bindings.rs METRALE_NCCL_INCLUDE_DIR"
+  "nvtx nvidia-nvtx 13.0.85 nvtx3/nvToolsExt.h nvidia/cu13/include nvtx_bindings.rs METRALE_NVTX_INCLUDE_DIR"
 )
-FILES=(bindings.rs nvrtc_bindings.rs nvjitlink_bindings.rs nccl_bindings.rs)
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 mode=write
-case "${1:-}" in
-  --check) mode=check ;;
-  "") ;;
-  *) echo "usage: $0 [--check]" >&2; exit 2 ;;
-esac
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --check) mode=check ;;
+    --only) [ $# -ge 2 ] || { echo "--only needs a list of names" >&2; exit 2; }; only=$2; shift ;;
+    *) echo "usage: $0 [--check] [--only cuda,nvrtc,nvjitlink,nccl,nvtx]" >&2; exit 2 ;;
+  esac
+  shift
+done
 
 # fetch PACKAGE VERSION HEADER SUBDIR: print the include folder holding HEADER.
 fetch() {
@@ -63,21 +71,31 @@ PY
   printf '%s\n' "$include"
 }
 
-read -r p v h d <<<"${PINS[0]}"; cuda_include=$(fetch "$p" "$v" "$h" "$d")
-read -r p v h d <<<"${PINS[1]}"; nvrtc_include=$(fetch "$p" "$v" "$h" "$d")
-read -r p v h d <<<"${PINS[2]}"; nvjitlink_include=$(fetch "$p" "$v" "$h" "$d")
-read -r p v h d <<<"${PINS[3]}"; nccl_include=$(fetch "$p" "$v" "$h" "$d")
+FILES=()
+SELECTED=()
+envs=()
+for pin in "${PINS[@]}"; do
+  read -r name p v h d file var <<<"$pin"
+  if [ -n "$only" ] && [[ ",$only," != *",$name,"* ]]; then
+    continue
+  fi
+  include=$(fetch "$p" "$v" "$h" "$d")
+  envs+=("$var=$include")
+  FILES+=("$file")
+  SELECTED+=("$p==$v")
+done
+[ "${#FILES[@]}" -gt 0 ] || { echo "--only $only names no header" >&2; exit 2; }
+if [ -n "$only" ]; then
+  # The files left out are taken from the committed ones by the build script.
+  envs+=("METRALE_BINDINGS_ONLY=$(IFS=,; echo "${FILES[*]}")")
+fi
 
 generated=$(mktemp -d)
 trap 'rm -rf "$generated"' EXIT
-(cd "$root" && METRALE_CUDA_INCLUDE_DIR=$cuda_include \
-  METRALE_NVRTC_INCLUDE_DIR=$nvrtc_include \
-  METRALE_NVJITLINK_INCLUDE_DIR=$nvjitlink_include \
-  METRALE_NCCL_INCLUDE_DIR=$nccl_include \
-  METRALE_BINDINGS_OUT_DIR=$generated \
-  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl)
+(cd "$root" && env "${envs[@]}" METRALE_BINDINGS_OUT_DIR="$generated" \
+  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl,nvtx)
 
-pins=$(printf '%s, ' "${PINS[@]}" | sed 's/ [^ ,]*\.h [^ ,]*//g; s/ /==/g; s/,==/, /g; s/, $//')
+pins=$(printf '%s, ' "${SELECTED[@]}" | sed 's/, $//')
 stale=0
 for file in "${FILES[@]}"; do
   rustfmt --edition 2021 "$generated/$file"

@@ -1,6 +1,11 @@
 //! The one bindgen configuration for every header the crate binds (`cuda.h`, with
-//! the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`, with `nccl` `nccl.h`), and the one pass that
-//! turns bindgen's `extern "C"` block into a run-time loaded function table.
+//! the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`, with `nccl` `nccl.h`, with
+//! `nvtx` NVTX v3's `nvToolsExt.h`), and the one pass that turns bindgen's
+//! `extern "C"` block into a run-time loaded function table.
+//!
+//! NVTX is header-only (a tool fills the entries; nothing is resolved from a
+//! library), so its spec keeps only the types it names ([`Spec::types_only`]) and
+//! gets no table.
 //!
 //! A header differs from another only by its [`Spec`]: which file's declarations
 //! are kept, what the table and its owner are called, which enum is the status
@@ -51,6 +56,11 @@ pub struct Spec {
     pub include_var: Option<&'static str>,
     /// The bindings file written (`src/<file>` when committed).
     pub file: &'static str,
+    /// For a header whose functions are not resolved from a library (NVTX): the
+    /// types and constants kept (regular expressions, matched whole), with what
+    /// they use; no function table and no status names are made, and `table`,
+    /// `owner`, `status`, `missing`, `error` and `loaded` are unused.
+    pub types_only: Option<&'static [&'static str]>,
 }
 
 /// `cuda.h`: the driver API.
@@ -68,6 +78,7 @@ pub const CUDA: Spec = Spec {
     wrapper: "wrapper.h",
     include_var: None,
     file: "bindings.rs",
+    types_only: None,
 };
 
 /// `nvrtc.h`: the run-time compiler.
@@ -85,6 +96,7 @@ pub const NVRTC: Spec = Spec {
     wrapper: "nvrtc_wrapper.h",
     include_var: Some("METRALE_NVRTC_INCLUDE_DIR"),
     file: "nvrtc_bindings.rs",
+    types_only: None,
 };
 
 /// `nvJitLink.h`: the JIT linker.
@@ -102,6 +114,7 @@ pub const NVJITLINK: Spec = Spec {
     wrapper: "nvjitlink_wrapper.h",
     include_var: Some("METRALE_NVJITLINK_INCLUDE_DIR"),
     file: "nvjitlink_bindings.rs",
+    types_only: None,
 };
 
 /// `nccl.h`: collective communication (feature `nccl`).
@@ -119,14 +132,67 @@ pub const NCCL: Spec = Spec {
     wrapper: "nccl_wrapper.h",
     include_var: Some("METRALE_NCCL_INCLUDE_DIR"),
     file: "nccl_bindings.rs",
+    types_only: None,
+};
+
+/// The NVTX v3 types the injection protocol and the calls use (feature `nvtx`).
+const NVTX_TYPES: &[&str] = &[
+    "NVTX_VERSION",
+    "nvtxEventAttributes_v2",
+    "nvtxEventAttributes_t",
+    "nvtxColorType_t",
+    "nvtxMessageType_t",
+    "nvtxMessageValue_t",
+    "nvtxPayloadType_t",
+    "nvtxRangeId_t",
+    "nvtxDomainHandle_t",
+    "nvtxStringHandle_t",
+    "NvtxCallbackModule",
+    "NvtxCallbackIdCore",
+    "NvtxCallbackIdCore2",
+    "NvtxCallbackIdCuda",
+    "NvtxCallbackIdCudaRt",
+    "NvtxCallbackIdOpenCL",
+    "NvtxCallbackIdSync",
+    "NvtxExportTableID",
+    "NvtxFunctionPointer",
+    "NvtxFunctionTable",
+    "NvtxExportTableCallbacks",
+    "NvtxExportTableVersionInfo",
+    "NvtxGetExportTableFunc_t",
+    "NvtxInitializeInjectionNvtxFunc_t",
+    "nvtx(MarkEx|MarkA|RangeStartEx|RangeStartA|RangeEnd|RangePushEx|RangePushA|RangePop)_impl_fntype",
+    "nvtx(NameCategoryA|NameOsThreadA)_impl_fntype",
+    "nvtxDomain(MarkEx|RangeStartEx|RangeEnd|RangePushEx|RangePop|NameCategoryA)_impl_fntype",
+    "nvtxDomain(RegisterStringA|CreateA|Destroy)_impl_fntype",
+    "nvtxNameCu(Device|Context|Stream|Event)A_fakeimpl_fntype",
+];
+
+/// NVTX v3 (`nvToolsExt.h` and `nvToolsExtCuda.h`): the types only (feature `nvtx`).
+pub const NVTX: Spec = Spec {
+    header: "nvtx3/nvToolsExt.h",
+    describes: "the pinned NVTX v3 headers",
+    table: "",
+    owner: "",
+    status: "",
+    library: "",
+    missing: "",
+    error: "",
+    loaded: "",
+    stub_include: None,
+    wrapper: "nvtx_wrapper.h",
+    include_var: Some("METRALE_NVTX_INCLUDE_DIR"),
+    file: "nvtx_bindings.rs",
+    types_only: Some(NVTX_TYPES),
 };
 
 /// Every header the crate binds, with whether this build binds it (its feature).
-pub const SPECS: [(bool, &Spec); 4] = [
+pub const SPECS: [(bool, &Spec); 5] = [
     (true, &CUDA),
     (cfg!(feature = "nvrtc"), &NVRTC),
     (cfg!(feature = "nvrtc"), &NVJITLINK),
     (cfg!(feature = "nccl"), &NCCL),
+    (cfg!(feature = "nvtx"), &NVTX),
 ];
 
 /// Run bindgen on `wrapper` (which includes `spec.header`) with `include_dir` on
@@ -141,10 +207,16 @@ pub fn generate(spec: &Spec, wrapper: &Path, include_dir: &Path) -> Result<Strin
         let crate_dir = wrapper.parent().unwrap_or(Path::new("."));
         builder = builder.clang_arg(format!("-I{}", crate_dir.join(stub).display()));
     }
+    builder = match spec.types_only {
+        // The named items and what they use.
+        Some(items) => items.iter().fold(builder, |b, item| {
+            b.allowlist_type(item).allowlist_var(item)
+        }),
+        // Only what the header itself declares; libc typedefs it needs come along.
+        None => builder.allowlist_file(format!(r".*[/\\]{}", spec.header.replace('.', r"\."))),
+    };
     let bindings = builder
         .rust_target(target)
-        // Only what the header itself declares; libc typedefs it needs come along.
-        .allowlist_file(format!(r".*[/\\]{}", spec.header.replace('.', r"\.")))
         // Newtype enums: a status a newer driver returns is a value, never UB.
         .default_enum_style(bindgen::EnumVariation::NewType {
             is_bitfield: false,
@@ -170,6 +242,15 @@ struct Decl<'a> {
 }
 
 fn postprocess(spec: &Spec, raw: &str) -> Result<String, String> {
+    if spec.types_only.is_some() {
+        let header_end = raw.find("*/").map_or(0, |i| i + 2);
+        return Ok(format!(
+            "// Generated by metrale-cuda-sys/build/gen.rs from {} \
+             (scripts/regen-bindings.sh). Do not edit.\n{}\n",
+            spec.describes,
+            raw[header_end..].trim()
+        ));
+    }
     const OPEN: &str = "unsafe extern \"C\" {";
     let start = raw
         .find(OPEN)

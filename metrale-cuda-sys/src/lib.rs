@@ -20,7 +20,9 @@
 //! table each (`nvrtc::nvrtc()`, `nvjitlink::nvjitlink()`), their own
 //! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors. With
 //! the `nccl` feature, the module `nccl` binds NCCL the same way (`nccl::nccl()`,
-//! `METRALE_LIBNCCL_PATH`).
+//! `METRALE_LIBNCCL_PATH`). With the `nvtx` feature, the module `nvtx` holds
+//! NVTX v3's types and its injection loader: there is no NVTX library to load;
+//! a profiling tool named by `NVTX_INJECTION64_PATH` fills its entries.
 //!
 //! One loader serves them all: each library is a [`Library<T>`] over its generated
 //! [`Table`] `T`, and an [`Api`] impl beside the table says how it is named
@@ -115,6 +117,9 @@ pub mod nvjitlink;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
+#[cfg(feature = "nvtx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvtx")))]
+pub mod nvtx;
 
 /// Environment variable naming the exact driver library file to load.
 pub const LIBCUDA_PATH_VAR: &str = "METRALE_LIBCUDA_PATH";

@@ -41,6 +41,18 @@ pub fn nccl_old_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl_old.so"))
 }
 
+/// Path of the stand-in NVTX tool (`src/fakenvtx.c`): name it in
+/// `NVTX_INJECTION64_PATH`; it attaches and records every call ([`FakeNvtx`]).
+pub fn nvtx_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenvtx.so"))
+}
+
+/// Path of the stand-in NVTX tool built to fail: it fills the tables, then its
+/// `InitializeInjectionNvtx2` returns 0 (so none of its entries may be called).
+pub fn nvtx_failing_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenvtx_fail.so"))
+}
+
 /// What [`Fake::live`] counts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
@@ -781,4 +793,236 @@ fn corners(word: u64, rank: usize) -> Vec<i32> {
     (0..rank.saturating_sub(2))
         .map(|i| i32::from(((word >> (16 * i)) & 0xffff) as u16 as i16))
         .collect()
+}
+
+/// What kind of call a [`NvtxRecord`] is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum NvtxKind {
+    /// A mark (core or domain).
+    Mark = 1,
+    /// A start/end range started.
+    RangeStart = 2,
+    /// A start/end range ended (`handle` is its id).
+    RangeEnd = 3,
+    /// A range pushed (`level` is what the push returned).
+    Push = 4,
+    /// A range popped (`level` is what the pop returned).
+    Pop = 5,
+    /// A category named.
+    NameCategory = 6,
+    /// An OS thread named (`handle` is the thread id).
+    NameThread = 7,
+    /// A domain created (`domain` is its handle).
+    DomainCreate = 8,
+    /// A domain destroyed.
+    DomainDestroy = 9,
+    /// A string registered (`handle` is its handle).
+    RegisterString = 10,
+    /// A device named (`handle` is the ordinal).
+    NameDevice = 11,
+    /// A context named (`handle` is the `CUcontext`).
+    NameContext = 12,
+    /// A stream named (`handle` is the `CUstream`).
+    NameStream = 13,
+    /// An event named (`handle` is the `CUevent`).
+    NameEvent = 14,
+}
+
+/// One call the stand-in NVTX tool received (the layout of `record` in
+/// `fakenvtx.c`).
+#[derive(Clone, Copy)]
+#[repr(C)]
+pub struct NvtxRecord {
+    /// [`NvtxKind`] as a number.
+    pub kind: i32,
+    /// What a push or pop returned.
+    pub level: i32,
+    /// The domain handle, 0 for the core calls.
+    pub domain: u64,
+    /// Range id, thread id, device, context, stream or event.
+    pub handle: u64,
+    /// The category.
+    pub category: u32,
+    /// The attributes' color type (1: ARGB).
+    pub color_type: i32,
+    /// The color.
+    pub color: u32,
+    /// The payload type (NVTX's numbers).
+    pub payload_type: i32,
+    /// The payload union's 8 bytes.
+    pub payload: u64,
+    /// The message type (1: ASCII, 3: registered).
+    pub message_type: i32,
+    /// The attributes' `size` field (0 for a call without attributes).
+    pub attributes_size: i32,
+    message: [u8; 120],
+}
+
+impl NvtxRecord {
+    /// The kind, if it is one the stand-in records.
+    pub fn kind(&self) -> Option<NvtxKind> {
+        use NvtxKind::*;
+        [
+            Mark,
+            RangeStart,
+            RangeEnd,
+            Push,
+            Pop,
+            NameCategory,
+            NameThread,
+            DomainCreate,
+            DomainDestroy,
+            RegisterString,
+            NameDevice,
+            NameContext,
+            NameStream,
+            NameEvent,
+        ]
+        .into_iter()
+        .find(|k| *k as i32 == self.kind)
+    }
+
+    /// The message (a registered string resolved), up to its first NUL.
+    pub fn message(&self) -> String {
+        let end = self
+            .message
+            .iter()
+            .position(|&b| b == 0)
+            .unwrap_or(self.message.len());
+        String::from_utf8_lossy(&self.message[..end]).into_owned()
+    }
+}
+
+impl std::fmt::Debug for NvtxRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvtxRecord")
+            .field("kind", &self.kind())
+            .field("level", &self.level)
+            .field("domain", &self.domain)
+            .field("handle", &self.handle)
+            .field("category", &self.category)
+            .field("color_type", &self.color_type)
+            .field("color", &self.color)
+            .field("payload_type", &self.payload_type)
+            .field("payload", &self.payload)
+            .field("message_type", &self.message_type)
+            .field("message", &self.message())
+            .finish()
+    }
+}
+
+/// Handle on the stand-in NVTX tool's records, for a tool already attached in
+/// this process (dlopen of the same path gives the same instance).
+pub struct FakeNvtx {
+    lib: libloading::Library,
+}
+
+#[allow(clippy::missing_panics_doc, clippy::panic, clippy::unnecessary_cast)]
+impl FakeNvtx {
+    /// Open the record interface of the stand-in tool at `path`.
+    ///
+    /// # Panics
+    /// When the library cannot be opened or its record layout differs from
+    /// [`NvtxRecord`] (a broken build of this test crate).
+    pub fn open(path: &Path) -> FakeNvtx {
+        // SAFETY: the stand-in's initialisers do nothing.
+        let fake = match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => FakeNvtx { lib },
+            Err(e) => panic!("cannot open {}: {e}", path.display()),
+        };
+        let size = call!(
+            fake,
+            "fakenvtx_record_size",
+            unsafe extern "C" fn() -> usize
+        );
+        assert_eq!(
+            size,
+            std::mem::size_of::<NvtxRecord>(),
+            "fakenvtx record layout"
+        );
+        fake
+    }
+
+    /// Every call received since the last [`reset`](FakeNvtx::reset).
+    pub fn count(&self) -> i64 {
+        call!(self, "fakenvtx_count", unsafe extern "C" fn() -> i64)
+    }
+
+    /// The calls recorded since the last reset (the first 4096), in order.
+    pub fn records(&self) -> Vec<NvtxRecord> {
+        let n = self.count();
+        let mut out = Vec::new();
+        for i in 0..n {
+            let mut r = std::mem::MaybeUninit::<NvtxRecord>::uninit();
+            let ok = call!(
+                self,
+                "fakenvtx_record",
+                unsafe extern "C" fn(i64, *mut NvtxRecord) -> c_int,
+                i,
+                r.as_mut_ptr()
+            );
+            if ok == 0 {
+                break;
+            }
+            // SAFETY: fakenvtx_record wrote the whole record (it returned 1).
+            out.push(unsafe { r.assume_init() });
+        }
+        out
+    }
+
+    /// Forget the records (domains, depths and range ids stay).
+    pub fn reset(&self) {
+        call!(self, "fakenvtx_reset", unsafe extern "C" fn());
+    }
+
+    /// The calling thread's push depth in `domain` (null: the core); -1 for a
+    /// domain the tool never created.
+    pub fn depth(&self, domain: *const c_void) -> i32 {
+        call!(
+            self,
+            "fakenvtx_depth",
+            unsafe extern "C" fn(*const c_void) -> c_int,
+            domain
+        )
+    }
+
+    /// The name `domain` was created with, if the tool created it.
+    pub fn domain_name(&self, domain: *const c_void) -> Option<String> {
+        let mut buf = [0u8; 120];
+        let ok = call!(
+            self,
+            "fakenvtx_domain_name",
+            unsafe extern "C" fn(*const c_void, *mut c_char, usize) -> c_int,
+            domain,
+            buf.as_mut_ptr().cast(),
+            buf.len()
+        );
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        (ok != 0).then(|| String::from_utf8_lossy(&buf[..end]).into_owned())
+    }
+
+    /// How many times `InitializeInjectionNvtx2` ran.
+    pub fn inits(&self) -> i32 {
+        call!(self, "fakenvtx_inits", unsafe extern "C" fn() -> c_int)
+    }
+
+    /// The NVTX version the application's version-info table gave.
+    pub fn app_version(&self) -> u32 {
+        call!(
+            self,
+            "fakenvtx_app_version",
+            unsafe extern "C" fn() -> c_uint
+        )
+    }
+
+    /// The size the application gave for module `module`'s table (0 if not asked).
+    pub fn module_size(&self, module: i32) -> i32 {
+        call!(
+            self,
+            "fakenvtx_module_size",
+            unsafe extern "C" fn(c_int) -> c_int,
+            module
+        )
+    }
 }

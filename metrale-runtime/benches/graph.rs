@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
+#[path = "graph/bucket_rows.rs"]
+mod bucket_rows;
 mod common;
 
 use std::ffi::c_void;
@@ -380,6 +382,8 @@ fn run() -> Result<(), MetraleError> {
         ratios(&r[1], &r[3]).median()
     );
     drop((exec, exec_upd, graph, g2, buf));
+    // Issue 34: a bucketed step through the capture arena.
+    bucket_rows::run(s, &f, rounds.max(5))?;
     Ok(())
 }
 

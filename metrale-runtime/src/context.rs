@@ -200,6 +200,20 @@ pub struct CudaContext {
     /// context's streams that a host function after them has not yet seen passed
     /// (see [`CudaContext::pending_waits`]); shared with those host functions.
     pending_waits: Arc<AtomicUsize>,
+    /// Frees that wait for the whole context (`cuMemFreeHost`) between their
+    /// "no pending wait" check and the driver's call: a wait on a mapped word
+    /// is counted first and queued only once none is in flight (see
+    /// [`CudaContext::enter_context_wide_free`]).
+    context_wide_frees: AtomicUsize,
+}
+
+/// A context-wide free in flight (see `CudaContext::enter_context_wide_free`).
+pub(crate) struct ContextWideFree<'a>(&'a AtomicUsize);
+
+impl Drop for ContextWideFree<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Waits counted in a context's `pending_waits` whose host function could not
@@ -323,6 +337,7 @@ impl CudaContext {
             limits,
             reset_reported: AtomicBool::new(false),
             pending_waits: Arc::new(AtomicUsize::new(0)),
+            context_wide_frees: AtomicUsize::new(0),
         })
     }
 
@@ -604,6 +619,26 @@ impl CudaContext {
                 finish,
             });
         UNSEEN_ANY.store(true, Ordering::Release);
+    }
+
+    /// Enter a free that waits for the whole context (`cuMemFreeHost`): held
+    /// from its pending-wait check through the driver's call. Either the check
+    /// sees a wait counted meanwhile (and the free is deferred), or that
+    /// wait's queueing sees this free in flight and waits for it
+    /// ([`CudaContext::wait_out_context_wide_frees`]): a free never waits
+    /// behind a GPU-side wait queued after its check.
+    pub(crate) fn enter_context_wide_free(&self) -> ContextWideFree<'_> {
+        self.context_wide_frees.fetch_add(1, Ordering::SeqCst);
+        ContextWideFree(&self.context_wide_frees)
+    }
+
+    /// Before queueing a wait on a mapped word (already counted in
+    /// `pending_waits`): wait until no context-wide free that may have missed
+    /// the count is in flight (they wait only for work queued before them).
+    pub(crate) fn wait_out_context_wide_frees(&self) {
+        while self.context_wide_frees.load(Ordering::SeqCst) != 0 {
+            std::thread::yield_now();
+        }
     }
 
     /// The shared counter behind [`CudaContext::pending_waits`], for the host

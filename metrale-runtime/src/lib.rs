@@ -41,6 +41,7 @@
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
 //! | `nccl` (feature `nccl`) | collective communication: `Communicator`, checked collectives |
+//! | `nvtx` (feature `nvtx`) | profiler ranges, marks, domains and names (NVTX v3, nothing linked) |
 //! | [`guide`] | no code: the user's guide, a chapter per topic |
 //!
 //! Rules that hold everywhere: every driver call makes the right context current on
@@ -92,6 +93,9 @@ pub mod nccl;
 #[cfg(feature = "nvrtc")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nvrtc")))]
 pub mod nvrtc;
+#[cfg(feature = "nvtx")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nvtx")))]
+pub mod nvtx;
 pub mod registry;
 pub mod stream;
 
@@ -117,8 +121,8 @@ pub use error::{
 };
 pub use function::{CudaFunction, FunctionAttributes, ParamInfo, RawCudaFunc};
 pub use graph::{
-    CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphNode, GraphNodeKind,
-    InstantiateOptions, KernelNode,
+    CaptureArena, CaptureMode, ConditionalHandle, CudaGraph, CudaGraphExec, GraphBuckets,
+    GraphNode, GraphNodeKind, InstantiateOptions, KernelNode,
 };
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};

@@ -9,6 +9,8 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "fault/arena.rs"]
+mod arena;
 #[path = "fault/args.rs"]
 mod args;
 #[path = "fault/batch.rs"]
@@ -35,6 +37,8 @@ mod multi;
 mod registry;
 #[path = "fault/review2.rs"]
 mod review2;
+#[path = "fault/review3.rs"]
+mod review3;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -73,6 +77,7 @@ fn main() -> ExitCode {
         memory::tests(),
         foreign::tests(),
         batch::tests(),
+        arena::tests(),
         launch::tests(),
         args::tests(),
         tensor_map::tests(),
@@ -84,6 +89,7 @@ fn main() -> ExitCode {
         vmm::tests(),
         round4::tests(),
         review2::tests(),
+        review3::tests(),
     ]
     .into_iter()
     .flatten()
@@ -107,6 +113,7 @@ fn main() -> ExitCode {
             .chain(round4::children())
             .chain(review2::children())
             .chain(batch::children())
+            .chain(review3::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -33,6 +33,13 @@ impl CaptureMode {
     }
 }
 
+/// A capture whose stream went before its end (see `CudaStream::set_capturing`):
+/// the process's count goes down, and the frees it held back are retried.
+fn abandoned_capture_over() {
+    capture_finished();
+    crate::memory::retry_deferred_frees();
+}
+
 fn capture_status_word(s: sys::CUstreamCaptureStatus) -> &'static str {
     use sys::CUstreamCaptureStatus as S;
     match s {
@@ -69,7 +76,7 @@ impl CudaStream {
                 // Its id, for its end to release exactly what it took (0 when
                 // the query fails: the end asks again).
                 let id = self.capture_id_raw().ok().flatten().unwrap_or(0);
-                self.set_capturing(id);
+                self.set_capturing(id, abandoned_capture_over);
             }
             Err(_) => {
                 // Undo this attempt's bookkeeping only.

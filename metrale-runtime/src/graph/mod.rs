@@ -28,9 +28,11 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUfunction, CUgraph, CUgraphExec, CUgraphNode};
 
+mod arena;
 mod capture;
 mod exec;
 
+pub use arena::{CaptureArena, GraphBuckets};
 pub use capture::CaptureMode;
 pub use exec::{CudaGraphExec, InstantiateOptions};
 
@@ -229,9 +231,26 @@ pub struct CudaGraph {
     /// taking one of its nodes.
     pub(super) alive: Arc<()>,
     pub(super) keep: KeepAlive,
-    /// The repeatable host functions its host nodes run (captured through
-    /// `launch_host_fn_repeat`).
+    /// What its replays must keep alive: the repeatable host functions its
+    /// host nodes run (captured through `launch_host_fn_repeat`), and holds
+    /// such as a capture arena's memory (see [`CudaGraph::hold`]). Executables
+    /// take them, and a host function queued after each replay holds them
+    /// until the replay has run.
     pub(super) host_fns: Vec<HostKeep>,
+}
+
+/// A value a graph holds (see [`CudaGraph::hold`]), whose drop inside a host
+/// function is handed to the drop-later list.
+struct HeldOutsideHostFns(Option<Arc<dyn Send + Sync>>);
+
+impl Drop for HeldOutsideHostFns {
+    fn drop(&mut self) {
+        if let Some(value) = self.0.take() {
+            if crate::context::in_host_function() {
+                crate::context::drop_later(Box::new(value));
+            }
+        }
+    }
 }
 
 // SAFETY: the handle is written once and the graph is used by one thread at a time:
@@ -315,6 +334,19 @@ impl CudaGraph {
             }
         }
         Ok(())
+    }
+
+    /// Keep `value` alive as long as this graph, every executable made from it
+    /// and every replay in flight (it rides with the graph's host functions).
+    /// The last hold may go inside the host function after a replay: `value`
+    /// is then dropped later, outside any host function (its Drop may call the
+    /// driver).
+    pub(crate) fn hold(&mut self, value: Arc<dyn Send + Sync>) {
+        let held = HeldOutsideHostFns(Some(value));
+        let keep: crate::stream::HostFn = Arc::new(move || {
+            let _ = &held;
+        });
+        self.host_fns.push(Arc::new(keep));
     }
 
     /// The raw `CUgraph`, for driver calls of your own.

@@ -101,6 +101,12 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         &self.ctx
     }
 
+    /// The allocation's use record (for views of it made elsewhere: a capture
+    /// arena's).
+    pub(crate) fn uses_ref(&self) -> &Uses {
+        &self.uses
+    }
+
     /// Allocate (`cuMemAlloc`) and fill from `data` with a copy queued on
     /// `stream` (a stream, or a host's or registry's stream) after its work so
     /// far; returns once the copy is done, so the buffer is ready for work on

@@ -325,6 +325,10 @@ impl FreeJob {
 
     /// `cuMemFree` after the foreign streams' work.
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
+        // A pinned free (no foreign streams) is in flight from its check
+        // through `cuMemFreeHost`: a wait counted meanwhile is queued after it.
+        let ctx = Arc::clone(&self.ctx);
+        let _in_flight = (self.kind == Kind::Host).then(|| ctx.enter_context_wide_free());
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the
@@ -549,6 +553,11 @@ pub(crate) fn defer_host_free(
             uses: Uses::new(None),
         });
     crate::context::note_deferred_free();
+    // What made it wait may have ended between the check and the push (a
+    // capture whose retry ran meanwhile): then free now, as a release does.
+    if !host_free_must_wait(ctx) && !crate::stream::captures_in_progress() {
+        retry_deferred();
+    }
 }
 
 /// Formats a closure's text only when written.

@@ -234,7 +234,11 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
             return;
         }
         let ptr = self.ptr.cast::<c_void>();
+        // From the check through the free: a wait counted meanwhile is
+        // queued only after it (see `enter_context_wide_free`).
+        let in_flight = self.ctx.enter_context_wide_free();
         if super::free::host_free_must_wait(&self.ctx) {
+            drop(in_flight);
             // `cuMemFreeHost` would wait for a GPU-side wait nobody may ever
             // pass (or is refused here): freed by a later drain instead.
             super::free::defer_host_free(ptr, &self.ctx, self.made);
@@ -253,6 +257,7 @@ impl<T: DevicePod> Drop for PinnedBuffer<T> {
                 }
             },
         );
+        drop(in_flight);
     }
 }
 

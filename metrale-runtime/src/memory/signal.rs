@@ -651,7 +651,10 @@ impl CudaStream {
         // counted until the host function (queued anyway to hold the words).
         let counted = waits;
         let counter = Arc::clone(self.context().pending_waits_counter());
-        counter.fetch_add(counted, Ordering::AcqRel);
+        counter.fetch_add(counted, Ordering::SeqCst);
+        // A pinned free that checked the count before it rose waits for the
+        // context's work: queued after it returns, this wait cannot block it.
+        self.context().wait_out_context_wide_frees();
         if let Err(e) = self.call_unbound(what, queue) {
             counter.fetch_sub(counted, Ordering::AcqRel);
             return Err(e);

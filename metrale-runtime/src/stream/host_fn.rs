@@ -506,13 +506,23 @@ impl CudaStream {
         // its capture's entries. Unless the stream is still in that capture,
         // keep the entry for the life of the process (a small leak, never a
         // dangling host function).
-        if self.capture_id_raw().ok().flatten() != Some(capture) {
+        let for_good = self.capture_id_raw().ok().flatten() != Some(capture);
+        if for_good {
             if let Some(last) = held.last_mut() {
                 last.capture = None;
             }
         }
         drop(held);
         drop(section);
+        if for_good {
+            // A leak is never silent.
+            report_line(format_args!(
+                "{}: the capture this repeatable host function was queued into ended \
+                 while it was being queued (it may run on the stream instead of in a \
+                 graph): it stays held for the life of the process",
+                self.subject("launch_host_fn_repeat")
+            ));
+        }
         queued
     }
 }

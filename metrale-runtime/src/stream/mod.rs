@@ -265,6 +265,10 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        let begun = std::mem::take(self.begun.get_mut().unwrap_or_else(PoisonError::into_inner));
+        if !begun.is_empty() {
+            self.end_abandoned_capture(begun);
+        }
         let raw = self.raw;
         let made: Vec<CUevent> = self
             .done
@@ -296,6 +300,51 @@ impl Drop for StreamInner {
                 }
             },
         );
+    }
+}
+
+impl StreamInner {
+    /// The last handle went while a metrale capture was in progress here
+    /// (begun, never ended): end it in the driver (its graph destroyed
+    /// unreplayed), then undo its bookkeeping as its end would have (the
+    /// beginning thread's count, the host functions queued into it, the
+    /// process's count), so nothing stays counted or held for good.
+    #[cold]
+    fn end_abandoned_capture(&mut self, begun: Vec<Begun>) {
+        let raw = self.raw;
+        self.ctx.release_with(
+            self.made,
+            format_args!(
+                "ending the capture of stream {raw:p} on device {}, dropped while capturing",
+                self.ctx.ordinal()
+            ),
+            |d, failures| {
+                let mut graph: sys::CUgraph = std::ptr::null_mut();
+                // SAFETY: a live stream of the bound context; writes one graph
+                // handle (null when the capture failed).
+                match unsafe { cu!(d, cuStreamEndCapture(raw, &mut graph)) } {
+                    // An invalidated capture's end ends it: nothing to say.
+                    Err(CallError::Status { status, .. })
+                        if status == CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED => {}
+                    Err(e) => failures.push(e),
+                    Ok(()) => {}
+                }
+                if !graph.is_null() {
+                    // SAFETY: the graph the end just made, never handed out,
+                    // destroyed once.
+                    if let Err(e) = unsafe { cu!(d, cuGraphDestroy(graph)) } {
+                        failures.push(e);
+                    }
+                }
+            },
+        );
+        for b in begun {
+            b.depth.fetch_sub(1, AtomicOrdering::SeqCst);
+            if b.id != 0 {
+                release_captured_host_fns(b.id);
+            }
+            (b.finished)();
+        }
     }
 }
 
@@ -538,14 +587,20 @@ impl CudaStream {
     /// Note that a metrale capture began on this stream, with the driver's
     /// capture id when known (0 otherwise), and the capture count of the
     /// thread that began it (undone there whichever thread ends it).
-    pub(crate) fn set_capturing(&self, id: u64) {
+    /// `finished` is what the end runs besides this room's bookkeeping; the
+    /// stream's Drop runs it for a capture that is never ended.
+    pub(crate) fn set_capturing(&self, id: u64, finished: fn()) {
         let depth = capture_depth_counter();
         depth.fetch_add(1, AtomicOrdering::SeqCst);
         self.inner
             .begun
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push(Begun { id, depth });
+            .push(Begun {
+                id,
+                depth,
+                finished,
+            });
     }
 
     /// Take the bookkeeping of one metrale capture of this stream that is over:
@@ -560,7 +615,7 @@ impl CudaStream {
         let at = id
             .and_then(|id| begun.iter().position(|b| b.id == id))
             .or_else(|| (!begun.is_empty()).then_some(0))?;
-        let Begun { id, depth } = begun.remove(at);
+        let Begun { id, depth, .. } = begun.remove(at);
         Some((id, depth))
     }
 
@@ -1438,6 +1493,10 @@ thread_local! {
 pub(crate) struct Begun {
     id: u64,
     depth: Arc<AtomicI32>,
+    /// What the room that began it undoes once it is over (the process's
+    /// capture count, the code held for captures, deferred frees): run by
+    /// the stream's Drop for a capture still in progress when the stream goes.
+    finished: fn(),
 }
 
 /// An end of a stream's capture in progress (see `CudaStream::start_ending`).

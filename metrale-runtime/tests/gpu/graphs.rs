@@ -255,8 +255,60 @@ fn dot_output_names_the_kernels() {
     assert!(dot.contains("digraph") && dot.contains("axpb"), "{dot}");
 }
 
+/// Issue 34: an arena-backed bucketed step (`vec_add(x, y, y, n)`, so y += x
+/// over the bucket's elements) captured for buckets 1..64 of 256 elements,
+/// replayed 1,000 times for a batch of 5 (the bucket of 8): exact, and the rest
+/// of the arena untouched.
+fn an_arena_bucketed_step_replayed_1000_times_is_exact() {
+    let reg = registry();
+    let f = reg.function("kernels", "vec_add").unwrap();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let per = 256usize;
+    let arena = CaptureArena::new(&s, 1 << 20).unwrap();
+    let mut x = arena.take::<f32>(64 * per).unwrap();
+    let mut y = arena.take::<f32>(64 * per).unwrap();
+    s.copy_h2d(&vec![1.0f32; 64 * per], &mut x).unwrap();
+    s.memset_u32(&mut y, 0).unwrap();
+    // SAFETY: a second, shared view of y's memory for the kernel's `b`
+    // parameter (vec_add reads b[i] before it writes c[i], elementwise); the
+    // arena keeps the memory alive for the views and the graphs.
+    let y_in = unsafe { DeviceSlice::<f32>::from_raw(&s, y.device_ptr(), 64 * per) }.unwrap();
+    let buckets = GraphBuckets::capture(&s, &arena, &[1, 2, 4, 8, 16, 32, 64], |s, size| {
+        let n = size * per;
+        let cfg = LaunchConfig::for_num_elems(n, 256)?;
+        let (xs, ys_in) = (x.slice(..n)?, y_in.slice(..n)?);
+        let mut ys = y.slice_mut(..n)?;
+        // SAFETY: vec_add(a, b, c, n): c = a + b over n floats of the arena.
+        unsafe { s.launch(&f, cfg, (&xs, &ys_in, &mut ys, n as u32)) }
+    })
+    .unwrap();
+    assert_eq!(buckets.sizes().count(), 7);
+    for _ in 0..1000 {
+        // SAFETY: the step only reads x and writes y, both held by the arena.
+        assert_eq!(unsafe { buckets.replay(&s, 5) }.unwrap(), 8);
+    }
+    s.synchronize().unwrap();
+    let got = s.to_vec(&y).unwrap();
+    assert!(
+        got[..8 * per].iter().all(|&v| v == 1000.0),
+        "{:?}",
+        &got[..4]
+    );
+    assert!(
+        got[8 * per..].iter().all(|&v| v == 0.0),
+        "the rest untouched"
+    );
+    drop(buckets);
+    let _ = (x, y);
+    drop(arena);
+}
+
 pub fn tests() -> Vec<Test> {
     vec![
+        Test {
+            name: "graphs::an_arena_bucketed_step_replayed_1000_times_is_exact",
+            run: an_arena_bucketed_step_replayed_1000_times_is_exact,
+        },
         Test {
             name: "graphs::a_chain_of_100_replayed_1000_times_is_exact",
             run: a_chain_of_100_replayed_1000_times_is_exact,
