@@ -17,6 +17,39 @@ use super::premul::Reduction;
 use super::{NcclType, ReduceOp};
 
 impl Communicator {
+    /// A reducing collective `op` from `send` into `recv`: a built-in
+    /// operation straight on [`pair`](Self::pair), a pre-multiplied sum
+    /// through [`reducing`](Self::reducing).
+    #[inline]
+    fn reduce_pair<T: NcclType>(
+        &self,
+        op: impl Fn(Red) -> Op,
+        red: Reduction<'_, T>,
+        send: &impl DeviceMemory<T>,
+        recv: &mut impl DeviceMemoryMut<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        match red {
+            Reduction::Op(o) => self.pair(op(o.into()), send, recv, stream),
+            red => self.reducing(op, red, send, Some(&*recv), stream),
+        }
+    }
+
+    /// [`reduce_pair`](Self::reduce_pair) in place, on `buf`.
+    #[inline]
+    fn reduce_in_place_with<T: NcclType>(
+        &self,
+        op: impl Fn(Red) -> Op,
+        red: Reduction<'_, T>,
+        buf: &mut impl DeviceMemoryMut<T>,
+        stream: &CudaStream,
+    ) -> Result<()> {
+        match red {
+            Reduction::Op(o) => self.single(op(o.into()), "in-place", buf, stream),
+            red => self.reducing(op, red, &*buf, None, stream),
+        }
+    }
+
     /// [`pair`](Self::pair) or [`single`](Self::single) (`recv` `None`: in
     /// place) with a reduction that may read a scalar in device memory (noted
     /// as used, and checked for its device, like the buffers).
@@ -98,10 +131,7 @@ impl Communicator {
         op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::AllReduce(op.into()), send, recv, stream),
-            red => self.reducing(Op::AllReduce, red, send, Some(&*recv), stream),
-        }
+        self.reduce_pair(Op::AllReduce, op.into(), send, recv, stream)
     }
 
     /// [`all_reduce`](Self::all_reduce) with `buf` both sent and received.
@@ -114,10 +144,7 @@ impl Communicator {
         op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.single(Op::AllReduce(op.into()), "in-place", buf, stream),
-            red => self.reducing(Op::AllReduce, red, &*buf, None, stream),
-        }
+        self.reduce_in_place_with(Op::AllReduce, op.into(), buf, stream)
     }
 
     /// Reduce `send` over all ranks into `root`'s `recv` (`ncclReduce`); `recv`
@@ -135,10 +162,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::Reduce(op.into(), root), send, recv, stream),
-            red => self.reducing(|r| Op::Reduce(r, root), red, send, Some(&*recv), stream),
-        }
+        self.reduce_pair(|r| Op::Reduce(r, root), op.into(), send, recv, stream)
     }
 
     /// [`reduce`](Self::reduce) with `buf` both sent and (on the root) received.
@@ -152,10 +176,7 @@ impl Communicator {
         root: usize,
         stream: &CudaStream,
     ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.single(Op::Reduce(op.into(), root), "in-place", buf, stream),
-            red => self.reducing(|r| Op::Reduce(r, root), red, &*buf, None, stream),
-        }
+        self.reduce_in_place_with(|r| Op::Reduce(r, root), op.into(), buf, stream)
     }
 
     /// Reduce `send` over all ranks and scatter it: rank `i` receives block `i`
@@ -171,9 +192,6 @@ impl Communicator {
         op: impl Into<Reduction<'r, T>>,
         stream: &CudaStream,
     ) -> Result<()> {
-        match op.into() {
-            Reduction::Op(op) => self.pair(Op::ReduceScatter(op.into()), send, recv, stream),
-            red => self.reducing(Op::ReduceScatter, red, send, Some(&*recv), stream),
-        }
+        self.reduce_pair(Op::ReduceScatter, op.into(), send, recv, stream)
     }
 }
