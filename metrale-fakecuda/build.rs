@@ -1,9 +1,9 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`) as a third, the stand-in NVTX tool
-//! (`fakenvtx.c`) twice: one that attaches, one whose init returns 0, and the
-//! stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as 13.1.0, and as an
-//! older release (12.4.0, without the grouped GEMM).
+//! stand-in NCCL (`fakenccl.c`) as a third (also as an older NCCL, 2.26.5), the
+//! stand-in NVTX tool (`fakenvtx.c`) twice: one that attaches, one whose init
+//! returns 0, and the stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as
+//! 13.1.0, and as an older release (12.4.0, without the grouped GEMM).
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -28,6 +28,11 @@ fn main() {
             Some("-DFAKECUDA_OLD"),
         ),
         ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
+        (
+            "libmetrale_fakenccl_old.so",
+            "src/fakenccl.c",
+            Some("-DFAKENCCL_OLD"),
+        ),
         ("libmetrale_fakenvtx.so", "src/fakenvtx.c", None),
         (
             "libmetrale_fakenvtx_fail.so",

@@ -34,6 +34,13 @@ pub fn nccl_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl.so"))
 }
 
+/// Path of the stand-in NCCL built as NCCL 2.26.5: it lacks `ncclAlltoAll`,
+/// `ncclGather`, `ncclScatter`, `ncclCommRevoke` and `ncclCommShrink` (the
+/// window calls stay, so a version gate is what refuses them).
+pub fn nccl_old_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl_old.so"))
+}
+
 /// Path of the stand-in NVTX tool (`src/fakenvtx.c`): name it in
 /// `NVTX_INJECTION64_PATH`; it attaches and records every call ([`FakeNvtx`]).
 pub fn nvtx_library_path() -> &'static Path {
@@ -649,6 +656,73 @@ impl FakeNccl {
             unsafe extern "C" fn(*mut c_void, c_int),
             comm,
             status
+        );
+    }
+
+    /// Live `ncclMemAlloc` allocations.
+    pub fn mem_live(&self) -> i64 {
+        let n: c_long = call!(self, "fakenccl_mem_live", unsafe extern "C" fn() -> c_long);
+        n as i64
+    }
+
+    /// Live buffer registrations (`ncclCommRegister` not yet deregistered).
+    pub fn registrations(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_registrations",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// Live windows (`ncclCommWindowRegister` not yet deregistered).
+    pub fn windows(&self) -> i64 {
+        let n: c_long = call!(self, "fakenccl_windows", unsafe extern "C" fn() -> c_long);
+        n as i64
+    }
+
+    /// Registrations and windows still live when their communicator was
+    /// destroyed or aborted, since the last reset (should stay 0).
+    pub fn orphaned_registrations(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_orphaned_registrations",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// Live pre-multiplied-sum operations (`ncclRedOpCreatePreMulSum` not yet
+    /// destroyed, nor freed with their communicator).
+    pub fn premul_live(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_premul_live",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// `ncclCommWindowDeregister` first sleeps this long, outside the
+    /// stand-in's lock (a peer late to the collective deregistration); 0: not
+    /// at all.
+    pub fn set_window_deregister_delay_us(&self, us: i64) {
+        call!(
+            self,
+            "fakenccl_set_window_deregister_delay_us",
+            unsafe extern "C" fn(c_long),
+            us as c_long
+        );
+    }
+
+    /// Kill `comm`'s rank mid-run: its calls fail from now on, and every other
+    /// rank of its communicator reports `ncclRemoteError` (a peer died).
+    pub fn kill(&self, comm: *mut c_void) {
+        call!(
+            self,
+            "fakenccl_kill",
+            unsafe extern "C" fn(*mut c_void),
+            comm
         );
     }
 

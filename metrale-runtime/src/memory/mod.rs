@@ -66,7 +66,7 @@ pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
 pub(crate) use free::retry_deferred as retry_deferred_frees;
 #[cfg(feature = "nccl")]
-pub(crate) use free::NcclGroupOpen;
+pub(crate) use free::{release_nccl, NcclGroupOpen};
 pub use growable::{GrowableBuffer, SleepError, SleepState, SleepingBuffer, WakeError};
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};
@@ -171,6 +171,12 @@ mod sealed {
         }
     }
 }
+#[cfg(feature = "nccl")]
+pub(crate) use device::bounds;
+/// The seal of [`DeviceMemory`], for device memory types of other rooms (an
+/// NCCL buffer).
+#[cfg(feature = "nccl")]
+pub(crate) use sealed::Sealed;
 pub(crate) use sealed::Uses;
 
 /// Device memory holding elements of `T`: buffers, slices, managed buffers and
