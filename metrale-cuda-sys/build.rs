@@ -2,7 +2,8 @@
 //!
 //! By default it does nothing: the committed `src/bindings.rs` (and, with the
 //! `nvrtc` feature, `src/nvrtc_bindings.rs` and `src/nvjitlink_bindings.rs`; with
-//! `nccl`, `src/nccl_bindings.rs`; with `nvtx`, `src/nvtx_bindings.rs`) are
+//! `nccl`, `src/nccl_bindings.rs`; with `cublas`, `src/cublas_bindings.rs` and
+//! `src/cublaslt_bindings.rs`; with `nvtx`, `src/nvtx_bindings.rs`) are
 //! used, so a build needs neither a CUDA toolkit nor libclang. With the `bindgen`
 //! feature it runs bindgen (see `build/gen.rs`) on each wrapper header against the
 //! first include folder that has the header, and writes the bindings to

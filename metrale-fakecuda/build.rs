@@ -1,7 +1,9 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
-//! stand-in NCCL (`fakenccl.c`) as a third, and the stand-in NVTX tool
-//! (`fakenvtx.c`) twice: one that attaches, one whose init returns 0.
+//! stand-in NCCL (`fakenccl.c`) as a third (also as an older NCCL, 2.26.5), the
+//! stand-in NVTX tool (`fakenvtx.c`) twice: one that attaches, one whose init
+//! returns 0, and the stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as
+//! 13.1.0, and as an older release (12.4.0, without the grouped GEMM).
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
 //! library is made: examples and anything else that only links this crate as a
@@ -15,6 +17,7 @@ fn main() {
     println!("cargo:rerun-if-changed=src/fakecuda.c");
     println!("cargo:rerun-if-changed=src/fakenccl.c");
     println!("cargo:rerun-if-changed=src/fakenvtx.c");
+    println!("cargo:rerun-if-changed=src/fakeblas.c");
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let compiler = cc::Build::new().cargo_metadata(false).get_compiler();
     for (file, source, define) in [
@@ -25,11 +28,22 @@ fn main() {
             Some("-DFAKECUDA_OLD"),
         ),
         ("libmetrale_fakenccl.so", "src/fakenccl.c", None),
+        (
+            "libmetrale_fakenccl_old.so",
+            "src/fakenccl.c",
+            Some("-DFAKENCCL_OLD"),
+        ),
         ("libmetrale_fakenvtx.so", "src/fakenvtx.c", None),
         (
             "libmetrale_fakenvtx_fail.so",
             "src/fakenvtx.c",
             Some("-DFAKENVTX_FAIL"),
+        ),
+        ("libmetrale_fakeblas.so", "src/fakeblas.c", None),
+        (
+            "libmetrale_fakeblas_old.so",
+            "src/fakeblas.c",
+            Some("-DFAKEBLAS_OLD"),
         ),
     ] {
         let mut cmd: Command = compiler.to_command();
@@ -49,7 +63,7 @@ fn main() {
         .arg("-o")
         .arg(out.join(file))
         .arg(source)
-        .args(["-lpthread", "-ldl"]);
+        .args(["-lpthread", "-ldl", "-lm"]);
         let status = cmd.status();
         match status {
             Ok(s) if s.success() => {}

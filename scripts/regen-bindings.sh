@@ -5,17 +5,21 @@
 #   src/nvjitlink_bindings.rs  nvJitLink.h  (nvidia-nvjitlink, feature nvrtc)
 #   src/nccl_bindings.rs       nccl.h       (nvidia-nccl-cu13, feature nccl)
 #   src/nvtx_bindings.rs       nvToolsExt.h (nvidia-nvtx, feature nvtx; types only)
+#   src/cublas_bindings.rs     cublas_api.h (nvidia-cublas, feature cublas)
+#   src/cublaslt_bindings.rs   cublasLt.h   (nvidia-cublas, feature cublas)
 #
 #   scripts/regen-bindings.sh          rewrite the committed bindings
 #   scripts/regen-bindings.sh --check  fail if any committed file differs
 #   ... --only nvtx                    only those headers (names: cuda, nvrtc,
-#                                      nvjitlink, nccl, nvtx; comma-separated);
+#                                      nvjitlink, nccl, nvtx, cublas (both of its
+#                                      headers); comma-separated);
 #                                      the others' committed files are used as is
 #
 # Each header comes from its PyPI package (pinned below), fetched with
 # `pip download` into .cuda-header/ (ignored by git; only the wheels' include
-# folders are unpacked, the NCCL wheel is large). nccl.h includes CUDA runtime
-# headers; metrale-cuda-sys/nccl_stub/ stands in for them. The bindings are produced by
+# folders are unpacked, the NCCL and cuBLAS wheels are large). nccl.h and the
+# cuBLAS headers include CUDA runtime headers; metrale-cuda-sys/nccl_stub/ and
+# cublas_stub/ stand in for them. The bindings are produced by
 # the crate's own build script (features `bindgen` and `nvrtc`), so a feature
 # build and the committed files share one bindgen configuration. Needs libclang
 # (Debian: libclang-dev) and rustfmt.
@@ -28,6 +32,8 @@ PINS=(
   "nvjitlink nvidia-nvjitlink 13.0.88 nvJitLink.h nvidia/cu13/include nvjitlink_bindings.rs METRALE_NVJITLINK_INCLUDE_DIR"
   "nccl nvidia-nccl-cu13 2.28.9 nccl.h nvidia/nccl/include nccl_bindings.rs METRALE_NCCL_INCLUDE_DIR"
   "nvtx nvidia-nvtx 13.0.85 nvtx3/nvToolsExt.h nvidia/cu13/include nvtx_bindings.rs METRALE_NVTX_INCLUDE_DIR"
+  "cublas nvidia-cublas 13.1.0.3 cublas_api.h nvidia/cu13/include cublas_bindings.rs METRALE_CUBLAS_INCLUDE_DIR"
+  "cublas nvidia-cublas 13.1.0.3 cublasLt.h nvidia/cu13/include cublaslt_bindings.rs METRALE_CUBLAS_INCLUDE_DIR"
 )
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,7 +44,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --check) mode=check ;;
     --only) [ $# -ge 2 ] || { echo "--only needs a list of names" >&2; exit 2; }; only=$2; shift ;;
-    *) echo "usage: $0 [--check] [--only cuda,nvrtc,nvjitlink,nccl,nvtx]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--check] [--only cuda,nvrtc,nvjitlink,nccl,nvtx,cublas]" >&2; exit 2 ;;
   esac
   shift
 done
@@ -53,6 +59,7 @@ fetch() {
     wheels=$(mktemp -d)
     python3 -m pip download --quiet --no-deps --only-binary=:all: \
       --platform manylinux2014_x86_64 --platform manylinux_2_18_x86_64 \
+      --platform manylinux_2_27_x86_64 \
       --python-version 3.12 \
       -d "$wheels" "$package==$version" >&2
     mkdir -p "$cache"
@@ -82,7 +89,7 @@ for pin in "${PINS[@]}"; do
   include=$(fetch "$p" "$v" "$h" "$d")
   envs+=("$var=$include")
   FILES+=("$file")
-  SELECTED+=("$p==$v")
+  [[ " ${SELECTED[*]} " == *" $p==$v "* ]] || SELECTED+=("$p==$v")
 done
 [ "${#FILES[@]}" -gt 0 ] || { echo "--only $only names no header" >&2; exit 2; }
 if [ -n "$only" ]; then
@@ -93,7 +100,7 @@ fi
 generated=$(mktemp -d)
 trap 'rm -rf "$generated"' EXIT
 (cd "$root" && env "${envs[@]}" METRALE_BINDINGS_OUT_DIR="$generated" \
-  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl,nvtx)
+  cargo build --quiet -p metrale-cuda-sys --features bindgen,nvrtc,nccl,nvtx,cublas)
 
 pins=$(printf '%s, ' "${SELECTED[@]}" | sed 's/, $//')
 stale=0

@@ -1,6 +1,7 @@
 //! The one bindgen configuration for every header the crate binds (`cuda.h`, with
 //! the `nvrtc` feature `nvrtc.h` and `nvJitLink.h`, with `nccl` `nccl.h`, with
-//! `nvtx` NVTX v3's `nvToolsExt.h`), and the one pass that turns bindgen's
+//! `cublas` `cublas_api.h` and `cublasLt.h`, with `nvtx` NVTX v3's
+//! `nvToolsExt.h`), and the one pass that turns bindgen's
 //! `extern "C"` block into a run-time loaded function table.
 //!
 //! NVTX is header-only (a tool fills the entries; nothing is resolved from a
@@ -61,7 +62,40 @@ pub struct Spec {
     /// they use; no function table and no status names are made, and `table`,
     /// `owner`, `status`, `missing`, `error` and `loaded` are unused.
     pub types_only: Option<&'static [&'static str]>,
+    /// What is kept of the header. Empty: every declaration of the header
+    /// file. Otherwise only the functions, types and constants whose names
+    /// match one of these patterns (bindgen's allowlist regexes, e.g.
+    /// `cublasGemm.*`), plus what those use.
+    pub only: Items,
+    /// Patterns of items never generated here (bindgen's blocklist), e.g. the
+    /// types of another header whose bindings are imported by [`prelude`](Spec::prelude).
+    pub block: &'static [&'static str],
+    /// Headers (file names) whose declarations are never generated here.
+    pub block_headers: &'static [&'static str],
+    /// Lines put at the top of the generated module (imports of the types
+    /// blocked here), or `""`.
+    pub prelude: &'static str,
+    /// Whether the status type is declared in this header, so its `name()` is
+    /// generated here; `false` when it comes from another header's bindings.
+    pub status_names: bool,
 }
+
+/// The items of a header that [`Spec::only`] keeps (bindgen allowlist patterns).
+pub struct Items {
+    /// Functions.
+    pub functions: &'static [&'static str],
+    /// Types (structs, enums, typedefs).
+    pub types: &'static [&'static str],
+    /// Constants (`#define`d numbers, variables).
+    pub vars: &'static [&'static str],
+}
+
+/// Every declaration of the header file: [`Spec::only`] for most headers.
+pub const WHOLE_HEADER: Items = Items {
+    functions: &[],
+    types: &[],
+    vars: &[],
+};
 
 /// `cuda.h`: the driver API.
 pub const CUDA: Spec = Spec {
@@ -79,6 +113,11 @@ pub const CUDA: Spec = Spec {
     include_var: None,
     file: "bindings.rs",
     types_only: None,
+    only: WHOLE_HEADER,
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
 };
 
 /// `nvrtc.h`: the run-time compiler.
@@ -97,6 +136,11 @@ pub const NVRTC: Spec = Spec {
     include_var: Some("METRALE_NVRTC_INCLUDE_DIR"),
     file: "nvrtc_bindings.rs",
     types_only: None,
+    only: WHOLE_HEADER,
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
 };
 
 /// `nvJitLink.h`: the JIT linker.
@@ -115,6 +159,11 @@ pub const NVJITLINK: Spec = Spec {
     include_var: Some("METRALE_NVJITLINK_INCLUDE_DIR"),
     file: "nvjitlink_bindings.rs",
     types_only: None,
+    only: WHOLE_HEADER,
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
 };
 
 /// `nccl.h`: collective communication (feature `nccl`).
@@ -133,6 +182,11 @@ pub const NCCL: Spec = Spec {
     include_var: Some("METRALE_NCCL_INCLUDE_DIR"),
     file: "nccl_bindings.rs",
     types_only: None,
+    only: WHOLE_HEADER,
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
 };
 
 /// The NVTX v3 types the injection protocol and the calls use (feature `nvtx`).
@@ -184,14 +238,110 @@ pub const NVTX: Spec = Spec {
     include_var: Some("METRALE_NVTX_INCLUDE_DIR"),
     file: "nvtx_bindings.rs",
     types_only: Some(NVTX_TYPES),
+    only: WHOLE_HEADER,
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
+};
+
+/// `cublas_api.h`: plain cuBLAS, the v2 API (feature `cublas`): the handle,
+/// stream, workspace, math and pointer modes, status texts, and every GEMM.
+pub const CUBLAS: Spec = Spec {
+    header: "cublas_api.h",
+    describes: "the pinned cuBLAS header",
+    table: "CublasFns",
+    owner: "crate::cublas::Cublas",
+    status: "cublasStatus_t",
+    library: "a cuBLAS library",
+    missing: "self.missing(\"{name}\")",
+    error: "crate::LibraryMissingSymbol",
+    loaded: "library",
+    stub_include: Some("cublas_stub"),
+    wrapper: "cublas_wrapper.h",
+    include_var: Some("METRALE_CUBLAS_INCLUDE_DIR"),
+    file: "cublas_bindings.rs",
+    types_only: None,
+    only: Items {
+        functions: &[
+            "cublasCreate_v2",
+            "cublasDestroy_v2",
+            "cublasGetVersion_v2",
+            "cublasGetProperty",
+            "cublasGetCudartVersion",
+            "cublasGetStatusName",
+            "cublasGetStatusString",
+            "cublasSetStream_v2",
+            "cublasGetStream_v2",
+            "cublasSetWorkspace_v2",
+            "cublasSetMathMode",
+            "cublasGetMathMode",
+            "cublasSetPointerMode_v2",
+            "cublasGetPointerMode_v2",
+            "cublasSetAtomicsMode",
+            "cublasGetAtomicsMode",
+            "cublas[SDCZH]gemm.*",
+            "cublasGemm.*",
+            "cublasCgemm3m.*",
+            "cublasZgemm3m.*",
+        ],
+        types: &["cublas.*_t", "cudaDataType.*", "libraryPropertyType.*"],
+        vars: &["CUBLAS_VER.*", "CUBLAS_VERSION"],
+    },
+    block: &[],
+    block_headers: &[],
+    prelude: "",
+    status_names: true,
+};
+
+/// `cublasLt.h`: cuBLASLt (feature `cublas`), the whole header but its logger's
+/// `FILE*` entry point; the types it shares with `cublas_api.h` are those of
+/// [`CUBLAS`]'s bindings.
+pub const CUBLASLT: Spec = Spec {
+    header: "cublasLt.h",
+    describes: "the pinned cuBLASLt header",
+    table: "CublasLtFns",
+    owner: "crate::cublas::CublasLt",
+    status: "cublasStatus_t",
+    library: "a cuBLASLt library",
+    missing: "self.missing(\"{name}\")",
+    error: "crate::LibraryMissingSymbol",
+    loaded: "library",
+    stub_include: Some("cublas_stub"),
+    wrapper: "cublaslt_wrapper.h",
+    include_var: Some("METRALE_CUBLAS_INCLUDE_DIR"),
+    file: "cublaslt_bindings.rs",
+    types_only: None,
+    only: WHOLE_HEADER,
+    block: &[
+        "cublasLtLoggerSetFile",
+        "FILE",
+        "_IO_.*",
+        "__off_t",
+        "__off64_t",
+    ],
+    block_headers: &[
+        "cublas_api.h",
+        "driver_types.h",
+        "library_types.h",
+        "cuComplex.h",
+        "cuda_fp16.h",
+        "cuda_bf16.h",
+    ],
+    prelude: "#[allow(unused_imports)] use crate::cublas::{cublasStatus_t, cublasComputeType_t, \
+              cublasOperation_t, cudaDataType, cudaDataType_t, cudaStream_t, CUstream_st, \
+              libraryPropertyType, libraryPropertyType_t};",
+    status_names: false,
 };
 
 /// Every header the crate binds, with whether this build binds it (its feature).
-pub const SPECS: [(bool, &Spec); 5] = [
+pub const SPECS: [(bool, &Spec); 7] = [
     (true, &CUDA),
     (cfg!(feature = "nvrtc"), &NVRTC),
     (cfg!(feature = "nvrtc"), &NVJITLINK),
     (cfg!(feature = "nccl"), &NCCL),
+    (cfg!(feature = "cublas"), &CUBLAS),
+    (cfg!(feature = "cublas"), &CUBLASLT),
     (cfg!(feature = "nvtx"), &NVTX),
 ];
 
@@ -212,8 +362,7 @@ pub fn generate(spec: &Spec, wrapper: &Path, include_dir: &Path) -> Result<Strin
         Some(items) => items.iter().fold(builder, |b, item| {
             b.allowlist_type(item).allowlist_var(item)
         }),
-        // Only what the header itself declares; libc typedefs it needs come along.
-        None => builder.allowlist_file(format!(r".*[/\\]{}", spec.header.replace('.', r"\."))),
+        None => allowlist(builder, spec),
     };
     let bindings = builder
         .rust_target(target)
@@ -231,6 +380,39 @@ pub fn generate(spec: &Spec, wrapper: &Path, include_dir: &Path) -> Result<Strin
         .generate()
         .map_err(|e| format!("bindgen failed on {}: {e}", wrapper.display()))?;
     postprocess(spec, &bindings.to_string())
+}
+
+/// A header's allowlist and blocklists: every declaration of the header file
+/// (libc typedefs it needs come along), or with [`Spec::only`] the items
+/// matching its patterns and what they use; never [`Spec::block`]'s items or
+/// [`Spec::block_headers`]' declarations.
+fn allowlist(mut builder: bindgen::Builder, spec: &Spec) -> bindgen::Builder {
+    let only = &spec.only;
+    if only.functions.is_empty() && only.types.is_empty() && only.vars.is_empty() {
+        builder = builder.allowlist_file(file_pattern(spec.header));
+    } else {
+        for f in only.functions {
+            builder = builder.allowlist_function(f);
+        }
+        for t in only.types {
+            builder = builder.allowlist_type(t);
+        }
+        for v in only.vars {
+            builder = builder.allowlist_var(v);
+        }
+    }
+    for item in spec.block {
+        builder = builder.blocklist_item(item);
+    }
+    for header in spec.block_headers {
+        builder = builder.blocklist_file(file_pattern(header));
+    }
+    builder
+}
+
+/// bindgen's pattern for the file `header` in any folder.
+fn file_pattern(header: &str) -> String {
+    format!(r".*[/\\]{}", header.replace('.', r"\."))
 }
 
 /// One function declaration from bindgen's extern block.
@@ -263,7 +445,11 @@ fn postprocess(spec: &Spec, raw: &str) -> Result<String, String> {
         return Err("more than one extern block: merge_extern_blocks is off?".into());
     }
     let decls = parse_decls(body)?;
-    let statuses = parse_status_constants(raw, spec.status)?;
+    let statuses = if spec.status_names {
+        parse_status_constants(raw, spec.status)?
+    } else {
+        Vec::new()
+    };
 
     let mut out = String::with_capacity(raw.len() + decls.len() * 600);
     let _ = writeln!(
@@ -272,13 +458,19 @@ fn postprocess(spec: &Spec, raw: &str) -> Result<String, String> {
          (scripts/regen-bindings.sh). Do not edit.",
         spec.describes
     );
+    if !spec.prelude.is_empty() {
+        out.push_str(spec.prelude);
+        out.push('\n');
+    }
     let header_end = raw.find("*/").map_or(0, |i| i + 2);
     out.push_str(raw[header_end..start].trim());
     out.push('\n');
     out.push_str(raw[body_start + body_len + 1..].trim());
     out.push('\n');
     emit_table(&mut out, spec, &decls);
-    emit_status_names(&mut out, spec.status, &statuses);
+    if spec.status_names {
+        emit_status_names(&mut out, spec.status, &statuses);
+    }
     Ok(out)
 }
 

@@ -20,7 +20,9 @@
 //! table each (`nvrtc::nvrtc()`, `nvjitlink::nvjitlink()`), their own
 //! `METRALE_LIB*_PATH` variable, and typed load and missing-symbol errors. With
 //! the `nccl` feature, the module `nccl` binds NCCL the same way (`nccl::nccl()`,
-//! `METRALE_LIBNCCL_PATH`). With the `nvtx` feature, the module `nvtx` holds
+//! `METRALE_LIBNCCL_PATH`), and with `cublas` the module `cublas` binds cuBLAS and
+//! cuBLASLt (`cublas::cublas()`, `cublas::cublas_lt()`, `METRALE_LIBCUBLAS_PATH`,
+//! `METRALE_LIBCUBLASLT_PATH`). With the `nvtx` feature, the module `nvtx` holds
 //! NVTX v3's types and its injection loader: there is no NVTX library to load;
 //! a profiling tool named by `NVTX_INJECTION64_PATH` fills its entries.
 //!
@@ -50,6 +52,9 @@ use std::sync::OnceLock;
 /// same name; generated code keeps the header's names and no lints of ours.
 macro_rules! generated_bindings {
     ($file:literal) => {
+        generated_bindings!(bindings, $file);
+    };
+    ($module:ident, $file:literal) => {
         #[allow(
             non_camel_case_types,
             non_snake_case,
@@ -60,7 +65,7 @@ macro_rules! generated_bindings {
             clippy::pedantic,
             clippy::undocumented_unsafe_blocks
         )]
-        mod bindings {
+        mod $module {
             #[cfg(not(feature = "bindgen"))]
             include!($file);
             #[cfg(feature = "bindgen")]
@@ -108,6 +113,9 @@ mod library;
 pub use library::{
     Api, Companion, Library, LibraryLoadError, LibraryMissingSymbol, LibraryVersion, Names, Table,
 };
+#[cfg(feature = "cublas")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
+pub mod cublas;
 #[cfg(feature = "nccl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nccl")))]
 pub mod nccl;

@@ -243,7 +243,7 @@ impl<T: Api> Library<T> {
     }
 
     /// The error an accessor of a companion library returns for `name`.
-    #[cfg(any(test, feature = "nvrtc", feature = "nccl"))]
+    #[cfg(any(test, feature = "nvrtc", feature = "nccl", feature = "cublas"))]
     #[cold]
     pub(crate) fn missing(&self, name: &'static str) -> LibraryMissingSymbol {
         LibraryMissingSymbol {

@@ -32,7 +32,10 @@
  *    still has streams is counted (fakecuda_green_orphans);
  *  - a launch records its configuration and the bytes of each parameter; on a
  *    capturing stream it becomes a graph node instead; replaying an executable
- *    graph records each kernel node as a launch.
+ *    graph records each kernel node as a launch;
+ *  - user objects: a graph (also one being captured) and each executable graph
+ *    made from it hold references; the destructor runs, under the lock, when
+ *    the last goes (fakecuda_user_objects counts the live ones).
  *
  * Failure control (through the fakecuda_* exports): make a named call return a
  * status from its Nth call on, for K calls or for ever; switch to "shut down",
@@ -470,6 +473,28 @@ struct node {
 };
 #define MAX_NODES 256
 #define MAX_EDGES 512
+#define MAX_GRAPH_UOBJS 16
+/* A user object: a pointer and its destructor, run when the last reference
+ * (the creator's, a graph's, an executable graph's) goes. Destructors run
+ * under the lock, on the releasing thread (CUDA runs them on a thread of its
+ * own; CU_USER_OBJECT_NO_DESTRUCTOR_SYNC is required either way): they must
+ * not call back into the driver. */
+struct uobj {
+    int magic;
+    long refs;
+    void *ptr;
+    void (*destroy)(void *);
+};
+#define UOBJ_MAGIC 0x554f424a
+static long uobjs_live;
+static void uobj_release(struct uobj *u, long n) {
+    u->refs -= n;
+    if (u->refs > 0) return;
+    u->magic = 0;
+    if (u->destroy) u->destroy(u->ptr);
+    free(u);
+    uobjs_live--;
+}
 struct graph {
     struct ctx *ctx;
     int n;
@@ -478,6 +503,10 @@ struct graph {
     struct node *from[MAX_EDGES], *to[MAX_EDGES];
     int invalid;
     int body; /* owned by a conditional node */
+    /* user objects (cuGraphRetainUserObject) and the references held on each */
+    struct uobj *uobj[MAX_GRAPH_UOBJS];
+    unsigned uobj_refs[MAX_GRAPH_UOBJS];
+    int nuobj;
 };
 struct gexec {
     struct ctx *ctx;
@@ -619,6 +648,7 @@ static CUresult stream_ok(void *s) {
 }
 
 static void free_graph(struct graph *g) {
+    for (int i = 0; i < g->nuobj; i++) uobj_release(g->uobj[i], g->uobj_refs[i]);
     for (int i = 0; i < g->n; i++) {
         struct handle *h = find(g->nodes[i], K_NODE);
         if (h) untrack(h);
@@ -2927,7 +2957,79 @@ static struct graph *copy_graph(struct graph *g, struct node **orig) {
         if (orig) orig[i] = g->nodes[i];
     }
     c->n = g->n;
+    /* An executable graph holds the user objects of its graph. */
+    for (int i = 0; i < g->nuobj; i++) {
+        c->uobj[i] = g->uobj[i];
+        c->uobj_refs[i] = g->uobj_refs[i];
+        g->uobj[i]->refs += g->uobj_refs[i];
+    }
+    c->nuobj = g->nuobj;
     return c;
+}
+
+#ifndef FAKECUDA_OLD
+/* ---- user objects ----------------------------------------------------------- */
+
+static CUresult do_uobj_create(void **out, void *ptr, void (*destroy)(void *), unsigned initial,
+                               unsigned flags) {
+    if (!out || !destroy || initial == 0 || flags != 1 /* NO_DESTRUCTOR_SYNC */) return INVALID_VALUE;
+    struct uobj *u = calloc(1, sizeof *u);
+    if (!u) return OUT_OF_MEMORY;
+    *u = (struct uobj){UOBJ_MAGIC, initial, ptr, destroy};
+    uobjs_live++;
+    *out = u;
+    return SUCCESS;
+}
+EXPORT CUresult cuUserObjectCreate(void **out, void *ptr, void (*destroy)(void *), unsigned initial,
+                                   unsigned flags) {
+    LOCKED(do_uobj_create(out, ptr, destroy, initial, flags));
+}
+static CUresult do_uobj_release(struct uobj *u, unsigned count) {
+    if (!u || u->magic != UOBJ_MAGIC || count == 0 || (long)count > u->refs) return INVALID_VALUE;
+    uobj_release(u, count);
+    return SUCCESS;
+}
+EXPORT CUresult cuUserObjectRelease(void *u, unsigned count) { LOCKED(do_uobj_release(u, count)); }
+static CUresult do_uobj_retain(struct uobj *u, unsigned count) {
+    if (!u || u->magic != UOBJ_MAGIC || count == 0) return INVALID_VALUE;
+    u->refs += count;
+    return SUCCESS;
+}
+EXPORT CUresult cuUserObjectRetain(void *u, unsigned count) { LOCKED(do_uobj_retain(u, count)); }
+/* A graph a user object may be retained by: a tracked one, or one a stream is
+ * capturing into. */
+static int graph_for_uobj(void *graph) {
+    if (find(graph, K_GRAPH)) return 1;
+    for (int i = 0; i < TABLE; i++)
+        if (handles[i].kind == K_STREAM && ((struct stream *)handles[i].p)->capture == graph) return 1;
+    return 0;
+}
+static CUresult do_graph_retain_uobj(struct graph *g, struct uobj *u, unsigned count, unsigned flags) {
+    if (!g || !graph_for_uobj(g) || !u || u->magic != UOBJ_MAGIC || count == 0 || flags > 1)
+        return INVALID_VALUE;
+    if (flags == 1 && (long)count > u->refs) return INVALID_VALUE; /* MOVE: the caller's references */
+    int i = 0;
+    while (i < g->nuobj && g->uobj[i] != u) i++;
+    if (i == g->nuobj) {
+        if (g->nuobj >= MAX_GRAPH_UOBJS) return OUT_OF_MEMORY;
+        g->uobj[i] = u;
+        g->uobj_refs[i] = 0;
+        g->nuobj++;
+    }
+    g->uobj_refs[i] += count;
+    if (flags == 0) u->refs += count;
+    return SUCCESS;
+}
+EXPORT CUresult cuGraphRetainUserObject(void *graph, void *u, unsigned count, unsigned flags) {
+    LOCKED(do_graph_retain_uobj(graph, u, count, flags));
+}
+#endif
+/* Live user objects (references not all released). */
+EXPORT long fakecuda_user_objects(void) {
+    pthread_mutex_lock(&lock);
+    long n = uobjs_live;
+    pthread_mutex_unlock(&lock);
+    return n;
 }
 
 static CUresult do_instantiate(void **exec, void *graph, unsigned long long flags) {

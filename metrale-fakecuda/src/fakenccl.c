@@ -31,6 +31,25 @@
  *    outside the lock and counts calls that overlap on one shared set
  *    (fakenccl_shared_overlaps; NCCL forbids that concurrency).
  *
+ *  - ncclMemAlloc/ncclMemFree allocate through the stand-in driver
+ *    (cuMemAlloc_v2/cuMemFree_v2), counted (fakenccl_mem_live); buffer and
+ *    window registrations are handles counted while live
+ *    (fakenccl_registrations, fakenccl_windows), and those still live when
+ *    their communicator goes are counted too (fakenccl_orphaned_registrations);
+ *    a symmetric window needs a 4096-byte aligned buffer;
+ *  - all-to-all, gather and scatter are computed for real; a pre-multiplied
+ *    sum (ncclRedOpCreatePreMulSum, host or device scalar, read when the
+ *    operation is queued) scales each rank's input by its own scalar, then sums;
+ *  - fakenccl_kill marks a rank dead: its calls fail, and every other rank of
+ *    its communicator reports ncclRemoteError; ncclCommRevoke stops a rank's
+ *    in-flight operations (their streams are released, nothing is moved) and
+ *    refuses new ones; ncclCommShrink makes the survivors a new communicator
+ *    (ranks renumbered in order); ncclCommInitRankScalable joins the
+ *    rendezvous its ids name together;
+ *  - built with -DFAKENCCL_OLD it is an NCCL 2.26.5: no ncclAlltoAll,
+ *    ncclGather, ncclScatter, ncclCommRevoke or ncclCommShrink (the window
+ *    calls stay, so the version gate, not the symbol, is what refuses them).
+ *
  * Failure control: make a named call fail from its Nth call on; set an
  * asynchronous error on a communicator; "hang" (operations never complete, as
  * with a dead peer); make ncclCommAbort take a while (as NCCL's waits for the
@@ -87,7 +106,15 @@ typedef struct {
 #define MAX_CLIQUES 64
 #define COMM_MAGIC 0x4e43434c
 
-enum kind { OP_NONE = 0, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_REDUCESCATTER, OP_SPLIT };
+enum kind { OP_NONE = 0, OP_ALLREDUCE, OP_BROADCAST, OP_REDUCE, OP_ALLGATHER, OP_REDUCESCATTER, OP_SPLIT,
+            OP_ALLTOALL, OP_GATHER, OP_SCATTER };
+
+#ifdef FAKENCCL_OLD
+#define DEFAULT_VERSION 22605
+#else
+#define DEFAULT_VERSION 22809
+#endif
+#define MAX_PREMUL 8
 
 struct comm;
 struct part {
@@ -101,11 +128,13 @@ struct part {
     struct comm *comm;
     int color, key;      /* split */
     struct comm *child;  /* split: the new communicator (state joining) */
+    double scale;        /* pre-multiplied sum: this rank's scalar */
 };
 struct coll {
     long seq; /* -1: free */
     int kind;
     int arrived;
+    int poisoned; /* a rank revoked it: nothing is moved */
     struct part p[MAX_RANKS];
 };
 struct p2p {
@@ -141,6 +170,14 @@ struct comm {
     const char *name; /* the config's commName pointer, kept as NCCL keeps it */
     int split_share;  /* the config's splitShare */
     int share_id;     /* the shared set of a splitShare parent and children (0: none) */
+    int regs, wins;   /* live registrations and windows */
+    int revoked, dead;
+    long shrinks;
+    struct premul {
+        int used, dtype, residence;
+        double value;      /* host immediate */
+        const void *ptr;   /* device scalar */
+    } premul[MAX_PREMUL];
 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -151,7 +188,9 @@ static int hang;
 static int inprogress_polls;
 static long timeout_ms = 10000;
 static long would_hang;
-static int version_code = 22809;
+static int version_code = DEFAULT_VERSION;
+static long mem_live, reg_live, win_live, orphaned, premul_live;
+static long win_dereg_delay_us; /* ncclCommWindowDeregister first sleeps this long, unlocked (a peer late to the collective) */
 static unsigned long long id_counter;
 static __thread char thread_error[256];
 #define MAX_SHARES 64
@@ -213,6 +252,8 @@ static ncclResult_t enter(const char *name) {
 static int (*drv_hold)(void *, int);
 static int (*drv_capturing)(void *);
 static int (*drv_device)(void);
+static int (*drv_alloc)(unsigned long long *, size_t);
+static int (*drv_free)(unsigned long long);
 static void find_driver(void) {
     static int done;
     if (done) return;
@@ -224,6 +265,8 @@ static void find_driver(void) {
     drv_hold = (int (*)(void *, int))dlsym(h, "fakecuda_stream_hold");
     drv_capturing = (int (*)(void *))dlsym(h, "fakecuda_stream_capturing");
     drv_device = (int (*)(void))dlsym(h, "fakecuda_current_device");
+    drv_alloc = (int (*)(unsigned long long *, size_t))dlsym(h, "cuMemAlloc_v2");
+    drv_free = (int (*)(unsigned long long))dlsym(h, "cuMemFree_v2");
 }
 static void hold(void *stream, int delta) {
     if (drv_hold && stream) drv_hold(stream, delta);
@@ -238,7 +281,9 @@ EXPORT void fakenccl_reset(void) {
     inprogress_polls = 0;
     timeout_ms = 10000;
     would_hang = 0;
-    version_code = 22809;
+    version_code = DEFAULT_VERSION;
+    orphaned = 0;
+    win_dereg_delay_us = 0;
     shared_overlaps = 0;
     call_delay_us = 0;
     abort_delay_us = 0;
@@ -259,6 +304,29 @@ EXPORT long fakenccl_calls(const char *name) {
     return n;
 }
 EXPORT int fakenccl_live(void) { return live_comms; }
+EXPORT long fakenccl_mem_live(void) { return mem_live; }
+EXPORT long fakenccl_registrations(void) { return reg_live; }
+EXPORT long fakenccl_windows(void) { return win_live; }
+EXPORT long fakenccl_orphaned_registrations(void) { return orphaned; }
+EXPORT long fakenccl_premul_live(void) { return premul_live; }
+EXPORT void fakenccl_set_window_deregister_delay_us(long us) { win_dereg_delay_us = us; }
+/* Kill `comm`'s rank: its calls fail from now on, and every other rank of its
+ * communicator reports ncclRemoteError (a peer process died). */
+EXPORT void fakenccl_kill(void *comm) {
+    pthread_mutex_lock(&lock);
+    struct comm *c = comm;
+    if (c && c->magic == COMM_MAGIC) {
+        c->dead = 1;
+        for (int r = 0; c->cl && r < c->cl->nranks; r++) {
+            struct comm *m = c->cl->members[r];
+            if (!m || m == c) continue;
+            m->async_error = ncclRemoteError;
+            snprintf(m->last_error, sizeof m->last_error, "fakenccl: rank %d died (killed)", c->rank);
+        }
+        pthread_cond_broadcast(&changed);
+    }
+    pthread_mutex_unlock(&lock);
+}
 EXPORT long fakenccl_would_hang(void) { return would_hang; }
 EXPORT void fakenccl_set_hang(int on) { hang = on; }
 EXPORT void fakenccl_set_inprogress_polls(int n) { inprogress_polls = n; }
@@ -401,31 +469,70 @@ static uint16_t float_to_bf16(float f) {
         for (size_t i = 0; i < n; i++) a[i] = (T)(a[i] / (T)nranks);               \
     } while (0)
 
+/* The switch cases of the NCCL types that are a C type (the half types are
+ * not), each running M on it. */
+#define C_TYPE_CASES(M)                                                            \
+    case 0: M(int8_t); break;                                                      \
+    case 1: M(uint8_t); break;                                                     \
+    case 2: M(int32_t); break;                                                     \
+    case 3: M(uint32_t); break;                                                    \
+    case 4: M(int64_t); break;                                                     \
+    case 5: M(uint64_t); break;                                                    \
+    case 7: M(float); break;                                                       \
+    case 8: M(double); break;
+
 /* Half types are reduced in float, in a float accumulator. */
 static void combine(void *acc, const void *src, size_t n, int dtype, int op, int first) {
     switch (dtype) {
-    case 0: COMBINE(int8_t); break;
-    case 1: COMBINE(uint8_t); break;
-    case 2: COMBINE(int32_t); break;
-    case 3: COMBINE(uint32_t); break;
-    case 4: COMBINE(int64_t); break;
-    case 5: COMBINE(uint64_t); break;
-    case 7: COMBINE(float); break;
-    case 8: COMBINE(double); break;
+    C_TYPE_CASES(COMBINE)
     default: break;
     }
 }
 static void finish_avg(void *acc, size_t n, int dtype, int nranks) {
     switch (dtype) {
-    case 0: FINISH_AVG(int8_t); break;
-    case 1: FINISH_AVG(uint8_t); break;
-    case 2: FINISH_AVG(int32_t); break;
-    case 3: FINISH_AVG(uint32_t); break;
-    case 4: FINISH_AVG(int64_t); break;
-    case 5: FINISH_AVG(uint64_t); break;
-    case 6: case 9: case 7: FINISH_AVG(float); break;
-    case 8: FINISH_AVG(double); break;
+    C_TYPE_CASES(FINISH_AVG)
+    case 6: case 9: FINISH_AVG(float); break;
     default: break;
+    }
+}
+
+#define SCALE(T)                                                                   \
+    do {                                                                           \
+        const T *a = src;                                                          \
+        T *o = out;                                                                \
+        for (size_t i = 0; i < n; i++) o[i] = (T)(a[i] * s);                       \
+    } while (0)
+/* A copy of `n` elements of `src`, each times `s` (a pre-multiplied sum). */
+static void *scaled_copy(const void *src, size_t n, int dtype, double s) {
+    void *out = malloc(n * type_size(dtype) + 1);
+    switch (dtype) {
+    C_TYPE_CASES(SCALE)
+    case 6: case 9: {
+        const uint16_t *a = src;
+        uint16_t *o = out;
+        for (size_t i = 0; i < n; i++) {
+            float f = dtype == 6 ? half_to_float(a[i]) : bf16_to_float(a[i]);
+            o[i] = dtype == 6 ? float_to_half((float)(f * s)) : float_to_bf16((float)(f * s));
+        }
+        break;
+    }
+    default: break;
+    }
+    return out;
+}
+static double read_scalar(const void *p, int dtype) {
+    switch (dtype) {
+    case 0: return *(const int8_t *)p;
+    case 1: return *(const uint8_t *)p;
+    case 2: return *(const int32_t *)p;
+    case 3: return *(const uint32_t *)p;
+    case 4: return (double)*(const int64_t *)p;
+    case 5: return (double)*(const uint64_t *)p;
+    case 6: return half_to_float(*(const uint16_t *)p);
+    case 9: return bf16_to_float(*(const uint16_t *)p);
+    case 7: return *(const float *)p;
+    case 8: return *(const double *)p;
+    default: return 0;
     }
 }
 
@@ -495,20 +602,30 @@ static void run(struct clique *cl, struct coll *op) {
             snprintf(c->last_error, sizeof c->last_error,
                      "fakenccl: ranks disagree on the count, type, operation or root of operation %ld", op->seq);
         }
-    } else if (!hang) {
+    } else if (!hang && !op->poisoned) {
         const void *src[MAX_RANKS] = {0};
+        void *scaled[MAX_RANKS] = {0};
         for (int r = 0; r < n; r++) src[r] = op->p[r].send;
+        int rop = op->p[0].op;
+        if (rop >= 5 && (op->kind == OP_ALLREDUCE || op->kind == OP_REDUCE || op->kind == OP_REDUCESCATTER)) {
+            size_t total = op->kind == OP_REDUCESCATTER ? count * (size_t)n : count;
+            for (int r = 0; r < n; r++) {
+                scaled[r] = scaled_copy(src[r], total, op->p[0].dtype, op->p[r].scale);
+                src[r] = scaled[r];
+            }
+            rop = 0;
+        }
         switch (op->kind) {
         case OP_ALLREDUCE: {
             void *tmp = malloc(count * es + 1);
-            reduce_into(tmp, src, n, count, op->p[0].dtype, op->p[0].op);
+            reduce_into(tmp, src, n, count, op->p[0].dtype, rop);
             for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp, count * es);
             free(tmp);
             break;
         }
         case OP_REDUCE: {
             void *tmp = malloc(count * es + 1);
-            reduce_into(tmp, src, n, count, op->p[0].dtype, op->p[0].op);
+            reduce_into(tmp, src, n, count, op->p[0].dtype, rop);
             memcpy(op->p[op->p[0].root].recv, tmp, count * es);
             free(tmp);
             break;
@@ -531,10 +648,37 @@ static void run(struct clique *cl, struct coll *op) {
             char *tmp = malloc(count * es * n + 1);
             for (int r = 0; r < n; r++) {
                 const void *parts[MAX_RANKS];
-                for (int j = 0; j < n; j++) parts[j] = (const char *)op->p[j].send + (size_t)r * count * es;
-                reduce_into(tmp + (size_t)r * count * es, parts, n, count, op->p[0].dtype, op->p[0].op);
+                for (int j = 0; j < n; j++) parts[j] = (const char *)src[j] + (size_t)r * count * es;
+                reduce_into(tmp + (size_t)r * count * es, parts, n, count, op->p[0].dtype, rop);
             }
             for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp + (size_t)r * count * es, count * es);
+            free(tmp);
+            break;
+        }
+        case OP_ALLTOALL: {
+            /* rank r's block j is rank j's block r */
+            size_t b = count * es;
+            char *tmp = malloc(b * (size_t)n * (size_t)n + 1);
+            for (int r = 0; r < n; r++)
+                for (int j = 0; j < n; j++)
+                    memcpy(tmp + ((size_t)r * n + j) * b, (const char *)op->p[j].send + (size_t)r * b, b);
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp + (size_t)r * n * b, b * n);
+            free(tmp);
+            break;
+        }
+        case OP_GATHER: {
+            size_t b = count * es;
+            char *tmp = malloc(b * (size_t)n + 1);
+            for (int r = 0; r < n; r++) memcpy(tmp + (size_t)r * b, op->p[r].send, b);
+            memcpy(op->p[op->p[0].root].recv, tmp, b * n);
+            free(tmp);
+            break;
+        }
+        case OP_SCATTER: {
+            size_t b = count * es;
+            char *tmp = malloc(b * (size_t)n + 1);
+            memcpy(tmp, op->p[op->p[0].root].send, b * n);
+            for (int r = 0; r < n; r++) memcpy(op->p[r].recv, tmp + (size_t)r * b, b);
             free(tmp);
             break;
         }
@@ -571,6 +715,7 @@ static void run(struct clique *cl, struct coll *op) {
         default:
             break;
         }
+        for (int r = 0; r < n; r++) free(scaled[r]);
     }
     if (hang && !mismatch && op->kind != OP_SPLIT) return; /* never completes */
     for (int r = 0; r < n; r++) {
@@ -581,6 +726,7 @@ static void run(struct clique *cl, struct coll *op) {
     op->seq = -1;
     op->kind = OP_NONE;
     op->arrived = 0;
+    op->poisoned = 0;
     memset(op->p, 0, sizeof op->p);
     pthread_cond_broadcast(&changed);
 }
@@ -764,29 +910,50 @@ static ncclResult_t finish_init(struct comm *c) {
     return ncclSuccess;
 }
 
-EXPORT ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
-    int dev = current_device();
-    pthread_mutex_lock(&lock);
-    ENTER();
-    if (!comm) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "null comm"); }
+/* An init by rank (lock held, the call counted). */
+static ncclResult_t init_locked(void **comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config, int dev) {
+    if (!comm) return fail(NULL, ncclInvalidArgument, "null comm");
     int blocking = 1;
     if (config) {
-        if (config->magic != 0xcafebeef || config->size < 48) {
-            pthread_mutex_unlock(&lock);
+        if (config->magic != 0xcafebeef || config->size < 48)
             return fail(NULL, ncclInvalidArgument, "fakenccl: config without NCCL_CONFIG_INITIALIZER");
-        }
         if (config->blocking != UNDEF_INT) blocking = config->blocking != 0;
     }
     blocking = env_blocking(blocking);
     struct comm *c = NULL;
     ncclResult_t r = join(&c, nranks, id, rank, blocking, dev);
-    if (r) { pthread_mutex_unlock(&lock); return r; }
+    if (r) return r;
     if (config) {
         c->name = config->commName;
         c->split_share = config->splitShare == 1;
     }
     *comm = c;
-    r = finish_init(c);
+    return finish_init(c);
+}
+
+EXPORT ncclResult_t ncclCommInitRankConfig(void **comm, int nranks, ncclUniqueId id, int rank, ncclConfig_t *config) {
+    int dev = current_device();
+    pthread_mutex_lock(&lock);
+    ENTER();
+    ncclResult_t r = init_locked(comm, nranks, id, rank, config, dev);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+/* Several ids: the rendezvous they name together (every rank gives the same). */
+EXPORT ncclResult_t ncclCommInitRankScalable(void **comm, int nranks, int rank, int nId, ncclUniqueId *ids,
+                                             ncclConfig_t *config) {
+    int dev = current_device();
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (nId < 1 || !ids) {
+        pthread_mutex_unlock(&lock);
+        return fail(NULL, ncclInvalidArgument, "fakenccl: ncclCommInitRankScalable needs at least one id");
+    }
+    ncclUniqueId id = ids[0];
+    for (int i = 1; i < nId; i++)
+        for (int b = 0; b < 128; b++) id.internal[b] ^= (char)(ids[i].internal[b] + i);
+    id.internal[127] ^= (char)nId;
+    ncclResult_t r = init_locked(comm, nranks, id, rank, config, dev);
     pthread_mutex_unlock(&lock);
     return r;
 }
@@ -925,6 +1092,12 @@ EXPORT ncclResult_t ncclCommFinalize(void *comm) {
 
 static void leave(struct comm *c) {
     struct clique *cl = c->cl;
+    /* NCCL frees what is still registered with its communicator. */
+    orphaned += c->regs + c->wins;
+    reg_live -= c->regs;
+    win_live -= c->wins;
+    for (int i = 0; i < MAX_PREMUL; i++)
+        if (c->premul[i].used) premul_live--;
     if (cl) {
         for (int i = 0; i < MAX_P2P; i++)
             if (cl->p2p[i].used && cl->p2p[i].comm == c) {
@@ -979,15 +1152,22 @@ EXPORT ncclResult_t ncclCommAbort(void *comm) {
 static ncclResult_t coll_args(struct comm *c, const void *send, const void *recv, size_t count, int dtype, int op) {
     if (!check_comm(c)) return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator");
     if (c->aborted || !c->ready) return fail(c, ncclInvalidUsage, "fakenccl: communicator not ready");
+    if (c->dead) return fail(c, ncclSystemError, "fakenccl: this rank was killed");
+    if (c->revoked) return fail(c, ncclInvalidUsage, "fakenccl: the communicator was revoked");
     if (c->async_error) return fail(c, c->async_error, c->last_error);
     if (type_size(dtype) == 0 || dtype == 10 || dtype == 11) return fail(c, ncclInvalidArgument, "fakenccl: invalid data type");
-    if (op < 0 || op > 4) return fail(c, ncclInvalidArgument, "fakenccl: invalid reduction operation");
+    if (op < 0 || (op > 4 && (op - 5 >= MAX_PREMUL || !c->premul[op - 5].used || c->premul[op - 5].dtype != dtype)))
+        return fail(c, ncclInvalidArgument, "fakenccl: invalid reduction operation");
     if (count > 0 && (!send || !recv)) return fail(c, ncclInvalidArgument, "fakenccl: null buffer");
     return ncclSuccess;
 }
 
 static ncclResult_t submit(struct comm *c, int kind, struct part p) {
     find_driver();
+    if (p.op >= 5) {
+        struct premul *m = &c->premul[p.op - 5];
+        p.scale = m->ptr ? read_scalar(m->ptr, m->dtype) : m->value;
+    }
     if (group_depth > 0) {
         if (ndeferred >= MAX_DEFERRED) return fail(c, ncclInternalError, "fakenccl: group too large");
         deferred[ndeferred++] = (struct deferred){0, 0, kind, c, p, 0, NULL, 0, NULL};
@@ -1128,3 +1308,251 @@ EXPORT ncclResult_t ncclGroupEnd(void) {
     if (!r && nonblocking) return ncclInProgress;
     return r;
 }
+
+/* ---- NCCL memory, registrations, windows ---------------------------------- */
+
+/* ncclMemAlloc's buffers are 4096-byte aligned (as NCCL's are): each is a
+ * stand-in driver allocation 4096 bytes larger, remembered to be freed. */
+#define MAX_NCCL_MEM 256
+static struct { unsigned long long base; uintptr_t aligned; } nccl_mem[MAX_NCCL_MEM];
+EXPORT ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
+    find_driver();
+    pthread_mutex_lock(&lock);
+    ENTER();
+    pthread_mutex_unlock(&lock);
+    if (!ptr) return fail(NULL, ncclInvalidArgument, "fakenccl: ncclMemAlloc: null pointer");
+    if (!drv_alloc) return fail(NULL, ncclUnhandledCudaError, "fakenccl: no stand-in driver loaded");
+    unsigned long long d = 0;
+    if (drv_alloc(&d, size + 4096)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemAlloc failed");
+    uintptr_t a = ((uintptr_t)d + 4095) & ~(uintptr_t)4095;
+    pthread_mutex_lock(&lock);
+    int slot_i = -1;
+    for (int i = 0; i < MAX_NCCL_MEM && slot_i < 0; i++)
+        if (!nccl_mem[i].aligned) slot_i = i;
+    if (slot_i < 0) {
+        pthread_mutex_unlock(&lock);
+        drv_free(d);
+        return fail(NULL, ncclInternalError, "fakenccl: too many ncclMemAlloc buffers");
+    }
+    nccl_mem[slot_i].base = d;
+    nccl_mem[slot_i].aligned = a;
+    mem_live++;
+    pthread_mutex_unlock(&lock);
+    *ptr = (void *)a;
+    return ncclSuccess;
+}
+EXPORT ncclResult_t ncclMemFree(void *ptr) {
+    find_driver();
+    pthread_mutex_lock(&lock);
+    ENTER();
+    if (!ptr) { pthread_mutex_unlock(&lock); return ncclSuccess; }
+    unsigned long long base = 0;
+    for (int i = 0; i < MAX_NCCL_MEM; i++)
+        if (nccl_mem[i].aligned == (uintptr_t)ptr) {
+            base = nccl_mem[i].base;
+            nccl_mem[i].aligned = 0;
+            mem_live--;
+            break;
+        }
+    pthread_mutex_unlock(&lock);
+    if (!base) return fail(NULL, ncclInvalidArgument, "fakenccl: ncclMemFree of a pointer ncclMemAlloc did not give");
+    if (!drv_free) return fail(NULL, ncclUnhandledCudaError, "fakenccl: no stand-in driver loaded");
+    if (drv_free(base)) return fail(NULL, ncclUnhandledCudaError, "fakenccl: cuMemFree failed");
+    return ncclSuccess;
+}
+
+#define REG_MAGIC 0x52454721
+struct reg {
+    int magic;
+    struct comm *comm;
+    void *buf;
+    size_t size;
+    int window, flags;
+};
+static ncclResult_t add_reg(struct comm *c, void *buff, size_t size, void **out, int window, int flags) {
+    if (!check_comm(c) || !out) return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator");
+    if (c->revoked || c->dead) return fail(c, ncclInvalidUsage, "fakenccl: the communicator was revoked");
+    if (!buff || !size) return fail(c, ncclInvalidArgument, "fakenccl: registering an empty buffer");
+    if (window && (flags & 1) && ((uintptr_t)buff % 4096))
+        return fail(c, ncclInvalidArgument, "fakenccl: a symmetric window needs a 4096-byte aligned buffer");
+    struct reg *g = calloc(1, sizeof *g);
+    *g = (struct reg){REG_MAGIC, c, buff, size, window, flags};
+    if (window) { c->wins++; win_live++; }
+    else { c->regs++; reg_live++; }
+    *out = g;
+    return ncclSuccess;
+}
+static ncclResult_t drop_reg(struct comm *c, void *handle, int window) {
+    struct reg *g = handle;
+    if (!check_comm(c)) return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator");
+    if (!g || g->magic != REG_MAGIC || g->comm != c || g->window != window)
+        return fail(c, ncclInvalidArgument, "fakenccl: not a registration of this communicator");
+    g->magic = 0;
+    if (window) { c->wins--; win_live--; }
+    else { c->regs--; reg_live--; }
+    free(g);
+    return ncclSuccess;
+}
+/* The body of an entry point that runs `expr` under the lock, counted. */
+#define LOCKED_ENTRY(expr)                                                         \
+    {                                                                              \
+        pthread_mutex_lock(&lock);                                                 \
+        ENTER();                                                                   \
+        ncclResult_t r = (expr);                                                   \
+        pthread_mutex_unlock(&lock);                                               \
+        return r;                                                                  \
+    }
+EXPORT ncclResult_t ncclCommRegister(void *comm, void *buff, size_t size, void **handle)
+    LOCKED_ENTRY(add_reg(comm, buff, size, handle, 0, 0))
+EXPORT ncclResult_t ncclCommDeregister(void *comm, void *handle) LOCKED_ENTRY(drop_reg(comm, handle, 0))
+EXPORT ncclResult_t ncclCommWindowRegister(void *comm, void *buff, size_t size, void **win, int flags)
+    LOCKED_ENTRY(add_reg(comm, buff, size, win, 1, flags))
+EXPORT ncclResult_t ncclCommWindowDeregister(void *comm, void *win) {
+    long delay = win_dereg_delay_us;
+    if (delay > 0) {
+        /* Collective: a peer that comes late keeps this rank waiting. */
+        struct timespec d = {delay / 1000000, (delay % 1000000) * 1000};
+        nanosleep(&d, NULL);
+    }
+    LOCKED_ENTRY(drop_reg(comm, win, 1))
+}
+
+/* ---- pre-multiplied sums -------------------------------------------------- */
+
+EXPORT ncclResult_t ncclRedOpCreatePreMulSum(int *op, void *scalar, int datatype, int residence, void *comm) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    ncclResult_t r = ncclSuccess;
+    if (!check_comm(c) || !op || !scalar || type_size(datatype) == 0 || (residence != 0 && residence != 1))
+        r = fail(check_comm(c) ? c : NULL, ncclInvalidArgument, "fakenccl: ncclRedOpCreatePreMulSum: bad arguments");
+    else {
+        r = fail(c, ncclInternalError, "fakenccl: too many reduction operations");
+        for (int i = 0; i < MAX_PREMUL; i++)
+            if (!c->premul[i].used) {
+                c->premul[i].used = 1;
+                c->premul[i].dtype = datatype;
+                c->premul[i].residence = residence;
+                c->premul[i].value = residence == 1 ? read_scalar(scalar, datatype) : 0;
+                c->premul[i].ptr = residence == 0 ? scalar : NULL;
+                premul_live++;
+                *op = 5 + i;
+                r = ncclSuccess;
+                break;
+            }
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+EXPORT ncclResult_t ncclRedOpDestroy(int op, void *comm) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    ncclResult_t r = ncclSuccess;
+    if (!check_comm(c) || op < 5 || op - 5 >= MAX_PREMUL || !c->premul[op - 5].used)
+        r = fail(check_comm(c) ? c : NULL, ncclInvalidArgument, "fakenccl: ncclRedOpDestroy: not an operation of this communicator");
+    else {
+        c->premul[op - 5].used = 0;
+        premul_live--;
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+#ifndef FAKENCCL_OLD
+/* ---- all-to-all, gather, scatter ----------------------------------------- */
+
+EXPORT ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count, int datatype, void *comm,
+                                 void *stream)
+    COLL_ENTRY(ncclAlltoAll, OP_ALLTOALL, sendbuff, recvbuff, count, 0, 0, ;)
+
+EXPORT ncclResult_t ncclGather(const void *sendbuff, void *recvbuff, size_t count, int datatype, int root,
+                               void *comm, void *stream)
+    COLL_ENTRY(ncclGather, OP_GATHER, sendbuff, recvbuff, count, 0, root,
+               if (root < 0 || root >= c->nranks) r = fail(c, ncclInvalidArgument, "fakenccl: root out of range");)
+
+EXPORT ncclResult_t ncclScatter(const void *sendbuff, void *recvbuff, size_t count, int datatype, int root,
+                                void *comm, void *stream)
+    COLL_ENTRY(ncclScatter, OP_SCATTER, sendbuff, recvbuff, count, 0, root,
+               if (root < 0 || root >= c->nranks) r = fail(c, ncclInvalidArgument, "fakenccl: root out of range");)
+
+/* ---- revoke and shrink ---------------------------------------------------- */
+
+EXPORT ncclResult_t ncclCommRevoke(void *comm, int flags) {
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    if (!check_comm(c)) { pthread_mutex_unlock(&lock); return fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator"); }
+    if (flags != 0) { pthread_mutex_unlock(&lock); return fail(c, ncclInvalidArgument, "fakenccl: revokeFlags must be 0"); }
+    c->revoked = 1;
+    ncclResult_t r = ncclSuccess;
+    if (!c->blocking && inprogress_polls > 0) {
+        c->polls_left = inprogress_polls;
+        r = ncclInProgress;
+    }
+    struct clique *cl = c->cl;
+    if (cl) {
+        /* Stop this rank's in-flight work: release its streams, move nothing. */
+        for (int i = 0; i < MAX_P2P; i++)
+            if (cl->p2p[i].used && cl->p2p[i].comm == c) {
+                hold(cl->p2p[i].stream, -1);
+                cl->p2p[i].used = 0;
+                c->pending--;
+            }
+        for (int k = 0; k < MAX_OPS; k++) {
+            struct coll *op = &cl->colls[k];
+            if (op->seq >= 0 && op->p[c->rank].in && op->p[c->rank].comm == c) {
+                if (op->p[c->rank].held) hold(op->p[c->rank].stream, -1);
+                op->p[c->rank].held = 0;
+                op->p[c->rank].comm = NULL;
+                op->poisoned = 1;
+                c->pending--;
+            }
+        }
+    }
+    pthread_cond_broadcast(&changed);
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+
+EXPORT ncclResult_t ncclCommShrink(void *comm, int *exclude, int nexclude, void **newcomm, ncclConfig_t *config,
+                                   int flags) {
+    (void)flags;
+    pthread_mutex_lock(&lock);
+    ENTER();
+    struct comm *c = comm;
+    ncclResult_t r = ncclSuccess;
+    if (!check_comm(c) || !newcomm) r = fail(NULL, ncclInvalidArgument, "fakenccl: invalid communicator");
+    else if (c->dead) r = fail(c, ncclSystemError, "fakenccl: this rank was killed");
+    else if (nexclude < 0 || nexclude >= c->nranks || (nexclude > 0 && !exclude))
+        r = fail(c, ncclInvalidArgument, "fakenccl: bad excluded rank list");
+    int below = 0;
+    for (int i = 0; !r && i < nexclude; i++) {
+        int e = exclude[i];
+        if (e < 0 || e >= c->nranks) r = fail(c, ncclInvalidArgument, "fakenccl: excluded rank out of range");
+        else if (e == c->rank) r = fail(c, ncclInvalidArgument, "fakenccl: this rank is excluded");
+        for (int j = 0; !r && j < i; j++)
+            if (exclude[j] == e) r = fail(c, ncclInvalidArgument, "fakenccl: excluded rank given twice");
+        if (!r && e < c->rank) below++;
+    }
+    if (r) { pthread_mutex_unlock(&lock); return r; }
+    ncclUniqueId id;
+    memset(&id, 0, sizeof id);
+    long idx = (long)(c->cl - cliques), seq = c->shrinks++;
+    memcpy(id.internal, "fakeshrk", 8);
+    memcpy(id.internal + 8, &idx, sizeof idx);
+    memcpy(id.internal + 16, &seq, sizeof seq);
+    int blocking = c->blocking;
+    if (config && config->blocking != UNDEF_INT) blocking = config->blocking != 0;
+    blocking = env_blocking(blocking);
+    struct comm *child = NULL;
+    r = join(&child, c->nranks - nexclude, id, c->rank - below, blocking, c->dev);
+    if (!r) {
+        if (config) child->name = config->commName;
+        *newcomm = child;
+        r = finish_init(child);
+    }
+    pthread_mutex_unlock(&lock);
+    return r;
+}
+#endif

@@ -8,7 +8,7 @@
 //! loader users use (`METRALE_LIBCUDA_PATH` or `Driver::load_from`); nothing in
 //! the shipped crates knows about it. Not published.
 
-use std::ffi::{c_char, c_int, c_long, c_uint, c_ulonglong, c_void, CString};
+use std::ffi::{c_char, c_int, c_long, c_longlong, c_uint, c_ulonglong, c_void, CString};
 use std::path::Path;
 
 /// Path of the full stand-in library.
@@ -34,6 +34,13 @@ pub fn nccl_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl.so"))
 }
 
+/// Path of the stand-in NCCL built as NCCL 2.26.5: it lacks `ncclAlltoAll`,
+/// `ncclGather`, `ncclScatter`, `ncclCommRevoke` and `ncclCommShrink` (the
+/// window calls stay, so a version gate is what refuses them).
+pub fn nccl_old_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenccl_old.so"))
+}
+
 /// Path of the stand-in NVTX tool (`src/fakenvtx.c`): name it in
 /// `NVTX_INJECTION64_PATH`; it attaches and records every call ([`FakeNvtx`]).
 pub fn nvtx_library_path() -> &'static Path {
@@ -44,6 +51,22 @@ pub fn nvtx_library_path() -> &'static Path {
 /// `InitializeInjectionNvtx2` returns 0 (so none of its entries may be called).
 pub fn nvtx_failing_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenvtx_fail.so"))
+}
+
+/// Path of the stand-in cuBLAS and cuBLASLt (`src/fakeblas.c`): one library
+/// exporting both APIs (point `METRALE_LIBCUBLASLT_PATH` and
+/// `METRALE_LIBCUBLAS_PATH` at it), GEMMs computed on the host over the stand-in
+/// driver's memory, a scripted heuristic and a record of every GEMM call. It
+/// finds the stand-in driver through `METRALE_LIBCUDA_PATH` (to read the current
+/// device and context and whether a stream is being captured), so set that too.
+pub fn blas_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakeblas.so"))
+}
+
+/// Path of the stand-in cuBLAS built as release 12.4.0: it lacks
+/// `cublasGemmGroupedBatchedEx` (added in 12.5).
+pub fn old_blas_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakeblas_old.so"))
 }
 
 /// What [`Fake::live`] counts.
@@ -409,6 +432,17 @@ impl Fake {
         }
     }
 
+    /// Live user objects (`cuUserObjectCreate`, not yet released by every
+    /// holder: their creator, graphs, executable graphs).
+    pub fn user_objects(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_user_objects",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
     /// Green contexts destroyed while streams made on them were still alive.
     pub fn green_orphans(&self) -> i64 {
         let n: c_long = call!(
@@ -622,6 +656,73 @@ impl FakeNccl {
             unsafe extern "C" fn(*mut c_void, c_int),
             comm,
             status
+        );
+    }
+
+    /// Live `ncclMemAlloc` allocations.
+    pub fn mem_live(&self) -> i64 {
+        let n: c_long = call!(self, "fakenccl_mem_live", unsafe extern "C" fn() -> c_long);
+        n as i64
+    }
+
+    /// Live buffer registrations (`ncclCommRegister` not yet deregistered).
+    pub fn registrations(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_registrations",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// Live windows (`ncclCommWindowRegister` not yet deregistered).
+    pub fn windows(&self) -> i64 {
+        let n: c_long = call!(self, "fakenccl_windows", unsafe extern "C" fn() -> c_long);
+        n as i64
+    }
+
+    /// Registrations and windows still live when their communicator was
+    /// destroyed or aborted, since the last reset (should stay 0).
+    pub fn orphaned_registrations(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_orphaned_registrations",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// Live pre-multiplied-sum operations (`ncclRedOpCreatePreMulSum` not yet
+    /// destroyed, nor freed with their communicator).
+    pub fn premul_live(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenccl_premul_live",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// `ncclCommWindowDeregister` first sleeps this long, outside the
+    /// stand-in's lock (a peer late to the collective deregistration); 0: not
+    /// at all.
+    pub fn set_window_deregister_delay_us(&self, us: i64) {
+        call!(
+            self,
+            "fakenccl_set_window_deregister_delay_us",
+            unsafe extern "C" fn(c_long),
+            us as c_long
+        );
+    }
+
+    /// Kill `comm`'s rank mid-run: its calls fail from now on, and every other
+    /// rank of its communicator reports `ncclRemoteError` (a peer died).
+    pub fn kill(&self, comm: *mut c_void) {
+        call!(
+            self,
+            "fakenccl_kill",
+            unsafe extern "C" fn(*mut c_void),
+            comm
         );
     }
 
@@ -950,5 +1051,189 @@ impl FakeNvtx {
             unsafe extern "C" fn(c_int) -> c_int,
             module
         )
+    }
+}
+
+/// One GEMM call the stand-in cuBLAS or cuBLASLt received.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlasRecord {
+    /// The entry point (`cublasLtMatmul`, `cublasGemmEx`, ...).
+    pub call: String,
+    /// The workspace pointer it was given (for cuBLAS: the handle's).
+    pub workspace: u64,
+    /// The workspace size it was given.
+    pub workspace_size: usize,
+    /// The stream (for cuBLAS: the handle's).
+    pub stream: *mut c_void,
+    /// The stand-in driver's current context during the call.
+    pub context: *mut c_void,
+    /// Whether the stream was being captured.
+    pub capturing: bool,
+    /// The algorithm's id (its first word: 1000 + heuristic index), -1 for none.
+    pub algo: i64,
+    /// The current device during the call.
+    pub device: i32,
+}
+
+/// What [`FakeBlas::live`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum BlasLive {
+    /// cuBLASLt handles.
+    LtHandles = 1,
+    /// cuBLAS handles.
+    Handles = 2,
+    /// Matmul descriptors.
+    Descriptors = 3,
+    /// Matrix layouts.
+    Layouts = 4,
+    /// Matmul preferences.
+    Preferences = 5,
+}
+
+/// Handle on the stand-in cuBLAS/cuBLASLt's control functions, for a library
+/// already loaded in this process.
+pub struct FakeBlas {
+    lib: libloading::Library,
+}
+
+#[allow(clippy::missing_panics_doc, clippy::panic, clippy::unnecessary_cast)]
+impl FakeBlas {
+    /// Open the control interface of the stand-in at `path`.
+    ///
+    /// # Panics
+    /// When the library cannot be opened (a broken build of this test crate).
+    pub fn open(path: &Path) -> FakeBlas {
+        // SAFETY: the stand-in's initialisers do nothing.
+        match unsafe { libloading::Library::new(path) } {
+            Ok(lib) => FakeBlas { lib },
+            Err(e) => panic!("cannot open {}: {e}", path.display()),
+        }
+    }
+
+    /// Clear call counts, injected failures, records, the version (13.1.0, or
+    /// 12.4.0 for the old build) and the heuristic (one algorithm, no workspace).
+    pub fn reset(&self) {
+        call!(self, "fakeblas_reset", unsafe extern "C" fn());
+    }
+
+    /// Make `call` return `status` from its `from_call`-th next call on (1: the
+    /// next one), for `times` calls, or for ever with `None`.
+    pub fn fail(&self, call: &str, status: u32, from_call: i64, times: Option<i64>) {
+        let name = CString::new(call).unwrap_or_default();
+        call!(
+            self,
+            "fakeblas_fail",
+            unsafe extern "C" fn(*const c_char, c_int, c_long, c_long),
+            name.as_ptr(),
+            status as c_int,
+            from_call as c_long,
+            times.unwrap_or(-1) as c_long
+        );
+    }
+
+    /// How many times `call` was made since the last reset.
+    pub fn calls(&self, call: &str) -> i64 {
+        let name = CString::new(call).unwrap_or_default();
+        let n: c_long = call!(
+            self,
+            "fakeblas_calls",
+            unsafe extern "C" fn(*const c_char) -> c_long,
+            name.as_ptr()
+        );
+        n as i64
+    }
+
+    /// Set the version both APIs report (`130100` is 13.1.0).
+    pub fn set_version(&self, code: i32) {
+        call!(
+            self,
+            "fakeblas_set_version",
+            unsafe extern "C" fn(c_int),
+            code
+        );
+    }
+
+    /// Script the heuristic: `count` algorithms needing `workspace` bytes each
+    /// (none when that exceeds the preference's limit), or `status` when not 0.
+    pub fn set_heuristic(&self, count: i32, workspace: usize, status: i32) {
+        call!(
+            self,
+            "fakeblas_set_heuristic",
+            unsafe extern "C" fn(c_int, usize, c_int),
+            count,
+            workspace,
+            status
+        );
+    }
+
+    /// Live objects of one kind.
+    pub fn live(&self, what: BlasLive) -> i32 {
+        call!(
+            self,
+            "fakeblas_live",
+            unsafe extern "C" fn(c_int) -> c_int,
+            what as c_int
+        )
+    }
+
+    /// Every GEMM call recorded since the last reset (the last 256), oldest first.
+    pub fn records(&self) -> Vec<BlasRecord> {
+        let n: c_long = call!(self, "fakeblas_records", unsafe extern "C" fn() -> c_long);
+        let mut out = Vec::new();
+        for i in 0..n {
+            let mut name = [0 as c_char; 40];
+            let (mut ws, mut size, mut stream, mut context) = (
+                std::ptr::null_mut(),
+                0usize,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            let (mut capturing, mut algo, mut device) = (0 as c_int, 0 as c_longlong, 0 as c_int);
+            let kept: c_int = call!(
+                self,
+                "fakeblas_record",
+                unsafe extern "C" fn(
+                    c_long,
+                    *mut c_char,
+                    usize,
+                    *mut *mut c_void,
+                    *mut usize,
+                    *mut *mut c_void,
+                    *mut *mut c_void,
+                    *mut c_int,
+                    *mut c_longlong,
+                    *mut c_int,
+                ) -> c_int,
+                i,
+                name.as_mut_ptr(),
+                name.len(),
+                &mut ws,
+                &mut size,
+                &mut stream,
+                &mut context,
+                &mut capturing,
+                &mut algo,
+                &mut device
+            );
+            if kept == 0 {
+                continue;
+            }
+            // SAFETY: the stand-in wrote a NUL-terminated name into the buffer.
+            let call = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }
+                .to_string_lossy()
+                .into_owned();
+            out.push(BlasRecord {
+                call,
+                workspace: ws as u64,
+                workspace_size: size,
+                stream,
+                context,
+                capturing: capturing != 0,
+                algo: algo as i64,
+                device,
+            });
+        }
+        out
     }
 }

@@ -141,6 +141,15 @@ fn main() -> ExitCode {
                 ("none", None),
                 ("stand-in", Some(metrale_fakecuda::nvtx_library_path())),
             ] {
+                if let Some(path) = tool.filter(|p| !p.exists()) {
+                    // A copy of the bench on another machine (the GPU host):
+                    // the stand-in tool was built here, not there.
+                    println!(
+                        "\nthe stand-in tool half: skipped, {} is not on this machine",
+                        path.display()
+                    );
+                    continue;
+                }
                 let mut cmd = Command::new(std::env::current_exe().unwrap());
                 cmd.args(&args).env(CHILD, child);
                 match tool {

@@ -41,6 +41,7 @@
 //! | [`graph`] | [`CudaGraph`], [`CudaGraphExec`]: capture, replay, update, DOT |
 //! | `nvrtc` (feature `nvrtc`) | run-time compilation: `Program`, `Linker`, `CompileCache` |
 //! | `nccl` (feature `nccl`) | collective communication: `Communicator`, checked collectives |
+//! | `blas` (feature `cublas`) | cuBLASLt plans and plain cuBLAS GEMMs: `BlasLt`, `MatmulPlan`, `Blas` |
 //! | `nvtx` (feature `nvtx`) | profiler ranges, marks, domains and names (NVTX v3, nothing linked) |
 //! | [`guide`] | no code: the user's guide, a chapter per topic |
 //!
@@ -75,6 +76,9 @@
 
 pub use metrale_cuda_sys as sys;
 
+#[cfg(feature = "cublas")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
+pub mod blas;
 pub mod blob;
 pub mod context;
 pub mod device;
@@ -110,8 +114,16 @@ pub mod prelude {
         KernelArgList, LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, NullPtr,
         PinnedBuffer, Result,
     };
+    #[cfg(feature = "cublas")]
+    pub use crate::{Blas, BlasLt, MatmulDesc, MatmulPlan};
 }
 
+#[cfg(feature = "cublas")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
+pub use blas::{
+    Blas, BlasElement, BlasError, BlasLt, BlasLtOptions, ComputeType, Epilogue, Fp8E4M3, Fp8E5M2,
+    GemmShape, MatmulDesc, MatmulExtras, MatmulPlan, MatrixLayout, ScaleMode, Transpose,
+};
 pub use blob::BlobKind;
 pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
 pub use device::{enable_peer_access, memory_info, Device, PeerLink};

@@ -11,6 +11,9 @@ mod harness;
 
 #[path = "gpu/basic.rs"]
 mod basic;
+#[cfg(feature = "cublas")]
+#[path = "gpu/blas.rs"]
+mod blas;
 #[path = "gpu/common.rs"]
 mod common;
 #[path = "gpu/futures.rs"]
@@ -69,6 +72,8 @@ fn main() -> ExitCode {
         nvrtc::tests(),
         #[cfg(feature = "nccl")]
         nccl::tests(),
+        #[cfg(feature = "cublas")]
+        blas::tests(),
     ]
     .into_iter()
     .flatten()

@@ -442,8 +442,146 @@ fn nccl_disagreeing_ranks_in_a_group_are_refused_and_aborted() {
     );
 }
 
+/// The rank and id a two-process NCCL child runs with.
+#[cfg(feature = "nccl")]
+fn nccl_child_rank() -> (usize, metrale_runtime::nccl::NcclId) {
+    let rank = std::env::var("METRALE_TEST_RANK").unwrap().parse().unwrap();
+    let id = std::env::var("METRALE_TEST_NCCL_ID")
+        .unwrap()
+        .parse()
+        .unwrap();
+    (rank, id)
+}
+
+/// Run `scenario` as two child processes, rank 0 and 1, sharing a new id;
+/// each one's (success, stdout + stderr).
+#[cfg(feature = "nccl")]
+fn two_processes(scenario: &'static str) -> Vec<(bool, String)> {
+    let id = metrale_runtime::nccl::NcclId::new().unwrap().to_string();
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let id = id.clone();
+            std::thread::spawn(move || {
+                let rank = rank.to_string();
+                let out = harness::run_child(
+                    scenario,
+                    &[("METRALE_TEST_RANK", &rank), ("METRALE_TEST_NCCL_ID", &id)],
+                );
+                (
+                    out.status.success(),
+                    format!(
+                        "{}{}",
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    ),
+                )
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// One rank of the two-process window all-reduce.
+#[cfg(feature = "nccl")]
+fn child_nccl_window_rank() {
+    use metrale_runtime::nccl::{CommConfig, Communicator, NcclBuffer, ReduceOp, WindowFlags};
+    let (rank, id) = nccl_child_rank();
+    let ctx = context(rank).unwrap();
+    let s = CudaStream::new(&ctx).unwrap();
+    let comm = Communicator::init_rank(&id, 2, rank, &ctx, &CommConfig::new()).unwrap();
+    for n in [2usize, 1 << 10, 1 << 18] {
+        let mut buf = NcclBuffer::<f32>::alloc(&ctx, n).unwrap();
+        let mut win = comm
+            .register_window(&mut buf, WindowFlags::COLL_SYMMETRIC)
+            .unwrap();
+        let host: Vec<f32> = (0..n).map(|i| (i % 100) as f32 + rank as f32).collect();
+        s.copy_h2d(&host, &mut *win).unwrap();
+        comm.all_reduce_in_place(&mut win, ReduceOp::Sum, &s)
+            .unwrap();
+        comm.wait(&s, std::time::Duration::from_secs(60)).unwrap();
+        let got = s.to_vec(&win.as_slice()).unwrap();
+        assert!(
+            (0..n).all(|i| got[i] == 2.0 * (i % 100) as f32 + 1.0),
+            "window all-reduce of {n} on rank {rank}"
+        );
+        drop(win);
+    }
+    println!("rank {rank}: window all-reduces exact");
+}
+
+/// A window all-reduce across two processes, one GPU each.
+#[cfg(feature = "nccl")]
+fn nccl_window_all_reduce_across_two_processes() {
+    for (rank, (ok, out)) in two_processes("nccl_window_rank").into_iter().enumerate() {
+        assert!(ok, "rank {rank}: {out}");
+        assert!(
+            out.contains("window all-reduces exact"),
+            "rank {rank}: {out}"
+        );
+    }
+}
+
+/// One rank of the shrink after a killed rank: rank 1 dies (its process
+/// exits) while rank 0's all-reduce waits for it; rank 0 revokes through the
+/// bounded wait, shrinks to itself and finishes an all-reduce alone.
+#[cfg(feature = "nccl")]
+fn child_nccl_shrink_rank() {
+    use metrale_runtime::nccl::{CommConfig, Communicator, OnFailure, ReduceOp};
+    use std::time::Duration;
+    let (rank, id) = nccl_child_rank();
+    let ctx = context(rank).unwrap();
+    let s = CudaStream::new(&ctx).unwrap();
+    let comm = Communicator::init_rank(&id, 2, rank, &ctx, &CommConfig::new()).unwrap();
+    let mut b = DeviceBuffer::from_host(&s, &[1.0f32; 256]).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    comm.wait(&s, Duration::from_secs(60)).unwrap();
+    if rank == 1 {
+        // Killed: gone without a word to NCCL.
+        std::process::exit(0);
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    let e = comm
+        .wait_with(&s, Duration::from_secs(10), OnFailure::Revoke)
+        .unwrap_err();
+    println!("rank 0: wait failed: {e}");
+    assert!(comm.is_revoked(), "{e}");
+    let alone = comm.shrink(&[1], &CommConfig::new()).unwrap();
+    assert_eq!((alone.rank(), alone.size()), (0, 1));
+    let mut c = DeviceBuffer::from_host(&s, &[3.0f32; 256]).unwrap();
+    alone
+        .all_reduce_in_place(&mut c, ReduceOp::Sum, &s)
+        .unwrap();
+    alone.wait(&s, Duration::from_secs(60)).unwrap();
+    assert_eq!(s.to_vec(&c).unwrap(), vec![3.0f32; 256]);
+    println!("rank 0: shrunk and finished alone");
+}
+
+/// Shrink after a killed rank, two processes on two GPUs.
+#[cfg(feature = "nccl")]
+fn nccl_shrink_after_a_killed_rank() {
+    let out = two_processes("nccl_shrink_rank");
+    assert!(out[0].0, "rank 0: {}", out[0].1);
+    assert!(
+        out[0].1.contains("shrunk and finished alone"),
+        "{}",
+        out[0].1
+    );
+    assert!(out[1].0, "rank 1: {}", out[1].1);
+}
+
 fn main() -> ExitCode {
     let tests = [
+        #[cfg(feature = "nccl")]
+        Test {
+            name: "multi::nccl_window_all_reduce_across_two_processes",
+            run: nccl_window_all_reduce_across_two_processes,
+        },
+        #[cfg(feature = "nccl")]
+        Test {
+            name: "multi::nccl_shrink_after_a_killed_rank",
+            run: nccl_shrink_after_a_killed_rank,
+        },
         #[cfg(feature = "nccl")]
         Test {
             name: "multi::nccl_two_ranks_on_two_threads",
@@ -491,9 +629,9 @@ fn main() -> ExitCode {
     let gate = || match device_count() {
         Ok(n) if n >= 2 => Ok(()),
         Ok(n) => Err(format!(
-            "these tests need two CUDA devices; the driver reports {n}"
+            "needs two GPUs: nvidia-h200-x2 not lent (the driver reports {n} CUDA device(s))"
         )),
-        Err(e) => Err(format!("these tests need two CUDA devices: {e}")),
+        Err(e) => Err(format!("needs two GPUs: nvidia-h200-x2 not lent ({e})")),
     };
     let require = std::env::var("METRALE_REQUIRE_GPUS").is_ok_and(|v| v == "2");
     let children = [
@@ -501,6 +639,16 @@ fn main() -> ExitCode {
         harness::Child {
             name: "nccl_disagreeing_ranks",
             run: child_nccl_disagreeing_ranks,
+        },
+        #[cfg(feature = "nccl")]
+        harness::Child {
+            name: "nccl_window_rank",
+            run: child_nccl_window_rank,
+        },
+        #[cfg(feature = "nccl")]
+        harness::Child {
+            name: "nccl_shrink_rank",
+            run: child_nccl_shrink_rank,
         },
     ];
     harness::main(

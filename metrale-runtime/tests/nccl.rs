@@ -11,6 +11,9 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "nccl/buffers_and_faults.rs"]
+mod buffers_and_faults;
+
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -537,10 +540,10 @@ fn errors_name_the_call_status_text_and_communicator() {
 
     // Missing symbols name the library's version.
     let lib = metrale_runtime::sys::nccl::nccl().unwrap();
-    let m = lib.ncclCommShrink().unwrap_err();
+    let m = lib.ncclBcast().unwrap_err();
     assert_eq!(
         m.to_string(),
-        "the loaded NCCL library does not export `ncclCommShrink` (it is version 2.28)"
+        "the loaded NCCL library does not export `ncclBcast` (it is version 2.28)"
     );
     assert_eq!(lib.version(), Some((2, 28, 9)));
     assert_eq!(
@@ -1641,12 +1644,13 @@ fn main() -> ExitCode {
         drop_is_bounded_when_the_abort_blocks,
         drop_retries_a_transient_query_failure,
     ];
+    tests.extend(buffers_and_faults::tests());
     #[cfg(feature = "half")]
     tests.push(harness::Test {
         name: "all_reduce_half_types",
         run: all_reduce_half_types,
     });
-    let children = [
+    let mut children = vec![
         harness::Child {
             name: "drop_pending_blocking",
             run: || drop_pending(CommConfig::new()),
@@ -1697,6 +1701,7 @@ fn main() -> ExitCode {
             },
         },
     ];
+    children.extend(buffers_and_faults::children());
     let gate = || match metrale_runtime::sys::nccl::nccl() {
         Ok(l) if l.path().contains("metrale_fakenccl") => Ok(()),
         Ok(l) => Err(format!(

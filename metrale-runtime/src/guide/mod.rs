@@ -3,8 +3,8 @@
 //! The workspace README says what metrale is, how to add it and run it; this module
 //! is the rest. It holds no code: each chapter is an empty module whose
 //! documentation is a Markdown file next to this one, so `cargo test --doc` compiles
-//! every example (examples that need a GPU are `no_run`; the `nvrtc`, `nccl` and
-//! `nvtx` chapters compile their examples with those features on).
+//! every example (examples that need a GPU are `no_run`; the `nvrtc`, `nccl`,
+//! `nvtx` and `blas` chapters compile their examples with those features on).
 //!
 //! | chapter | what it covers |
 //! | --- | --- |
@@ -14,6 +14,7 @@
 //! | [`multi_gpu`] | one model on several devices, peer access and peer copies |
 //! | [`nccl`] | collective communication (feature `nccl`) |
 //! | [`nvrtc`] | run-time compilation and linking (feature `nvrtc`) |
+//! | [`blas`] | cuBLASLt plans and plain cuBLAS GEMMs (feature `cublas`) |
 //! | [`nvtx`] | profiler ranges, marks, domains and names for Nsight (feature `nvtx`) |
 //! | [`virtual_memory`] | growable buffers, sleep and wake, sharing memory between processes, legacy IPC |
 //! | [`asynchronous`] | host functions, futures, GPU-side signals |
@@ -57,6 +58,7 @@
 //! | green contexts | `SmResource::of_device(ctx)?.split_by_count(..)`, `GreenContext::new`, `CudaStream::on_green_context` | 12.4+ |
 //! | run-time compilation | feature `nvrtc`: `Program`, `CompileCache`, `Linker` | NVRTC and nvJitLink 12 or 13 |
 //! | collective communication | feature `nccl`: `Communicator`, `group` | NCCL 2 |
+//! | GEMMs: cuBLASLt plans, plain cuBLAS | feature `cublas`: `BlasLt`, `MatmulPlan`, `Blas` | cuBLAS 12 or 13 (grouped GEMMs 12.5+) |
 //! | profiler ranges, marks, domains, names (NVTX v3) | feature `nvtx`: `nvtx::range("decode")`, `Domain`, `EventAttributes` | any; a tool named by `NVTX_INJECTION64_PATH` (Nsight) |
 //!
 //! The table's calls, compiled:
@@ -136,6 +138,8 @@ pub mod nccl {}
 #[doc = include_str!("nvrtc.md")]
 pub mod nvrtc {}
 
+#[doc = include_str!("blas.md")]
+pub mod blas {}
 #[doc = include_str!("nvtx.md")]
 pub mod nvtx {}
 

@@ -45,6 +45,13 @@ pub(crate) enum Kind {
     /// waits for the whole context's work, so it goes only when no GPU-side
     /// wait on a mapped word is pending and no capture is on this thread.
     Host,
+    /// `ncclMemAlloc` (an NCCL buffer, feature `nccl`): freed by `ncclMemFree`
+    /// after `cuCtxSynchronize` (NCCL may unmap it with `cuMemUnmap`, which is
+    /// not promised to wait for the device's work), so never while a capture
+    /// is in progress anywhere in the process (the synchronisation would end
+    /// it) nor while an NCCL group is open.
+    #[cfg(feature = "nccl")]
+    Nccl,
 }
 
 /// An allocation whose owner went: freed as soon as nothing can use it.
@@ -95,6 +102,8 @@ impl FreeJob {
             (Kind::Host, _) => "pinned buffer",
             (Kind::Device, true) => "stream-ordered buffer",
             (Kind::Device, false) => "device buffer",
+            #[cfg(feature = "nccl")]
+            (Kind::Nccl, _) => "NCCL buffer",
         };
         format!(
             "freeing {kind} {:#x} on device {}",
@@ -123,6 +132,11 @@ impl FreeJob {
         if nccl_groups_open() {
             // A collective queued in the group may use this memory and reach
             // its stream only at the group's end.
+            return Some(self);
+        }
+        #[cfg(feature = "nccl")]
+        if self.kind == Kind::Nccl && crate::stream::captures_in_progress() {
+            // Its free synchronises the context: after the captures.
             return Some(self);
         }
         let any_foreign = self
@@ -262,6 +276,11 @@ impl FreeJob {
         let (ptr, kind) = (self.ptr, self.kind);
         self.ctx
             .release_with(self.made, format_args!("{what}"), |d, failures| {
+                #[cfg(feature = "nccl")]
+                if kind == Kind::Nccl {
+                    free_nccl(d, ptr, failures);
+                    return;
+                }
                 let freed = if kind == Kind::Host {
                     // SAFETY: a pinned allocation of this context handed over by
                     // its dropped owner, freed once, here; `cuMemFreeHost` waits
@@ -346,6 +365,70 @@ pub(crate) fn release(
     FreeJob {
         ptr,
         kind,
+        ctx: Arc::clone(ctx),
+        made,
+        uses: std::mem::replace(uses, Uses::new(None)),
+    }
+    .release();
+}
+
+/// `ncclMemFree` of `ptr` (the context current) after the context's work.
+#[cfg(feature = "nccl")]
+fn free_nccl(
+    d: &'static metrale_cuda_sys::Driver,
+    ptr: CUdeviceptr,
+    failures: &mut Vec<crate::error::CallError>,
+) {
+    // SAFETY: the context is current (release_with bound it); waits for its work.
+    match unsafe { cu!(d, cuCtxSynchronize()) } {
+        Ok(()) => {}
+        Err(crate::error::CallError::Status { status, .. })
+            if crate::stream::work_abandoned(status) => {}
+        Err(e) => {
+            failures.push(e);
+            report_line(format_args!(
+                "NCCL buffer {ptr:#x}: leaked, the work of its device could not be waited for"
+            ));
+            return;
+        }
+    }
+    let lib = match metrale_cuda_sys::nccl::nccl() {
+        Ok(lib) => lib,
+        Err(e) => {
+            report_line(format_args!("NCCL buffer {ptr:#x}: leaked: {e}"));
+            return;
+        }
+    };
+    let f = match lib.ncclMemFree() {
+        Ok(f) => f,
+        Err(m) => {
+            report_line(format_args!("NCCL buffer {ptr:#x}: leaked: {m}"));
+            return;
+        }
+    };
+    // SAFETY: an ncclMemAlloc allocation handed over by its dropped owner,
+    // freed once, after every use (the context's work was waited for above,
+    // and the streams of other devices that used it before this).
+    let status = unsafe { f(ptr as usize as *mut std::ffi::c_void) };
+    if !status.is_success() {
+        report_line(format_args!(
+            "NCCL buffer {ptr:#x} on device: ncclMemFree failed: {status}; leaked"
+        ));
+    }
+}
+
+/// Free an NCCL buffer (`ncclMemAlloc`) whose owner is dropping, as
+/// [`release`] frees the others.
+#[cfg(feature = "nccl")]
+pub(crate) fn release_nccl(
+    ptr: CUdeviceptr,
+    ctx: &Arc<CudaContext>,
+    made: Generation,
+    uses: &mut Uses,
+) {
+    FreeJob {
+        ptr,
+        kind: Kind::Nccl,
         ctx: Arc::clone(ctx),
         made,
         uses: std::mem::replace(uses, Uses::new(None)),

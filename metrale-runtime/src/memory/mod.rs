@@ -67,6 +67,8 @@ mod vmm;
 pub use batch::BatchCopy;
 pub use device::{DeviceBuffer, DeviceSlice, DeviceSliceMut};
 pub use free::deferred_frees;
+#[cfg(feature = "nccl")]
+pub(crate) use free::release_nccl;
 pub use growable::{GrowableBuffer, SleepError, SleepState, SleepingBuffer, WakeError};
 #[cfg(unix)]
 pub use ipc::{recv_fd, send_fd};
@@ -171,6 +173,12 @@ mod sealed {
         }
     }
 }
+#[cfg(feature = "nccl")]
+pub(crate) use device::bounds;
+/// The seal of [`DeviceMemory`], for device memory types of other rooms (an
+/// NCCL buffer).
+#[cfg(feature = "nccl")]
+pub(crate) use sealed::Sealed;
 pub(crate) use sealed::Uses;
 
 /// Device memory holding elements of `T`: buffers, slices, managed buffers and

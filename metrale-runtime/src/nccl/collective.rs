@@ -6,7 +6,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 use metrale_cuda_sys::nccl::{
-    self as raw, cudaStream_t, ncclComm_t, ncclDataType_t, ncclResult_t, Nccl,
+    self as raw, cudaStream_t, ncclComm_t, ncclDataType_t, ncclRedOp_t, ncclResult_t, Nccl,
 };
 use metrale_cuda_sys::LibraryMissingSymbol;
 
@@ -16,9 +16,39 @@ use crate::stream::CudaStream;
 
 use super::agree::Shape;
 use super::comm::Communicator;
-use super::error::{missing, refused};
+use super::error::{into_error, missing, refused, NcclError};
 use super::state::{in_group, is_listed};
 use super::{NcclType, ReduceOp};
+
+/// A reduction as NCCL takes it: a built-in operation or one made for this
+/// communicator (a pre-multiplied sum), with the operation the ranks are
+/// checked to agree on (a pre-multiplied sum agrees as a sum).
+#[derive(Clone, Copy)]
+pub(super) struct Red {
+    raw: ncclRedOp_t,
+    agree: ReduceOp,
+}
+
+impl Red {
+    /// A reduction made for a communicator (`raw`), agreeing as a sum.
+    #[inline]
+    pub(super) fn custom(raw: ncclRedOp_t) -> Red {
+        Red {
+            raw,
+            agree: ReduceOp::Sum,
+        }
+    }
+}
+
+impl From<ReduceOp> for Red {
+    #[inline]
+    fn from(op: ReduceOp) -> Red {
+        Red {
+            raw: op.to_raw(),
+            agree: op,
+        }
+    }
+}
 
 /// The device pointer of `mem` as NCCL takes it.
 #[inline]
@@ -35,14 +65,20 @@ fn nccl_stream(stream: &CudaStream) -> cudaStream_t {
 /// collective, send and receive goes through [`Communicator::submit`] with one,
 /// which checks it by the rules here.
 #[derive(Clone, Copy)]
-enum Op {
-    AllReduce(ReduceOp),
+pub(super) enum Op {
+    AllReduce(Red),
     /// From this root.
     Broadcast(usize),
     /// To this root.
-    Reduce(ReduceOp, usize),
+    Reduce(Red, usize),
     AllGather,
-    ReduceScatter(ReduceOp),
+    ReduceScatter(Red),
+    /// Block `j` of every rank's send to rank `j`.
+    AllToAll,
+    /// To this root.
+    Gather(usize),
+    /// From this root.
+    Scatter(usize),
     /// To this peer.
     Send(usize),
     /// From this peer.
@@ -61,19 +97,25 @@ enum Sizes {
     RecvRanksTimesSend,
     /// The send buffer has exactly ranks × the receive buffer's elements.
     SendRanksTimesRecv,
+    /// Both buffers have the same number of elements, a multiple of ranks
+    /// (the count is that over ranks).
+    BothRanksTimes,
     /// One buffer: nothing to compare.
     One,
 }
 
 impl Op {
     /// The NCCL function.
-    const fn call(self) -> &'static str {
+    pub(super) const fn call(self) -> &'static str {
         match self {
             Op::AllReduce(_) => "ncclAllReduce",
             Op::Broadcast(_) => "ncclBroadcast",
             Op::Reduce(..) => "ncclReduce",
             Op::AllGather => "ncclAllGather",
             Op::ReduceScatter(_) => "ncclReduceScatter",
+            Op::AllToAll => "ncclAlltoAll",
+            Op::Gather(_) => "ncclGather",
+            Op::Scatter(_) => "ncclScatter",
             Op::Send(_) => "ncclSend",
             Op::Recv(_) => "ncclRecv",
         }
@@ -83,7 +125,9 @@ impl Op {
     #[inline]
     fn rank(self) -> Option<(&'static str, usize)> {
         match self {
-            Op::Broadcast(root) | Op::Reduce(_, root) => Some(("root", root)),
+            Op::Broadcast(root) | Op::Reduce(_, root) | Op::Gather(root) | Op::Scatter(root) => {
+                Some(("root", root))
+            }
             Op::Send(peer) | Op::Recv(peer) => Some(("peer", peer)),
             _ => None,
         }
@@ -95,8 +139,9 @@ impl Op {
         match self {
             Op::AllReduce(_) | Op::Reduce(..) => Sizes::RecvAtLeastSend,
             Op::Broadcast(_) => Sizes::SendAtLeastRecv,
-            Op::AllGather => Sizes::RecvRanksTimesSend,
-            Op::ReduceScatter(_) => Sizes::SendRanksTimesRecv,
+            Op::AllGather | Op::Gather(_) => Sizes::RecvRanksTimesSend,
+            Op::ReduceScatter(_) | Op::Scatter(_) => Sizes::SendRanksTimesRecv,
+            Op::AllToAll => Sizes::BothRanksTimes,
             Op::Send(_) | Op::Recv(_) => Sizes::One,
         }
     }
@@ -106,10 +151,10 @@ impl Op {
     #[inline]
     fn shape<T: NcclType>(self, count: usize, rank: i32) -> Option<Shape> {
         let (op, root) = match self {
-            Op::AllReduce(op) | Op::ReduceScatter(op) => (Some(op), None),
-            Op::Broadcast(_) => (None, Some(rank)),
-            Op::Reduce(op, _) => (Some(op), Some(rank)),
-            Op::AllGather => (None, None),
+            Op::AllReduce(op) | Op::ReduceScatter(op) => (Some(op.agree), None),
+            Op::Broadcast(_) | Op::Gather(_) | Op::Scatter(_) => (None, Some(rank)),
+            Op::Reduce(op, _) => (Some(op.agree), Some(rank)),
+            Op::AllGather | Op::AllToAll => (None, None),
             Op::Send(_) | Op::Recv(_) => return None,
         };
         Shape::of::<T>(self.call(), count, op, root)
@@ -133,8 +178,10 @@ impl Op {
     /// `comm` is a live communicator of `lib`, and `stream` a stream of its
     /// device; `rank` is one of its ranks; `send` and `recv` point to device
     /// memory of that device holding what the call reads and writes (`count`
-    /// elements, ranks × `count` for an all-gather's `recv` and a
-    /// reduce-scatter's `send`), which stays allocated until the work is done.
+    /// elements, ranks × `count` for an all-gather's or gather's `recv`, a
+    /// reduce-scatter's or scatter's `send`, and both of an all-to-all), which
+    /// stays allocated until the work is done; a reduction made for a
+    /// communicator (a pre-multiplied sum) is `comm`'s and still alive.
     #[allow(clippy::too_many_arguments)]
     #[inline]
     unsafe fn issue(
@@ -151,15 +198,16 @@ impl Op {
         // NCCL allows `send == recv` (in place) for every collective.
         Ok(unsafe {
             match self {
-                Op::AllReduce(op) => lib.ncclAllReduce()?(s, r, n, ty, op.to_raw(), comm, stream),
+                Op::AllReduce(op) => lib.ncclAllReduce()?(s, r, n, ty, op.raw, comm, stream),
                 Op::Broadcast(_) => lib.ncclBroadcast()?(s, r, n, ty, rank, comm, stream),
-                Op::Reduce(op, _) => {
-                    lib.ncclReduce()?(s, r, n, ty, op.to_raw(), rank, comm, stream)
-                }
+                Op::Reduce(op, _) => lib.ncclReduce()?(s, r, n, ty, op.raw, rank, comm, stream),
                 Op::AllGather => lib.ncclAllGather()?(s, r, n, ty, comm, stream),
                 Op::ReduceScatter(op) => {
-                    lib.ncclReduceScatter()?(s, r, n, ty, op.to_raw(), comm, stream)
+                    lib.ncclReduceScatter()?(s, r, n, ty, op.raw, comm, stream)
                 }
+                Op::AllToAll => lib.ncclAlltoAll()?(s, r, n, ty, comm, stream),
+                Op::Gather(_) => lib.ncclGather()?(s, r, n, ty, rank, comm, stream),
+                Op::Scatter(_) => lib.ncclScatter()?(s, r, n, ty, rank, comm, stream),
                 Op::Send(_) => lib.ncclSend()?(s, n, ty, rank, comm, stream),
                 Op::Recv(_) => lib.ncclRecv()?(r, n, ty, rank, comm, stream),
             }
@@ -179,7 +227,7 @@ impl Communicator {
     /// communicator sharing resources with a parent or child takes its turn (no
     /// lock otherwise).
     #[inline]
-    fn submit<T: NcclType>(
+    pub(super) fn submit<T: NcclType>(
         &self,
         op: Op,
         stream: &CudaStream,
@@ -198,6 +246,7 @@ impl Communicator {
             Sizes::SendAtLeastRecv => self.at_least(call, ("send", s), ("receive", r))?,
             Sizes::RecvRanksTimesSend => self.ranks_times(call, ("receive", r), ("send", s))?,
             Sizes::SendRanksTimesRecv => self.ranks_times(call, ("send", s), ("receive", r))?,
+            Sizes::BothRanksTimes => self.per_rank(call, s, r)?,
             Sizes::One => s,
         };
         self.prepare::<T>(call, stream, mems, op.shape::<T>(count, rank))?;
@@ -228,7 +277,7 @@ impl Communicator {
 
     /// [`submit`](Self::submit) with a send and a receive buffer.
     #[inline]
-    fn pair<T: NcclType>(
+    pub(super) fn pair<T: NcclType>(
         &self,
         op: Op,
         send: &impl DeviceMemory<T>,
@@ -243,7 +292,7 @@ impl Communicator {
     /// [`submit`](Self::submit) with one buffer (`role`): sent and received in
     /// place, or a send's or a receive's.
     #[inline]
-    fn single<T: NcclType>(
+    pub(super) fn single<T: NcclType>(
         &self,
         op: Op,
         role: &'static str,
@@ -267,6 +316,12 @@ impl Communicator {
         shape: Option<Shape>,
     ) -> Result<()> {
         self.enter(call)?;
+        if self.ledger.revoked.get() {
+            return Err(into_error(NcclError::Revoked {
+                call,
+                comm: self.info(),
+            }));
+        }
         self.check_stream(call, stream)?;
         for &(role, mem) in mems {
             if !Arc::ptr_eq(mem.memory_context(), self.context()) {
@@ -389,6 +444,23 @@ impl Communicator {
         Ok(needs)
     }
 
+    /// Refuse buffers of different lengths, or a length that is not a multiple
+    /// of ranks; else the length over ranks (each rank's block).
+    #[inline]
+    fn per_rank(&self, call: &'static str, send: usize, recv: usize) -> Result<usize> {
+        let n = self.size();
+        if send != recv || !send.is_multiple_of(n) {
+            return Err(self.count_refused(
+                call,
+                format!(
+                    "the send buffer has {send} elements and the receive buffer {recv}; both \
+                     need ranks × per-rank count ({n} × k) elements, the same on both"
+                ),
+            ));
+        }
+        Ok(send / n)
+    }
+
     /// Refuse a `role` buffer of `has` elements unless it is exactly ranks ×
     /// the `other` buffer's `per_rank`; else `per_rank`.
     #[inline]
@@ -410,37 +482,6 @@ impl Communicator {
             ));
         }
         Ok(per_rank)
-    }
-
-    /// Sum (or another `op`) `send` over all ranks into `recv` of every rank
-    /// (`ncclAllReduce`); `recv` needs at least `send.len()` elements (the first
-    /// `send.len()` are written).
-    ///
-    /// # Errors
-    /// [`NcclError::Refused`](super::NcclError::Refused) for a short `recv` or
-    /// memory or stream of another device (naming the call, the rank and both
-    /// sizes), before NCCL; NCCL's status.
-    pub fn all_reduce<T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        self.pair(Op::AllReduce(op), send, recv, stream)
-    }
-
-    /// [`all_reduce`](Self::all_reduce) with `buf` both sent and received.
-    ///
-    /// # Errors
-    /// As `all_reduce`.
-    pub fn all_reduce_in_place<T: NcclType>(
-        &self,
-        buf: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        self.single(Op::AllReduce(op), "in-place", buf, stream)
     }
 
     /// Copy `root`'s `send` into `recv` of every rank (`ncclBroadcast`);
@@ -473,38 +514,6 @@ impl Communicator {
         self.single(Op::Broadcast(root), "in-place", buf, stream)
     }
 
-    /// Reduce `send` over all ranks into `root`'s `recv` (`ncclReduce`); `recv`
-    /// needs at least `send.len()` elements (on every rank: it is written on the
-    /// root only).
-    ///
-    /// # Errors
-    /// A root that is not a rank, a short `recv`, memory or stream of another
-    /// device (before NCCL); NCCL's status.
-    pub fn reduce<T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        self.pair(Op::Reduce(op, root), send, recv, stream)
-    }
-
-    /// [`reduce`](Self::reduce) with `buf` both sent and (on the root) received.
-    ///
-    /// # Errors
-    /// As `reduce`.
-    pub fn reduce_in_place<T: NcclType>(
-        &self,
-        buf: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
-        root: usize,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        self.single(Op::Reduce(op, root), "in-place", buf, stream)
-    }
-
     /// Gather every rank's `send` into `recv` of every rank, in rank order
     /// (`ncclAllGather`); `recv.len()` must be exactly ranks × `send.len()`.
     ///
@@ -518,22 +527,6 @@ impl Communicator {
         stream: &CudaStream,
     ) -> Result<()> {
         self.pair(Op::AllGather, send, recv, stream)
-    }
-
-    /// Reduce `send` over all ranks and scatter it: rank `i` receives block `i`
-    /// (`ncclReduceScatter`); `send.len()` must be exactly ranks × `recv.len()`.
-    ///
-    /// # Errors
-    /// Sizes out of that rule, memory or stream of another device (before NCCL);
-    /// NCCL's status.
-    pub fn reduce_scatter<T: NcclType>(
-        &self,
-        send: &impl DeviceMemory<T>,
-        recv: &mut impl DeviceMemoryMut<T>,
-        op: ReduceOp,
-        stream: &CudaStream,
-    ) -> Result<()> {
-        self.pair(Op::ReduceScatter(op), send, recv, stream)
     }
 
     /// Send `buf` to rank `peer` (`ncclSend`), which receives it with

@@ -89,6 +89,8 @@ pub struct Communicator {
     /// The strings the config handed to NCCL (`commName`, `netName`): NCCL keeps
     /// the pointers for the communicator's life.
     pub(super) _names: Vec<CString>,
+    /// Registrations, their bound, and revocation (`ledger.rs`).
+    pub(super) ledger: super::ledger::Ledger,
 }
 
 // SAFETY: NCCL lets a communicator be used from any thread, one thread at a time.
@@ -508,6 +510,12 @@ impl Communicator {
 impl Drop for Communicator {
     fn drop(&mut self) {
         if self.aborted.get() {
+            return;
+        }
+        if self.ledger.revoked.get() {
+            // Revoked: NCCL's work on it was stopped and only a bounded abort
+            // is left to make (no finalize of a revoked communicator).
+            self.abort();
             return;
         }
         if self.init_not_ended() {

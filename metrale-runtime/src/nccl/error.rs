@@ -170,6 +170,44 @@ pub enum NcclError {
         /// The communicator.
         comm: CommInfo,
     },
+    /// The loaded NCCL is older than the release that brought the call
+    /// (checked against `ncclGetVersion` before the call is looked up).
+    Unsupported {
+        /// The NCCL function that was not called.
+        call: &'static str,
+        /// The oldest NCCL that has it, `(major, minor, patch)`.
+        needs: (u32, u32, u32),
+        /// The loaded library's version (`None`: it does not say).
+        found: Option<(u32, u32, u32)>,
+        /// The communicator, when there is one.
+        comm: Option<CommInfo>,
+    },
+    /// A bounded wait failed (its timeout passed, or NCCL reported an
+    /// asynchronous error) and, as asked
+    /// ([`OnFailure::Revoke`](super::OnFailure::Revoke)), the communicator was
+    /// revoked, not aborted: shrink it to go on with the live ranks.
+    WaitRevoked {
+        /// The operation still pending.
+        pending: String,
+        /// How long was waited.
+        waited: Duration,
+        /// The asynchronous status (`None`: the timeout passed).
+        status: Option<ncclResult_t>,
+        /// `ncclGetErrorString`'s description of it (empty without one).
+        description: String,
+        /// `ncclGetLastError`'s text.
+        last_error: String,
+        /// The communicator.
+        comm: CommInfo,
+    },
+    /// The communicator was revoked (`ncclCommRevoke`): only
+    /// [`shrink`](super::Communicator::shrink) and its Drop remain.
+    Revoked {
+        /// The NCCL function that was not called.
+        call: &'static str,
+        /// The communicator.
+        comm: CommInfo,
+    },
 }
 
 impl fmt::Display for NcclError {
@@ -226,6 +264,51 @@ impl fmt::Display for NcclError {
                 f,
                 "{call} not called: the communicator ({comm}) was aborted"
             ),
+            NcclError::Unsupported {
+                call,
+                needs: (a, b, c),
+                found,
+                comm,
+            } => {
+                write!(
+                    f,
+                    "{call} not called{}: it needs NCCL {a}.{b}.{c} or newer; ",
+                    on(comm)
+                )?;
+                match found {
+                    Some((x, y, z)) => write!(f, "the loaded NCCL is {x}.{y}.{z}"),
+                    None => write!(f, "the loaded NCCL does not say its version"),
+                }
+            }
+            NcclError::WaitRevoked {
+                pending,
+                waited,
+                status,
+                description,
+                last_error,
+                comm,
+            } => {
+                match status {
+                    Some(st) => write!(
+                        f,
+                        "wait for {pending}: NCCL reported an asynchronous error: {st}: {description}"
+                    )?,
+                    None => write!(f, "{pending} had not completed after {waited:?}")?,
+                }
+                if !last_error.is_empty() {
+                    write!(f, "; last error: {last_error}")?;
+                }
+                write!(
+                    f,
+                    "; the communicator ({comm}) was revoked (ncclCommRevoke), not aborted: \
+                     shrink it to go on with the live ranks"
+                )
+            }
+            NcclError::Revoked { call, comm } => write!(
+                f,
+                "{call} not called: the communicator ({comm}) was revoked (ncclCommRevoke); \
+                 shrink it or drop it"
+            ),
         }
     }
 }
@@ -245,6 +328,7 @@ impl NcclError {
     pub fn status(&self) -> Option<ncclResult_t> {
         match self {
             NcclError::Call { status, .. } | NcclError::Async { status, .. } => Some(*status),
+            NcclError::WaitRevoked { status, .. } => *status,
             _ => None,
         }
     }
@@ -274,7 +358,9 @@ impl LibraryFailure for NcclError {
             NcclError::MissingSymbol { missing, .. } => Some(missing.name),
             NcclError::Call { call, .. }
             | NcclError::Refused { call, .. }
-            | NcclError::Aborted { call, .. } => Some(call),
+            | NcclError::Aborted { call, .. }
+            | NcclError::Unsupported { call, .. }
+            | NcclError::Revoked { call, .. } => Some(call),
             _ => None,
         }
     }
@@ -294,6 +380,9 @@ impl LibraryFailure for NcclError {
             NcclError::Call { description, .. } | NcclError::Async { description, .. } => {
                 Some(Cow::Borrowed(description))
             }
+            NcclError::WaitRevoked { description, .. } if !description.is_empty() => {
+                Some(Cow::Borrowed(description))
+            }
             _ => None,
         }
     }
@@ -304,10 +393,13 @@ impl LibraryFailure for NcclError {
             NcclError::Unavailable(_) => None,
             NcclError::MissingSymbol { comm, .. }
             | NcclError::Call { comm, .. }
-            | NcclError::Refused { comm, .. } => *comm,
+            | NcclError::Refused { comm, .. }
+            | NcclError::Unsupported { comm, .. } => *comm,
             NcclError::Async { comm, .. }
             | NcclError::Timeout { comm, .. }
-            | NcclError::Aborted { comm, .. } => Some(*comm),
+            | NcclError::Aborted { comm, .. }
+            | NcclError::WaitRevoked { comm, .. }
+            | NcclError::Revoked { comm, .. } => Some(*comm),
         };
         comm.map(|c| Cow::Owned(format!("communicator {c}")))
     }
@@ -315,7 +407,9 @@ impl LibraryFailure for NcclError {
     /// `ncclGetLastError`'s text, when NCCL said more.
     fn detail(&self) -> Option<&str> {
         match self {
-            NcclError::Call { last_error, .. } | NcclError::Async { last_error, .. } => {
+            NcclError::Call { last_error, .. }
+            | NcclError::Async { last_error, .. }
+            | NcclError::WaitRevoked { last_error, .. } => {
                 Some(last_error.as_str()).filter(|t| !t.is_empty())
             }
             _ => None,
@@ -381,6 +475,25 @@ pub(crate) fn refused(
         comm,
         reason: reason.into(),
     })
+}
+
+/// Refuse `call` unless the loaded NCCL `lib` is at least `needs`.
+pub(crate) fn require_version(
+    lib: &Nccl,
+    call: &'static str,
+    needs: (u32, u32, u32),
+    comm: Option<CommInfo>,
+) -> Result<(), MetraleError> {
+    let found = lib.version();
+    if found.is_some_and(|v| v >= needs) {
+        return Ok(());
+    }
+    Err(into_error(NcclError::Unsupported {
+        call,
+        needs,
+        found,
+        comm,
+    }))
 }
 
 /// A missing symbol of the loaded library.

@@ -35,8 +35,43 @@ impl Communicator {
         ctx: &impl AsContext,
         config: &CommConfig,
     ) -> Result<Communicator> {
-        const CALL: &str = "ncclCommInitRankConfig";
-        let ctx = ctx.context();
+        let clique = super::agree::clique_of_id(id, nranks);
+        let id = id.to_raw();
+        Communicator::init_by_rank(
+            "ncclCommInitRankConfig",
+            (nranks, rank),
+            ctx.context(),
+            config,
+            clique,
+            |lib, comm, n, r, cfg| {
+                let f = lib.ncclCommInitRankConfig()?;
+                // SAFETY: writes one communicator handle; the config outlives
+                // the call and the strings it points to the communicator (kept
+                // in it); the device is the current context's.
+                Ok(unsafe { f(comm, n, id, r, cfg) })
+            },
+        )
+    }
+
+    /// The init of one rank by `call`, which `init` makes (handed the library,
+    /// where to write the handle, the number of ranks, the rank and the
+    /// config; the context current): the checks, the config, and the
+    /// communicator made of the outcome.
+    pub(super) fn init_by_rank(
+        call: &'static str,
+        (nranks, rank): (usize, usize),
+        ctx: &Arc<CudaContext>,
+        config: &CommConfig,
+        clique: u64,
+        init: impl FnOnce(
+            &'static Nccl,
+            &mut ncclComm_t,
+            i32,
+            i32,
+            &mut raw::ncclConfig_t,
+        )
+            -> std::result::Result<ncclResult_t, metrale_cuda_sys::LibraryMissingSymbol>,
+    ) -> Result<Communicator> {
         let info = CommInfo {
             rank,
             size: nranks,
@@ -46,23 +81,17 @@ impl Communicator {
             (Ok(n), Ok(r)) if nranks >= 1 && rank < nranks => (n, r),
             _ => {
                 return Err(refused(
-                    CALL,
+                    call,
                     None,
                     format!("rank {rank} is not below the number of ranks {nranks} (at least 1)"),
                 ))
             }
         };
-        let (mut cfg, names) = config.to_raw(CALL)?;
+        let (mut cfg, names) = config.to_raw(call)?;
         let lib = lib()?;
-        let f = lib
-            .ncclCommInitRankConfig()
-            .map_err(|m| missing(m, Some(info)))?;
         ctx.bind()?;
         let mut comm: ncclComm_t = std::ptr::null_mut();
-        // SAFETY: writes one communicator handle; the config outlives the call
-        // and the strings it points to the communicator (kept in it); the device
-        // is the current context's.
-        let status = unsafe { f(&mut comm, n, id.to_raw(), r, &mut cfg) };
+        let status = init(lib, &mut comm, n, r, &mut cfg).map_err(|m| missing(m, Some(info)))?;
         let serial = config
             .effective_split_share()
             .then(|| Arc::new(Mutex::new(())));
@@ -70,7 +99,7 @@ impl Communicator {
             lib,
             comm,
             status,
-            CALL,
+            call,
             ctx,
             info,
             config,
@@ -78,7 +107,7 @@ impl Communicator {
                 blocking: config.effective_blocking(),
                 serial,
                 names,
-                clique: super::agree::clique_of_id(id, nranks),
+                clique,
             },
         )
     }
@@ -280,7 +309,7 @@ impl Communicator {
 
     /// The communicator an init call made (or the error, the handle aborted).
     #[allow(clippy::too_many_arguments)]
-    fn made(
+    pub(super) fn made(
         lib: &'static Nccl,
         comm: ncclComm_t,
         status: ncclResult_t,
@@ -347,13 +376,14 @@ impl Communicator {
             group_init: in_group().then(super::state::GroupInit::pending),
             serial: parts.serial,
             _names: parts.names,
+            ledger: super::ledger::Ledger::default(),
         }
     }
 }
 
 /// The per-peer send and receive counters of a communicator of `size` ranks
 /// (none above `agree::P2P_CHECKED_RANKS`).
-fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
+pub(super) fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
     if size > super::agree::P2P_CHECKED_RANKS {
         return Box::new([]);
     }
@@ -361,13 +391,13 @@ fn p2p_counters(size: usize) -> Box<[Cell<u64>]> {
 }
 
 /// What an init decided about the communicator it made.
-struct Made {
+pub(super) struct Made {
     /// Whether it blocks, as NCCL decided (the environment over the config).
-    blocking: bool,
+    pub(super) blocking: bool,
     /// The lock shared with a parent or children (see `Communicator::serial`).
-    serial: Option<Arc<Mutex<()>>>,
+    pub(super) serial: Option<Arc<Mutex<()>>>,
     /// The config's strings, kept as long as the communicator.
-    names: Vec<CString>,
+    pub(super) names: Vec<CString>,
     /// The key of the NCCL communicator it is a rank of (see `Communicator::clique`).
-    clique: u64,
+    pub(super) clique: u64,
 }

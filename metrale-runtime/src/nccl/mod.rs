@@ -13,6 +13,13 @@
 //!   [`ReduceOp`], and [`group`];
 //! - the agreement check of the ranks one thread drives in one group
 //!   (`agree.rs`);
+//! - [`NcclBuffer`] (`buffer.rs`, `ncclMemAlloc`), its registrations and
+//!   symmetric windows ([`Registration`], [`Window`]: `register.rs`), the
+//!   per-communicator registration ledger and bound (`ledger.rs`);
+//! - all-to-all, gather and scatter (`moe.rs`) and the pre-multiplied sum
+//!   [`PreMulSum`] with [`Reduction`] (`premul.rs`);
+//! - revoke, shrink, the revoking wait ([`OnFailure`]) and the scalable init
+//!   (`fault.rs`), each version-gated against the loaded NCCL;
 //! - [`NcclError`] and [`NcclStatus`] (`error.rs`): the room's error data, which
 //!   fills the crate's library-error shape
 //!   ([`LibraryFailure`](crate::error::LibraryFailure)), and the one constructor
@@ -77,6 +84,15 @@
 //!   and the time actually waited), silence when the context is already gone.
 //! - Memory is tracked like any other safe operation's (`note_use`), so freeing
 //!   a buffer waits for the collectives that used it.
+//! - A registration or window borrows its communicator and its buffer, so
+//!   neither can go first; registering and deregistering are refused while
+//!   any metrale capture is in progress. A window is collective: ranks
+//!   register and drop windows in the same order (refused inside a group;
+//!   numbered per communicator).
+//! - A call newer than the loaded NCCL is refused with
+//!   [`NcclError::Unsupported`] naming both versions (windows and shrink 2.27,
+//!   revoke 2.28, the scalable init 2.23) or, for all-to-all, gather and
+//!   scatter, with the missing symbol.
 
 use std::fmt;
 use std::str::FromStr;
@@ -89,20 +105,33 @@ use crate::memory::DeviceRepr;
 use crate::stream::CudaStream;
 
 mod agree;
+mod buffer;
 mod collective;
 mod comm;
 mod config;
 mod error;
+mod fault;
 mod group;
 mod init;
+mod ledger;
+mod moe;
+mod premul;
+mod reducing;
+mod register;
 mod state;
 mod teardown;
 mod wait;
+mod window;
 
+pub use buffer::NcclBuffer;
 pub use comm::Communicator;
 pub use config::CommConfig;
 pub use error::{CommInfo, NcclError, NcclStatus};
 pub use group::group;
+pub use premul::{PreMulSum, Reduction};
+pub use register::Registration;
+pub use wait::OnFailure;
+pub use window::{Window, WindowFlags};
 
 /// The process-wide NCCL library, or the load error as a [`MetraleError`].
 pub(crate) fn lib() -> Result<&'static Nccl> {

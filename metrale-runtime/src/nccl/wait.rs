@@ -12,6 +12,19 @@ use super::error::{into_error, missing, refused, NcclError, NcclStatus};
 use super::state::in_group;
 use super::teardown::backoff;
 
+/// What a failed bounded wait ([`Communicator::wait_with`]) does to the
+/// communicator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum OnFailure {
+    /// Abort it (`ncclCommAbort`): it cannot be used again.
+    #[default]
+    Abort,
+    /// Revoke it (`ncclCommRevoke`): its in-flight work stops; it can then
+    /// only be shrunk ([`Communicator::shrink`]) or dropped.
+    Revoke,
+}
+
 impl Communicator {
     /// `ncclCommGetAsyncError`: [`NcclStatus::SUCCESS`],
     /// [`NcclStatus::IN_PROGRESS`] (a non-blocking operation still running), or
@@ -72,6 +85,27 @@ impl Communicator {
     /// would read idle before it ran), all refused before anything is polled;
     /// a failed stream query (a fault of the work).
     pub fn wait(&self, stream: &CudaStream, timeout: Duration) -> Result<()> {
+        self.wait_with(stream, timeout, OnFailure::Abort)
+    }
+
+    /// [`wait`](Self::wait), choosing what a failure does: with
+    /// [`OnFailure::Revoke`] a timeout or an asynchronous error revokes the
+    /// communicator (`ncclCommRevoke`, NCCL 2.28: its in-flight work stops,
+    /// also work a graph replay queued, which no host-side check reaches)
+    /// instead of aborting it, so the live ranks can
+    /// [`shrink`](Self::shrink) it and go on. The revoke is bounded like the
+    /// abort (a helper thread, the drop timeout).
+    ///
+    /// # Errors
+    /// As `wait`; with `Revoke`, [`NcclError::WaitRevoked`] for the failure
+    /// (and the revoke's own failure or version gate, then the communicator
+    /// is aborted after all).
+    pub fn wait_with(
+        &self,
+        stream: &CudaStream,
+        timeout: Duration,
+        on_failure: OnFailure,
+    ) -> Result<()> {
         const CALL: &str = "wait";
         self.enter(CALL)?;
         if in_group() {
@@ -93,6 +127,9 @@ impl Communicator {
         loop {
             let state = self.async_raw()?;
             if !state.is_success() && state != ncclResult_t::ncclInProgress {
+                if on_failure == OnFailure::Revoke {
+                    return Err(self.revoked_wait(Some(state), start.elapsed()));
+                }
                 return Err(self.async_failure("wait", state));
             }
             if stream.query()? {
@@ -100,6 +137,9 @@ impl Communicator {
             }
             let waited = start.elapsed();
             if waited >= timeout {
+                if on_failure == OnFailure::Revoke {
+                    return Err(self.revoked_wait(None, waited));
+                }
                 let pending = self.last_op.get();
                 // (The time waited for the work, not for the abort after it.)
                 self.abort_within(Duration::ZERO);

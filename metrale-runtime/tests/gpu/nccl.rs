@@ -17,6 +17,9 @@ use metrale_runtime::nccl::{
 use crate::common::*;
 use crate::harness::{run_child, Child, Test};
 
+#[path = "nccl_buffers.rs"]
+mod buffers;
+
 fn one_rank(config: &CommConfig) -> (Communicator, CudaStream) {
     let v = nccl_version().unwrap();
     eprintln!("    NCCL {v:?}");
@@ -563,4 +566,7 @@ pub fn tests() -> Vec<Test> {
             run: a_drop_is_a_bound_behind_a_longer_kernel,
         },
     ]
+    .into_iter()
+    .chain(buffers::tests())
+    .collect()
 }

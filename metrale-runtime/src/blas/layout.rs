@@ -1,0 +1,187 @@
+//! How an operand is stored ([`MatrixLayout`]: size, leading dimension,
+//! order, batches), what is done to the product ([`Epilogue`]) and how an FP8
+//! operand is scaled ([`ScaleMode`]).
+//!
+//! Invariants: a layout's extent and required length are computed with
+//! checked arithmetic (`None` on overflow, which the problem's check refuses).
+
+use std::fmt;
+
+use super::Order;
+
+/// The layout of one operand: its stored size, leading dimension, order and
+/// batches (counts and strides in elements).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MatrixLayout {
+    /// Rows as stored.
+    pub rows: u64,
+    /// Columns as stored.
+    pub cols: u64,
+    /// Elements from one column to the next ([`Order::Col`]) or one row to
+    /// the next ([`Order::Row`]).
+    pub ld: u64,
+    /// The storage order.
+    pub order: Order,
+    /// How many matrices (1: not batched).
+    pub batch_count: u32,
+    /// Elements from one matrix of the batch to the next (0: every batch
+    /// reads the same matrix; not for D).
+    pub batch_stride: u64,
+}
+
+impl MatrixLayout {
+    /// A packed column-major `rows x cols` matrix (`ld = rows`), not batched.
+    pub const fn col_major(rows: u64, cols: u64) -> MatrixLayout {
+        MatrixLayout {
+            rows,
+            cols,
+            ld: rows,
+            order: Order::Col,
+            batch_count: 1,
+            batch_stride: 0,
+        }
+    }
+
+    /// A packed row-major `rows x cols` matrix (`ld = cols`), not batched.
+    pub const fn row_major(rows: u64, cols: u64) -> MatrixLayout {
+        MatrixLayout {
+            rows,
+            cols,
+            ld: cols,
+            order: Order::Row,
+            batch_count: 1,
+            batch_stride: 0,
+        }
+    }
+
+    /// This layout with leading dimension `ld`.
+    #[must_use]
+    pub const fn with_ld(mut self, ld: u64) -> MatrixLayout {
+        self.ld = ld;
+        self
+    }
+
+    /// This layout as a batch of `count` matrices `stride` elements apart.
+    #[must_use]
+    pub const fn with_batch(mut self, count: u32, stride: u64) -> MatrixLayout {
+        self.batch_count = count;
+        self.batch_stride = stride;
+        self
+    }
+
+    /// Elements one matrix spans from its first to its last element (`None`
+    /// when that overflows).
+    pub fn extent(&self) -> Option<u64> {
+        let (lines, within) = match self.order {
+            Order::Col => (self.cols, self.rows),
+            Order::Row => (self.rows, self.cols),
+        };
+        lines
+            .checked_sub(1)?
+            .checked_mul(self.ld)?
+            .checked_add(within)
+    }
+
+    /// Elements a buffer must hold for every matrix of the batch (`None` when
+    /// that overflows).
+    pub fn required_len(&self) -> Option<u64> {
+        let last = u64::from(self.batch_count.checked_sub(1)?).checked_mul(self.batch_stride)?;
+        last.checked_add(self.extent()?)
+    }
+
+    /// The rule `ld` must keep: `None` when it holds, else what is wrong.
+    pub(crate) fn ld_problem(&self) -> Option<String> {
+        let (need, what) = match self.order {
+            Order::Col => (self.rows, "rows"),
+            Order::Row => (self.cols, "columns"),
+        };
+        (self.ld < need.max(1)).then(|| {
+            format!(
+                "ld {} is less than its {what} ({need}) in {:?} order",
+                self.ld, self.order
+            )
+        })
+    }
+}
+
+impl fmt::Display for MatrixLayout {
+    /// `64x32 col ld 64` (and `, batch 8 stride 2048`).
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let order = match self.order {
+            Order::Col => "col",
+            Order::Row => "row",
+        };
+        write!(f, "{}x{} {order} ld {}", self.rows, self.cols, self.ld)?;
+        if self.batch_count != 1 {
+            write!(
+                f,
+                ", batch {} stride {}",
+                self.batch_count, self.batch_stride
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What is done to the product before it is written to D.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Epilogue {
+    /// Nothing (`CUBLASLT_EPILOGUE_DEFAULT`).
+    #[default]
+    None,
+    /// `max(x, 0)`.
+    Relu,
+    /// GELU (tanh approximation).
+    Gelu,
+    /// `x + bias[row]`: a bias vector of one element per row of D (`m`).
+    Bias,
+    /// `max(x + bias[row], 0)`.
+    ReluBias,
+    /// `gelu(x + bias[row])`.
+    GeluBias,
+}
+
+impl Epilogue {
+    /// The library's code.
+    pub const fn raw(self) -> u32 {
+        match self {
+            Epilogue::None => 1,
+            Epilogue::Relu => 2,
+            Epilogue::Bias => 4,
+            Epilogue::ReluBias => 6,
+            Epilogue::Gelu => 32,
+            Epilogue::GeluBias => 36,
+        }
+    }
+
+    /// Whether it takes a bias vector.
+    pub const fn has_bias(self) -> bool {
+        matches!(
+            self,
+            Epilogue::Bias | Epilogue::ReluBias | Epilogue::GeluBias
+        )
+    }
+}
+
+/// How an FP8 operand's scale is given (a device pointer at each call).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ScaleMode {
+    /// One f32 for the whole tensor (`CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F`).
+    Tensor,
+    /// One f32 per row of op(A), or per column of op(B)
+    /// (`CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F`; cuBLAS 12.9+ on GPUs
+    /// that support it: the heuristic finds no algorithm elsewhere).
+    OuterVector,
+}
+
+impl ScaleMode {
+    /// The library's code.
+    pub const fn raw(self) -> i32 {
+        match self {
+            ScaleMode::Tensor => 0,
+            ScaleMode::OuterVector => 3,
+        }
+    }
+}
