@@ -348,8 +348,3 @@ impl<T: AsContext + ?Sized> AsContext for Arc<T> {
         (**self).context()
     }
 }
-
-// The lifetime room's pieces the stream room still reaches through here.
-pub(crate) use crate::lifetime::{
-    drain as drain_dropped_later, in_host_function, HostFunctionScope,
-};

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, RwLock, Weak};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock, Weak};
 
 use metrale_cuda_sys::{CUdeviceptr, CUfunction, CUfunction_attribute};
 
@@ -15,37 +15,22 @@ use crate::context::CudaContext;
 use crate::error::{cu, ErrorKind, MetraleError, NameKind, Result};
 use crate::module::{c_name, ModuleSet};
 
-/// Kernel code held while captures are in progress: every kernel queued while
-/// any capture is under way keeps its table here until the captures end, so a
-/// registry dropped inside a capture cannot unload code the graph will run.
-static CAPTURED_CODE: Mutex<Vec<Arc<KernelTable>>> = Mutex::new(Vec::new());
-
 /// A capture is beginning (counted before the driver begins it).
 pub(crate) fn capture_started() {
-    crate::stream::captures_begin();
+    crate::lifetime::capture_began();
 }
 
-/// A capture is over; the held code goes once no capture is left.
+/// A capture is over; the code held for it goes once no capture is left (host
+/// functions are not released here: each capture's end releases the ones it
+/// took, see `CudaStream::end_capture`).
 pub(crate) fn capture_finished() {
-    if crate::stream::captures_end() {
-        let mut held = CAPTURED_CODE.lock().unwrap_or_else(PoisonError::into_inner);
-        if !crate::stream::captures_in_progress() {
-            let released = std::mem::take(&mut *held);
-            drop(held);
-            drop(released);
-            // Host functions are not released here: each capture's end releases
-            // the ones it took (see `CudaStream::end_capture`).
-        }
-    }
+    crate::lifetime::capture_ended();
 }
 
 /// Hold `table` while captures are in progress (the launch path's cold side).
 #[cold]
 pub(crate) fn keep_for_capture(table: &Arc<KernelTable>) {
-    let mut held = CAPTURED_CODE.lock().unwrap_or_else(PoisonError::into_inner);
-    if !held.iter().any(|t| Arc::ptr_eq(t, table)) {
-        held.push(Arc::clone(table));
-    }
+    crate::lifetime::hold_while_capturing(table);
 }
 
 /// Where each looked-up kernel handle comes from, for graphs (which must keep the

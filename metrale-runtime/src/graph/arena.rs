@@ -84,7 +84,7 @@ impl CaptureArena {
                 ctx.context().ordinal()
             )));
         }
-        if crate::stream::capturing_on_this_thread() {
+        if crate::lifetime::capturing_on_this_thread() {
             return Err(invalid_arg(format!(
                 "device {}: a capture arena is made before capturing (an allocation in \
                  a capture would become a graph node)",

@@ -10,7 +10,7 @@ use metrale_cuda_sys::{self as sys};
 use crate::context::CudaContext;
 use crate::error::{cu, ErrorKind, LaunchFailure, LaunchShape, MetraleError, Result};
 use crate::function::{keep_for_capture, CudaFunction, KernelInfo, KernelTable};
-use crate::stream::captures_in_progress;
+use crate::lifetime::captures_in_progress;
 use crate::stream::CudaStream;
 
 use super::config::{LaunchAttributes, LaunchConfig};

@@ -10,6 +10,9 @@
 //! - [`work_abandoned`]: a status that says the context will run nothing more,
 //!   so queued work will never touch what it borrowed again.
 
+use std::sync::atomic::{AtomicI32, AtomicUsize, Ordering};
+use std::sync::Arc;
+
 use metrale_cuda_sys::CUresult;
 
 thread_local! {
@@ -124,4 +127,80 @@ pub(super) fn nccl_group_opened() {
 pub(super) fn nccl_group_closed() -> bool {
     NCCL_GROUP_HERE.with(|h| h.set(false));
     NCCL_GROUPS_OPEN.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1
+}
+
+/// Metrale captures in progress in this process. While there is none, no stream
+/// can be capturing through metrale, and the launch path does no capture work.
+static CAPTURES: AtomicUsize = AtomicUsize::new(0);
+
+/// Waits in progress that found no capture in progress (and so mark nothing).
+static UNMARKED_WAITS: AtomicUsize = AtomicUsize::new(0);
+
+thread_local! {
+    /// Captures this thread has begun through metrale and not ended (shared
+    /// with the streams it began them on: the end, on any thread, counts
+    /// down this one).
+    static CAPTURE_DEPTH: Arc<AtomicI32> = Arc::new(AtomicI32::new(0));
+}
+
+/// Count a capture that is beginning.
+pub(crate) fn captures_begin() {
+    CAPTURES.fetch_add(1, Ordering::SeqCst);
+    // A wait that saw no capture in progress must finish before this capture can
+    // begin (it may be about to join it, unmarked): see `CudaStream::wait`.
+    while UNMARKED_WAITS.load(Ordering::SeqCst) != 0 {
+        std::thread::yield_now();
+    }
+}
+
+/// Count a capture that is over; whether none is left.
+pub(crate) fn captures_end() -> bool {
+    let before = CAPTURES
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            Some(n.saturating_sub(1))
+        })
+        .unwrap_or(0);
+    before <= 1
+}
+
+/// Whether any capture begun through metrale is in progress (one atomic load).
+#[inline]
+pub(crate) fn captures_in_progress() -> bool {
+    CAPTURES.load(Ordering::SeqCst) != 0
+}
+
+/// A wait on a stream that may join a capture: `Some` while no capture is in
+/// progress (the wait marks nothing, and a capture's begin waits for it to be
+/// dropped), `None` when a capture is in progress (the wait must mark its
+/// stream instead).
+pub(crate) fn unmarked_wait() -> Option<UnmarkedWait> {
+    UNMARKED_WAITS.fetch_add(1, Ordering::SeqCst);
+    if captures_in_progress() {
+        UNMARKED_WAITS.fetch_sub(1, Ordering::SeqCst);
+        None
+    } else {
+        Some(UnmarkedWait(()))
+    }
+}
+
+/// See [`unmarked_wait`]: counted until dropped.
+pub(crate) struct UnmarkedWait(());
+
+impl Drop for UnmarkedWait {
+    fn drop(&mut self) {
+        UNMARKED_WAITS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// This thread's capture count (shared with the streams it began captures on).
+pub(crate) fn capture_depth_counter() -> Arc<AtomicI32> {
+    CAPTURE_DEPTH.with(Arc::clone)
+}
+
+/// Whether this thread has a metrale capture open: calls the driver refuses on a
+/// capturing thread (`cuMemFree`, synchronisations) must wait.
+pub(crate) fn capturing_on_this_thread() -> bool {
+    CAPTURE_DEPTH
+        .try_with(|d| d.load(Ordering::SeqCst) > 0)
+        .unwrap_or(false)
 }

@@ -75,6 +75,45 @@ impl Drop for HeldOutsideHostFns {
     }
 }
 
+/// What kernels queued into a capture need (the code of their registries),
+/// held while any capture is in progress: a registry dropped inside a capture
+/// cannot unload code the graph will run. The graph takes its own holds when
+/// its capture ends.
+static CAPTURE_HOLDS: Mutex<Vec<std::sync::Arc<dyn Send + Sync>>> = Mutex::new(Vec::new());
+
+/// A capture is beginning (counted before the driver begins it).
+pub(crate) fn capture_began() {
+    super::gate::captures_begin();
+}
+
+/// A capture is over; what [`hold_while_capturing`] holds goes once no capture
+/// is left.
+pub(crate) fn capture_ended() {
+    if super::gate::captures_end() {
+        let mut held = CAPTURE_HOLDS.lock().unwrap_or_else(PoisonError::into_inner);
+        if !super::gate::captures_in_progress() {
+            let released = std::mem::take(&mut *held);
+            drop(held);
+            // Dropped outside the lock: a registry's code unloads here.
+            drop(released);
+        }
+    }
+}
+
+/// Hold `value` while captures are in progress (the launch path's cold side):
+/// once however many kernels of it are queued.
+#[cold]
+pub(crate) fn hold_while_capturing<T: Send + Sync + 'static>(value: &std::sync::Arc<T>) {
+    let mut held = CAPTURE_HOLDS.lock().unwrap_or_else(PoisonError::into_inner);
+    let at = std::sync::Arc::as_ptr(value).cast::<()>();
+    if !held
+        .iter()
+        .any(|h| std::sync::Arc::as_ptr(h).cast::<()>() == at)
+    {
+        held.push(std::sync::Arc::clone(value) as std::sync::Arc<dyn Send + Sync>);
+    }
+}
+
 /// Watch `item` until its work passes; [`triage`] finishes it then.
 pub(crate) fn watch(item: Box<dyn Watched>) {
     WATCHED

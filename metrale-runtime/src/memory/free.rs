@@ -135,7 +135,7 @@ impl FreeJob {
             return Some(self);
         }
         #[cfg(feature = "nccl")]
-        if self.kind == Kind::Nccl && crate::stream::captures_in_progress() {
+        if self.kind == Kind::Nccl && crate::lifetime::captures_in_progress() {
             // Its free synchronises the context: after the captures.
             return Some(self);
         }
@@ -251,7 +251,7 @@ impl FreeJob {
             crate::lifetime::retry_at_next_drain();
             return Some(self);
         }
-        if crate::stream::capturing_on_this_thread() {
+        if crate::lifetime::capturing_on_this_thread() {
             // `cuMemFree` and synchronisations are refused on a capturing thread
             // (and would invalidate its capture): after the capture, then.
             return Some(self);
@@ -383,7 +383,7 @@ fn free_nccl(
     match unsafe { cu!(d, cuCtxSynchronize()) } {
         Ok(()) => {}
         Err(crate::error::CallError::Status { status, .. })
-            if crate::stream::work_abandoned(status) => {}
+            if crate::lifetime::work_abandoned(status) => {}
         Err(e) => {
             failures.push(e);
             report_line(format_args!(
@@ -444,7 +444,7 @@ pub(crate) fn release_nccl(
 #[inline]
 pub(crate) fn host_free_must_wait(ctx: &CudaContext) -> bool {
     crate::lifetime::in_host_function()
-        || crate::stream::capturing_on_this_thread()
+        || crate::lifetime::capturing_on_this_thread()
         || ctx.pending_waits() > 0
 }
 
@@ -466,7 +466,7 @@ pub(crate) fn defer_host_free(
     }));
     // What made it wait may have ended between the check and the push (a
     // capture whose retry ran meanwhile): then free now, as a release does.
-    if !host_free_must_wait(ctx) && !crate::stream::captures_in_progress() {
+    if !host_free_must_wait(ctx) && !crate::lifetime::captures_in_progress() {
         lifetime::retry_deferred();
     }
 }
@@ -487,7 +487,7 @@ impl lifetime::Deferred for FreeJob {
     }
 
     fn still_blocked(&self) -> bool {
-        crate::stream::captures_in_progress() || nccl_groups_open()
+        crate::lifetime::captures_in_progress() || nccl_groups_open()
     }
 }
 

@@ -79,7 +79,7 @@ impl<T: DeviceRepr> NcclBuffer<T> {
                 return Err(crate::error::CallError::InHostFunction
                     .about("ncclMemAlloc (NcclBuffer::alloc)"));
             }
-            if crate::stream::capturing_on_this_thread() {
+            if crate::lifetime::capturing_on_this_thread() {
                 // NCCL maps the memory (cuMem* calls, or cudaMalloc), which a
                 // capture on this thread is invalidated by.
                 return Err(super::error::refused(

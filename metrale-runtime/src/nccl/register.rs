@@ -229,7 +229,7 @@ impl Communicator {
 /// Refuse `what` (registering, deregistering) during a capture begun through
 /// metrale anywhere in the process.
 fn refuse_in_capture(comm: &Communicator, call: &'static str, what: &str) -> Result<()> {
-    if crate::stream::captures_in_progress() {
+    if crate::lifetime::captures_in_progress() {
         return Err(refused(
             call,
             Some(comm.info()),

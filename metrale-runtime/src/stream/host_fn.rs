@@ -36,8 +36,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::CudaStream;
-use crate::context::HostFunctionScope;
 use crate::error::{cu, invalid_arg, report_line, Result};
+use crate::lifetime::HostFunctionScope;
 
 /// A host function that can run more than once: what
 /// [`CudaStream::launch_host_fn_repeat`] takes, so that a graph replaying it can

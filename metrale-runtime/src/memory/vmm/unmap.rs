@@ -82,7 +82,7 @@ impl VirtualRange {
 /// waits pending ([`CudaContext::pending_waits`]): a wait on a word nobody
 /// writes would make this block for ever.
 pub(in crate::memory) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result<()> {
-    if crate::stream::capturing_on_this_thread() {
+    if crate::lifetime::capturing_on_this_thread() {
         return Err(invalid_arg(
             "waiting for the work that uses the memory while this thread captures a graph (the wait would invalidate the capture)",
         ));
