@@ -114,6 +114,45 @@ pub(crate) fn hold_while_capturing<T: Send + Sync + 'static>(value: &std::sync::
     }
 }
 
+/// A value a capture in progress keeps for its graph (a repeatable host
+/// function's closure), tagged with the driver's id of the capture it went
+/// into.
+pub(crate) struct CaptureKeep {
+    /// The capture; `None`: kept for the life of the process (the capture may
+    /// have ended before the value was queued, which then may run on the
+    /// stream, not in a graph).
+    pub(crate) capture: Option<u64>,
+    /// The value (its address is what the driver was handed).
+    pub(crate) keep: std::sync::Arc<dyn std::any::Any + Send + Sync>,
+}
+
+/// Values queued into captures in progress: a capture's end releases exactly
+/// those it took (after its graph took its own holds), never those of a capture
+/// another thread began meanwhile.
+static CAPTURE_KEEPS: Mutex<Vec<CaptureKeep>> = Mutex::new(Vec::new());
+
+/// The capture keeps, locked: a value is pushed, and the work that uses it
+/// queued, under this lock, which a capture's end takes to release what it
+/// took.
+pub(crate) fn capture_keeps() -> std::sync::MutexGuard<'static, Vec<CaptureKeep>> {
+    CAPTURE_KEEPS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Release the capture keeps `ours` picks (dropped outside the lock: a
+/// closure's captures may do anything).
+pub(crate) fn release_capture_keeps(ours: impl Fn(&CaptureKeep) -> bool) {
+    let released: Vec<CaptureKeep> = {
+        let mut held = capture_keeps();
+        if !held.iter().any(&ours) {
+            return;
+        }
+        let (gone, kept) = std::mem::take(&mut *held).into_iter().partition(&ours);
+        *held = kept;
+        gone
+    };
+    drop(released);
+}
+
 /// Watch `item` until its work passes; [`triage`] finishes it then.
 pub(crate) fn watch(item: Box<dyn Watched>) {
     WATCHED

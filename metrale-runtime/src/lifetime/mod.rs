@@ -52,11 +52,11 @@
 //! 5. **Keep what a replay needs for as long as it can run.** Kernel code queued
 //!    while a capture is open is held ([`hold_while_capturing`]) until captures
 //!    end ([`capture_ended`]), and then by the graph; a repeatable host
-//!    function's closure is kept by its keepers until it ran or its graphs are
-//!    gone (`stream/host_fn.rs`: the capture list, tagged with the driver's
-//!    capture id, is interlocked with queuing the host function, so it stays
-//!    beside the trampoline); a graph holds what its replays use (`graph/`:
-//!    `keep`, `hold`).
+//!    function's closure queued into a capture is a [`CaptureKeep`] (tagged with
+//!    the driver's capture id, pushed and queued under [`capture_keeps`]' lock)
+//!    until that capture's end releases its own ([`release_capture_keeps`]),
+//!    and then by the graph and its executables; a graph holds what its replays
+//!    use (`graph/`: `keep`, `hold`, through [`HeldOutsideHostFns`]).
 //! 6. **Report, never silently leak, never panic, never block for ever.** A
 //!    release that cannot be ordered leaks with one line on stderr naming what.
 //!
@@ -120,7 +120,7 @@ pub(crate) use gate::{
 #[cfg(feature = "nccl")]
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
-    capture_began, capture_ended, defer, defer_until_drain, deferred_count, drain, drop_later,
-    hold_while_capturing, retry_at_next_drain, retry_deferred, triage, watch, Deferred,
-    HeldOutsideHostFns, Watched,
+    capture_began, capture_ended, capture_keeps, defer, defer_until_drain, deferred_count, drain,
+    drop_later, hold_while_capturing, release_capture_keeps, retry_at_next_drain, retry_deferred,
+    triage, watch, CaptureKeep, Deferred, HeldOutsideHostFns, Watched,
 };

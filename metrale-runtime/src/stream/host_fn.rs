@@ -11,7 +11,7 @@
 //!   takes back and frees (a box costs a `malloc` here and a `free` on the
 //!   driver's thread, measured on the H200 at about a sixth of the raw call); a
 //!   repeatable closure captured into a graph is held (an `Arc`) by the
-//!   capture list, tagged with the driver's id of the capture it went into,
+//!   lifetime room's capture keeps, tagged with the driver's id of the capture it went into,
 //!   until that capture's end (which releases only its own entries, after its
 //!   graph took its holds), and then by the graph and its executable graphs,
 //!   so every replay finds it alive.
@@ -33,11 +33,11 @@ use std::ffi::c_void;
 use std::mem::{align_of, size_of, MaybeUninit};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 
 use super::CudaStream;
 use crate::error::{cu, invalid_arg, report_line, Result};
-use crate::lifetime::HostFunctionScope;
+use crate::lifetime::{capture_keeps, release_capture_keeps, CaptureKeep, HostFunctionScope};
 
 /// A host function that can run more than once: what
 /// [`CudaStream::launch_host_fn_repeat`] takes, so that a graph replaying it can
@@ -48,77 +48,34 @@ pub type HostFn = Arc<dyn Fn() + Send + Sync + 'static>;
 /// driver's `userData`).
 pub(crate) type HostKeep = Arc<HostFn>;
 
-/// A repeatable host function queued into a capture: held by the list until
-/// that capture has ended and its graph took its own hold.
-struct Captured {
-    /// The driver's id of the capture it was queued into; `None`: kept for the
-    /// life of the process (the capture may have ended before the host
-    /// function was queued, which then may run on the stream, not in a graph).
-    capture: Option<u64>,
-    keep: HostKeep,
-}
-
-/// Repeatable host functions queued into captures in progress, each tagged
-/// with its capture: a capture's end releases exactly those it took (after its
-/// graph took its own holds), never those of a capture another thread began
-/// meanwhile. Pushed, and the host function queued, under this lock; released
-/// under it too.
-static CAPTURED_HOST_FNS: Mutex<Vec<Captured>> = Mutex::new(Vec::new());
-
 /// Host function panics caught in this process.
 static PANICS: AtomicU64 = AtomicU64::new(0);
 
 /// The repeatable host function queued into a capture with `user_data` as the
 /// driver's argument, if metrale queued it (for the graph to hold).
 pub(crate) fn take_captured_host_fn(user_data: *mut c_void) -> Option<HostKeep> {
-    let held = CAPTURED_HOST_FNS
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
+    let held = capture_keeps();
     held.iter()
         .find(|c| Arc::as_ptr(&c.keep).cast::<c_void>() == user_data.cast_const())
-        .map(|c| Arc::clone(&c.keep))
+        .and_then(|c| Arc::clone(&c.keep).downcast::<HostFn>().ok())
 }
 
 /// Capture `capture` has ended (and its graph, if any, took what it replays):
 /// release the host functions queued into it, and only those.
 pub(crate) fn release_captured_host_fns(capture: u64) {
-    let released: Vec<Captured> = {
-        let mut held = CAPTURED_HOST_FNS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if !held.iter().any(|c| c.capture == Some(capture)) {
-            return;
-        }
-        let (gone, kept) = std::mem::take(&mut *held)
-            .into_iter()
-            .partition(|c| c.capture == Some(capture));
-        *held = kept;
-        gone
-    };
-    // Dropped outside the lock: a closure's captures may do anything.
-    drop(released);
+    release_capture_keeps(|c| c.capture == Some(capture));
 }
 
 /// A capture has ended and its graph took its holds (`graph`): release the
 /// host functions tagged with its id `capture` (when known) and those the
 /// graph holds, whatever their tag (a keep goes into one capture only).
 pub(crate) fn release_captured_host_fns_of(capture: Option<u64>, graph: &[HostKeep]) {
-    let ours = |c: &Captured| {
-        (capture.is_some() && c.capture == capture) || graph.iter().any(|k| Arc::ptr_eq(k, &c.keep))
-    };
-    let released: Vec<Captured> = {
-        let mut held = CAPTURED_HOST_FNS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if !held.iter().any(ours) {
-            return;
-        }
-        let (gone, kept) = std::mem::take(&mut *held).into_iter().partition(ours);
-        *held = kept;
-        gone
-    };
-    // Dropped outside the lock: a closure's captures may do anything.
-    drop(released);
+    release_capture_keeps(|c| {
+        (capture.is_some() && c.capture == capture)
+            || graph
+                .iter()
+                .any(|k| Arc::as_ptr(k).cast::<()>() == Arc::as_ptr(&c.keep).cast::<()>())
+    });
 }
 
 /// Run `f` as a host function: the thread marked, a panic caught and reported.
@@ -481,10 +438,8 @@ impl CudaStream {
         // The push, the call and the check after it happen under the list's
         // lock, which a capture's end takes to release what it took: no end
         // releases this entry in between.
-        let mut held = CAPTURED_HOST_FNS
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        held.push(Captured {
+        let mut held = capture_keeps();
+        held.push(CaptureKeep {
             capture: Some(capture),
             keep,
         });
