@@ -29,6 +29,8 @@ metrale-runtime = { path = "$root/metrale-runtime" }
 [features]
 nvrtc = ["metrale-runtime/nvrtc"]
 nccl = ["metrale-runtime/nccl"]
+nvtx = ["metrale-runtime/nvtx"]
+cublas = ["metrale-runtime/cublas"]
 EOF
 echo "//! Not a library: the README's examples are under examples/." >"$crate/src/lib.rs"
 
