@@ -81,10 +81,42 @@ impl Hasher for KeyHasher {
     fn write_usize(&mut self, n: usize) {
         self.add(n as u64);
     }
+
+    #[inline]
+    fn write_isize(&mut self, n: isize) {
+        // Enum discriminants come here (derived `Hash`).
+        self.add(n as u64);
+    }
+
+    #[inline]
+    fn write_u16(&mut self, n: u16) {
+        self.add(u64::from(n));
+    }
+
+    #[inline]
+    fn write_i32(&mut self, n: i32) {
+        self.add(n as u32 as u64);
+    }
+
+    #[inline]
+    fn write_i64(&mut self, n: i64) {
+        self.add(n as u64);
+    }
 }
 
-/// The plan cache: checked problems to their plans.
-type PlanCache = HashMap<Problem, Arc<PlanInner>, BuildHasherDefault<KeyHasher>>;
+/// The plan cache: checked problems to their plans, and in front of it the
+/// descriptions already seen to their plans, so a hit skips the checks (a
+/// description always checks into the same problem for one handle).
+#[derive(Default)]
+struct PlanCache {
+    by_problem: HashMap<Problem, Arc<PlanInner>, BuildHasherDefault<KeyHasher>>,
+    by_desc: HashMap<MatmulDesc, Arc<PlanInner>, BuildHasherDefault<KeyHasher>>,
+}
+
+/// Descriptions remembered in front of the problem map, at most (a bound on
+/// what a stream of distinct descriptions can hold: past it, the front map is
+/// emptied and fills again).
+const DESC_CACHE_MAX: usize = 4096;
 
 /// How a [`BlasLt`] handle is made.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -196,6 +228,15 @@ impl BlasLt {
     /// ([`BlasError::NoAlgorithm`](super::BlasError::NoAlgorithm)), a failing
     /// cuBLASLt call.
     pub fn plan(&self, desc: &MatmulDesc) -> Result<MatmulPlan> {
+        if let Some(plan) = self
+            .cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_desc
+            .get(desc)
+        {
+            return Ok(MatmulPlan::from_inner(Arc::clone(plan)));
+        }
         let mut problem = desc.check().map_err(|reason| {
             refused(
                 "cublasLtMatmulAlgoGetHeuristic",
@@ -218,22 +259,28 @@ impl BlasLt {
             Some(_) => {}
             None => problem.workspace_limit = Some(limit),
         }
-        if let Some(plan) = self.cached(&problem) {
-            return Ok(MatmulPlan::from_inner(plan));
-        }
-        let built = Arc::new(PlanInner::build(&self.core, problem)?);
-        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
-        let kept = cache.entry(problem).or_insert(built);
-        Ok(MatmulPlan::from_inner(Arc::clone(kept)))
-    }
-
-    #[inline]
-    fn cached(&self, problem: &Problem) -> Option<Arc<PlanInner>> {
-        self.cache
+        let cached = self
+            .cache
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .get(problem)
-            .cloned()
+            .by_problem
+            .get(&problem)
+            .cloned();
+        let plan = match cached {
+            Some(plan) => plan,
+            None => {
+                // Built outside the lock (the heuristic is a library call).
+                let built = Arc::new(PlanInner::build(&self.core, problem)?);
+                let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+                Arc::clone(cache.by_problem.entry(problem).or_insert(built))
+            }
+        };
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if cache.by_desc.len() >= DESC_CACHE_MAX {
+            cache.by_desc.clear();
+        }
+        cache.by_desc.insert(desc.clone(), Arc::clone(&plan));
+        Ok(MatmulPlan::from_inner(plan))
     }
 
     /// How many plans the cache holds.
@@ -241,6 +288,7 @@ impl BlasLt {
         self.cache
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .by_problem
             .len()
     }
 

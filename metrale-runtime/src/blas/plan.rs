@@ -35,7 +35,7 @@ use super::{BlasElement, ComputeType, DataType, Transpose};
 /// assert_eq!(problem.a().rows, 128, "A is stored k x m when transposed");
 /// assert_eq!(problem.bias_len(), Some(64));
 /// ```
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct MatmulDesc {
     m: u64,
     n: u64,

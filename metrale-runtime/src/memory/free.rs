@@ -240,10 +240,12 @@ impl FreeJob {
 
     /// `cuMemFree` after the foreign streams' work.
     fn free_now(self, foreign: &[CudaStream]) -> Option<FreeJob> {
-        // A pinned free (no foreign streams) is in flight from its check
-        // through `cuMemFreeHost`: a wait counted meanwhile is queued after it.
+        // Every free here waits for the whole context's work (`cuMemFree`,
+        // `cuMemFreeHost`, the synchronize before `ncclMemFree`): it is in
+        // flight from its check through the free, so a wait on a mapped word
+        // counted meanwhile is queued after it, never under it.
         let ctx = Arc::clone(&self.ctx);
-        let _in_flight = (self.kind == Kind::Host).then(|| ctx.enter_context_wide_free());
+        let _in_flight = ctx.enter_context_wide_free();
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the

@@ -363,6 +363,18 @@ impl Communicator {
         let Some(first) = ids.first() else {
             return Err(refused(CALL, None, "no id given (at least one)"));
         };
+        if ids.len() > nranks {
+            // NCCL refuses it too (ncclInvalidArgument): each id is hosted by
+            // one rank's bootstrap root.
+            return Err(refused(
+                CALL,
+                None,
+                format!(
+                    "{} ids for {nranks} rank(s): at most one id per rank",
+                    ids.len()
+                ),
+            ));
+        }
         let n_ids =
             i32::try_from(ids.len()).map_err(|_| refused(CALL, None, "more than i32::MAX ids"))?;
         require_version(super::lib()?, CALL, SCALABLE_SINCE, None)?;

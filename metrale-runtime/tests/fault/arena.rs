@@ -89,10 +89,18 @@ fn graphs_hold_the_arena_and_resets_wait_for_them() {
     };
     let live = fake().live(Live::DeviceMemory);
     drop(arena);
+    // The stream is held up by a host function until the check below, so the
+    // replay (and its keeper) is still queued when the executable goes.
+    let (go, wait) = std::sync::mpsc::channel::<()>();
+    s.launch_host_fn(move || {
+        let _ = wait.recv_timeout(std::time::Duration::from_secs(10));
+    })
+    .unwrap();
     // SAFETY: the stand-in records the launch only.
     unsafe { exec.launch(s) }.unwrap();
     drop(exec);
     assert_eq!(fake().live(Live::DeviceMemory), live, "the replay holds it");
+    go.send(()).unwrap();
     s.synchronize().unwrap();
     assert_eq!(
         fake().live(Live::DeviceMemory),

@@ -192,7 +192,10 @@ fn a_symmetric_window_all_reduce() {
 fn revoke_shrink_and_a_scalable_init_on_one_rank() {
     let ctx = context(0).unwrap();
     let ids = [NcclId::new().unwrap(), NcclId::new().unwrap()];
-    let comm = Communicator::init_rank_scalable(&ids, 1, 0, &ctx, &CommConfig::new()).unwrap();
+    // Two ids for one rank: refused before NCCL (which refuses it too).
+    let e = Communicator::init_rank_scalable(&ids, 1, 0, &ctx, &CommConfig::new()).unwrap_err();
+    assert!(e.to_string().contains("at most one id per rank"), "{e}");
+    let comm = Communicator::init_rank_scalable(&ids[..1], 1, 0, &ctx, &CommConfig::new()).unwrap();
     let s = CudaStream::new(&ctx).unwrap();
     let mut b = DeviceBuffer::from_host(&s, &[1.0f32, 2.0, 3.0]).unwrap();
     comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();

@@ -718,6 +718,9 @@ fn init_rank_scalable_with_several_ids() {
         refusal(&e).contains("rank 2 is not below the number of ranks 2"),
         "{e}"
     );
+    // More ids than ranks (NCCL 2.28.3 refuses it with ncclInvalidArgument).
+    let e = Communicator::init_rank_scalable(&ids, 1, 0, &ctx(0), &CommConfig::new()).unwrap_err();
+    assert!(refusal(&e).contains("2 ids for 1 rank(s)"), "{e}");
 }
 
 // ---- an older NCCL ------------------------------------------------------------
