@@ -208,15 +208,30 @@ fn revoke_shrink_and_a_scalable_init_on_one_rank() {
         );
         return;
     }
-    comm.revoke().unwrap();
-    assert!(comm.is_revoked());
-    let e = comm
-        .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
-        .unwrap_err();
-    assert!(
-        matches!(e.as_nccl(), Some(NcclError::Revoked { .. })),
-        "{e}"
-    );
+    // NCCL 2.28.3 (this machine's) lacks ncclCommRevoke, which later 2.28
+    // releases export: then the call is the typed missing-symbol error and
+    // the communicator stays usable.
+    match comm.revoke() {
+        Ok(()) => {
+            assert!(comm.is_revoked());
+            let e = comm
+                .all_reduce_in_place(&mut b, ReduceOp::Sum, &s)
+                .unwrap_err();
+            assert!(
+                matches!(e.as_nccl(), Some(NcclError::Revoked { .. })),
+                "{e}"
+            );
+        }
+        Err(e) => {
+            assert!(
+                e.to_string().contains("does not export `ncclCommRevoke`"),
+                "{e}"
+            );
+            eprintln!("    revoke: {e}");
+            assert!(!comm.is_revoked());
+            comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+        }
+    }
     let fresh = comm.shrink(&[], &CommConfig::new()).unwrap();
     assert_eq!((fresh.rank(), fresh.size()), (0, 1));
     fresh
