@@ -247,6 +247,15 @@ impl Communicator {
             ));
         }
         require_version(self.lib(), CALL, SHRINK_SINCE, Some(info))?;
+        if excluded.is_empty() {
+            // NCCL 2.28.3 answers ncclInvalidArgument (seen on the H200).
+            return Err(refused(
+                CALL,
+                Some(info),
+                "no rank to exclude: a shrink drops at least one rank (split the \
+                 communicator for a copy of it)",
+            ));
+        }
         let mut list = Vec::with_capacity(excluded.len());
         for (i, &r) in excluded.iter().enumerate() {
             let reason = if r >= info.size {

@@ -577,6 +577,7 @@ fn revoke_and_shrink_after_a_dead_rank() {
                 "excluded rank 5 is not a rank (the communicator has 3 ranks)",
             ),
             (vec![2, 2], "rank 2 is excluded twice"),
+            (vec![], "no rank to exclude"),
             (
                 vec![rank],
                 "is excluded: only the ranks that stay call shrink",
