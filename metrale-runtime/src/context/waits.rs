@@ -68,8 +68,19 @@ impl CudaContext {
     /// `pending_waits`): wait until no context-wide free that may have missed
     /// the count is in flight (they wait only for work queued before them).
     pub(crate) fn wait_out_context_wide_frees(&self) {
+        // A free in flight can last as long as the context's queued work
+        // (`cuMemFree` waits for it): yield a few times, then sleep with a
+        // growing pause rather than keep a core spinning.
+        let mut rounds = 0u32;
+        let mut pause = std::time::Duration::from_micros(20);
         while self.context_wide_frees.load(Ordering::SeqCst) != 0 {
-            std::thread::yield_now();
+            if rounds < 64 {
+                rounds += 1;
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(std::time::Duration::from_millis(1));
+            }
         }
     }
 
