@@ -188,13 +188,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// Shared views of consecutive `size`-element chunks (the last may be
     /// shorter), as `<[T]>::chunks`; none for `size` 0.
     pub fn chunks(&self, size: usize) -> impl Iterator<Item = DeviceSlice<'_, T>> + '_ {
-        chunk_views::<T>(self.ptr, self.len, size).map(|(ptr, len)| DeviceSlice {
-            ptr,
-            len,
-            ctx: self.ctx(),
-            uses: Some(&self.uses),
-            _elem: PhantomData,
-        })
+        chunk_views::<T>(self.ptr, self.len, size)
+            .map(|(ptr, len)| DeviceSlice::from_parts(ptr, len, self.ctx(), Some(&self.uses)))
     }
 
     /// Disjoint mutable views of consecutive `size`-element chunks (the last
@@ -202,13 +197,8 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
     /// buffer at once ([`CudaStream::copy_batch`]); none for `size` 0.
     pub fn chunks_mut(&mut self, size: usize) -> impl Iterator<Item = DeviceSliceMut<'_, T>> + '_ {
         let (ctx, uses) = (&self.ctx, &self.uses);
-        chunk_views::<T>(self.ptr, self.len, size).map(move |(ptr, len)| DeviceSliceMut {
-            ptr,
-            len,
-            ctx,
-            uses: Some(uses),
-            _elem: PhantomData,
-        })
+        chunk_views::<T>(self.ptr, self.len, size)
+            .map(move |(ptr, len)| DeviceSliceMut::from_parts(ptr, len, ctx, Some(uses)))
     }
 }
 
@@ -443,13 +433,8 @@ impl<'a, T: DeviceRepr> DeviceSliceMut<'a, T> {
     /// view (the last may be shorter), as `<[T]>::chunks_mut`; none for `size` 0.
     pub fn chunks_mut(&mut self, size: usize) -> impl Iterator<Item = DeviceSliceMut<'_, T>> + '_ {
         let (ctx, uses) = (self.ctx, self.uses);
-        chunk_views::<T>(self.ptr, self.len, size).map(move |(ptr, len)| DeviceSliceMut {
-            ptr,
-            len,
-            ctx,
-            uses,
-            _elem: PhantomData,
-        })
+        chunk_views::<T>(self.ptr, self.len, size)
+            .map(move |(ptr, len)| DeviceSliceMut::from_parts(ptr, len, ctx, uses))
     }
 
     /// A mutable sub-view of `range`, relative to this view.
