@@ -72,7 +72,9 @@ impl End<'_> {
 /// s.copy_batch(&copies)?;
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Copy)]
+///
+/// Not `Clone`: a pair holds its destination's exclusive borrow, so one
+/// destination cannot be written twice by one batch through copies of a pair.
 pub struct BatchCopy<'a> {
     src: End<'a>,
     dst: End<'a>,
