@@ -305,8 +305,79 @@ fn held_foreign_views_stay_in_range() {
     drop(buf);
 }
 
+/// An element type aligned above the arena's 256 bytes (a `#[repr(C)]` type
+/// without padding: a valid `DeviceRepr`).
+#[repr(C, align(512))]
+#[derive(Clone, Copy)]
+struct Wide([u8; 512]);
+// SAFETY: `#[repr(C)]`, 512 bytes of `u8`, no padding.
+unsafe impl DeviceRepr for Wide {}
+
+/// A take of a type aligned to 512 after a take of one byte: the view must be
+/// aligned for its type (`DeviceSlice::from_raw` refuses a misaligned one).
+/// On the code reviewed `take` aligns every take to 256 bytes only, so the
+/// view starts 256 bytes into the arena: misaligned for `Wide`.
+fn defect_arena_take_of_a_type_aligned_above_256_is_misaligned() {
+    fake().reset();
+    let h = host(0).unwrap();
+    let s = h.stream();
+    let arena = CaptureArena::new(s, 1 << 16).unwrap();
+    let first = arena.take::<u8>(1).unwrap().device_ptr();
+    assert_eq!(first % 512, 0, "the arena's base is aligned (cuMemAlloc)");
+    let w = arena.take::<Wide>(2).unwrap();
+    let p = w.device_ptr();
+    assert_eq!(
+        p % std::mem::align_of::<Wide>() as u64,
+        0,
+        "a view of Wide at {p:#x} (offset {}) is misaligned",
+        p - first
+    );
+}
+
+/// Updating one bucket again and again (a serving loop's new argument each
+/// step): the executable should hold the arena once. On the code reviewed
+/// every update appends the new graph's hold (a fresh closure, never equal to
+/// the ones held, so never deduplicated) and copies the whole list: after n
+/// updates the executable holds the arena n + 1 times, growing without bound
+/// (memory and an O(n) copy per update, and a replay's keeper list with it).
+fn defect_repeated_updates_grow_the_executables_holds_without_bound() {
+    let reg = setup();
+    let s = reg.stream();
+    let mut arena = CaptureArena::new(s, 1 << 16).unwrap();
+    let buckets = {
+        let x = arena.take::<f32>(64).unwrap();
+        let mut y = arena.take::<f32>(64).unwrap();
+        let mut b = GraphBuckets::capture(s, &arena, &[64], |s, n| {
+            queue_add(&reg, s, &x, &mut y, n as u32)
+        })
+        .unwrap();
+        for _ in 0..100 {
+            b.update(s, &arena, 64, |s, n| queue_add(&reg, s, &x, &mut y, n as u32))
+                .unwrap();
+        }
+        b
+    };
+    let e = arena.reset().unwrap_err().to_string();
+    eprintln!("{e}");
+    drop(buckets);
+    s.synchronize().unwrap();
+    arena.reset().unwrap();
+    eprintln!("live before arena drop {}", fake().live(Live::DeviceMemory));
+    drop(arena);
+    eprintln!("live after arena drop {}", fake().live(Live::DeviceMemory));
+    s.synchronize().unwrap();
+    eprintln!("live after sync {}", fake().live(Live::DeviceMemory));
+    assert!(
+        e.contains(" 1 graph(s)"),
+        "one executable alive, yet the arena counts: {e}"
+    );
+    done(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     let _ = defect_batch_with_a_host_end_in_a_host_function_spins_forever;
+    let _ = defect_arena_take_of_a_type_aligned_above_256_is_misaligned;
+    let _ = defect_repeated_updates_grow_the_executables_holds_without_bound;
     vec![
         Test {
             name: "review4::held_batch_whose_completion_record_fails_is_still_waited_for",
@@ -340,6 +411,16 @@ pub fn tests() -> Vec<Test> {
             name: "review4::held_foreign_views_stay_in_range",
             run: held_foreign_views_stay_in_range,
         },
+        // Fails on the code reviewed:
+        // Test {
+        //     name: "review4::defect_arena_take_of_a_type_aligned_above_256_is_misaligned",
+        //     run: defect_arena_take_of_a_type_aligned_above_256_is_misaligned,
+        // },
+        // Fails on the code reviewed:
+        // Test {
+        //     name: "review4::defect_repeated_updates_grow_the_executables_holds_without_bound",
+        //     run: defect_repeated_updates_grow_the_executables_holds_without_bound,
+        // },
         // Fails on the code reviewed (it hangs a host function for good, so
         // it must not run in the full list):
         // Test {
