@@ -374,6 +374,38 @@ fn defect_repeated_updates_grow_the_executables_holds_without_bound() {
     done(reg);
 }
 
+/// The last holder of an arena (its executable) dropped inside a capture on
+/// another stream of the thread: the capture is not broken by a free, and
+/// the memory goes (after the capture), not leaked.
+fn held_arena_last_holder_dropped_inside_a_capture() {
+    let reg = setup();
+    let s = reg.stream();
+    let other = CudaStream::new(s).unwrap();
+    let arena = CaptureArena::new(s, 1 << 16).unwrap();
+    let exec = {
+        let x = arena.take::<f32>(64).unwrap();
+        let mut y = arena.take::<f32>(64).unwrap();
+        let g = arena.capture(s, |s| queue_add(&reg, s, &x, &mut y, 64)).unwrap();
+        g.instantiate().unwrap()
+    };
+    drop(arena);
+    let live = fake().live(Live::DeviceMemory);
+    let g = other
+        .capture(|_| {
+            drop(exec);
+            Ok(())
+        })
+        .unwrap();
+    assert_eq!(g.nodes().unwrap().len(), 0);
+    drop(g);
+    other.synchronize().unwrap();
+    s.synchronize().unwrap();
+    assert_eq!(fake().live(Live::DeviceMemory), live - 1, "freed after the capture");
+    drop(other);
+    // Not `done`: the failed-keeper test leaks one allocation on purpose.
+    drop(reg);
+}
+
 pub fn tests() -> Vec<Test> {
     let _ = defect_batch_with_a_host_end_in_a_host_function_spins_forever;
     let _ = defect_arena_take_of_a_type_aligned_above_256_is_misaligned;
@@ -400,16 +432,21 @@ pub fn tests() -> Vec<Test> {
             run: held_exec_updated_from_another_arenas_graph_holds_it,
         },
         Test {
-            name: "review4::held_failed_keeper_leaves_the_arena_held",
-            run: held_failed_keeper_leaves_the_arena_held,
-        },
-        Test {
             name: "review4::held_concurrent_takes_are_disjoint",
             run: held_concurrent_takes_are_disjoint,
         },
         Test {
+            name: "review4::held_arena_last_holder_dropped_inside_a_capture",
+            run: held_arena_last_holder_dropped_inside_a_capture,
+        },
+        Test {
             name: "review4::held_foreign_views_stay_in_range",
             run: held_foreign_views_stay_in_range,
+        },
+        // Last: it leaks one allocation on purpose (the stand-in's count).
+        Test {
+            name: "review4::held_failed_keeper_leaves_the_arena_held",
+            run: held_failed_keeper_leaves_the_arena_held,
         },
         // Fails on the code reviewed:
         // Test {
