@@ -39,6 +39,8 @@ mod registry;
 mod review2;
 #[path = "fault/review3.rs"]
 mod review3;
+#[path = "fault/review4.rs"]
+mod review4;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -90,6 +92,7 @@ fn main() -> ExitCode {
         round4::tests(),
         review2::tests(),
         review3::tests(),
+        review4::tests(),
     ]
     .into_iter()
     .flatten()
