@@ -50,6 +50,8 @@ struct ArenaMemory {
 /// ```
 pub struct CaptureArena {
     memory: Arc<ArenaMemory>,
+    /// The one keeper graphs hold of the memory (counted by `reset`).
+    keep: crate::stream::HostKeep,
     /// Bytes taken so far.
     cursor: AtomicUsize,
 }
@@ -92,8 +94,10 @@ impl CaptureArena {
             )));
         }
         let buffer = DeviceBuffer::<u8>::alloc(ctx, bytes)?;
+        let memory = Arc::new(ArenaMemory { buffer });
         Ok(CaptureArena {
-            memory: Arc::new(ArenaMemory { buffer }),
+            keep: CudaGraph::holder(Arc::clone(&memory) as Arc<dyn Send + Sync>),
+            memory,
             cursor: AtomicUsize::new(0),
         })
     }
@@ -108,7 +112,8 @@ impl CaptureArena {
         self.cursor.load(Ordering::Acquire)
     }
 
-    /// Take `len` elements of `T`, 256-byte aligned, as a mutable view of the
+    /// Take `len` elements of `T`, 256-byte aligned (or `T`'s alignment when
+    /// larger), as a mutable view of the
     /// arena: no driver call, inside a capture or not. Views are disjoint; the
     /// memory is not zeroed (it holds whatever was last written there).
     ///
@@ -120,10 +125,17 @@ impl CaptureArena {
             .checked_mul(std::mem::size_of::<T>())
             .ok_or_else(|| invalid_arg("capture arena: the byte size overflows"))?;
         let capacity = self.capacity();
+        let base = self.memory.buffer.device_ptr();
+        // The address, not the offset, is aligned: for T's alignment too when
+        // it is above the arena's own.
+        let align = ARENA_ALIGN.max(std::mem::align_of::<T>()) as u64;
         let mut at = self.cursor.load(Ordering::Acquire);
         loop {
-            let start = at.next_multiple_of(ARENA_ALIGN);
-            let end = start.checked_add(bytes).filter(|&e| e <= capacity);
+            let start = (base + at as u64).next_multiple_of(align) - base;
+            let end = usize::try_from(start)
+                .ok()
+                .and_then(|start| start.checked_add(bytes))
+                .filter(|&e| e <= capacity);
             let Some(end) = end else {
                 return Err(invalid_arg(format!(
                     "capture arena {:#x} on device {}: {bytes} bytes ({len} x {}) do not fit: \
@@ -141,7 +153,7 @@ impl CaptureArena {
                 Ok(_) => {
                     let buffer = &self.memory.buffer;
                     return Ok(DeviceSliceMut::from_parts(
-                        buffer.device_ptr() + start as u64,
+                        base + start,
                         len,
                         buffer.context(),
                         Some(buffer.uses_ref()),
@@ -159,7 +171,7 @@ impl CaptureArena {
     /// `InvalidArgument` while a graph captured with it, an executable made from
     /// one, or a replay in flight still holds it (they use its addresses).
     pub fn reset(&mut self) -> Result<()> {
-        let holders = Arc::strong_count(&self.memory) - 1;
+        let holders = Arc::strong_count(&self.keep) - 1;
         if holders > 0 {
             return Err(invalid_arg(format!(
                 "capture arena {:#x} on device {}: {holders} graph(s), executable(s) or \
@@ -188,7 +200,7 @@ impl CaptureArena {
             "the stream",
         )?;
         let mut graph = stream.capture(f)?;
-        graph.hold(Arc::clone(&self.memory) as Arc<dyn Send + Sync>);
+        graph.hold(&self.keep);
         Ok(graph)
     }
 }

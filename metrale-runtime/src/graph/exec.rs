@@ -246,9 +246,16 @@ impl CudaGraphExec {
                         self.keep.push(Arc::clone(table));
                     }
                 }
-                if !graph.host_fns.is_empty() {
+                let new: Vec<&HostKeep> = graph
+                    .host_fns
+                    .iter()
+                    .filter(|k| !self.host_fns.iter().any(|h| Arc::ptr_eq(h, k)))
+                    .collect();
+                if !new.is_empty() {
+                    // What the executable already holds stays (replays in
+                    // flight may still run it); one keeper is held once.
                     let mut all: Vec<HostKeep> = self.host_fns.to_vec();
-                    all.extend(graph.host_fns.iter().cloned());
+                    all.extend(new.into_iter().cloned());
                     self.host_fns = Arc::new(all);
                 }
                 Ok(())

@@ -186,12 +186,23 @@ impl CudaGraph {
     /// The last hold may go inside the host function after a replay: `value`
     /// is then dropped later, outside any host function (its Drop may call the
     /// driver).
-    pub(crate) fn hold(&mut self, value: Arc<dyn Send + Sync>) {
+    ///
+    /// `keep` comes from [`CudaGraph::holder`]; one keeper held twice (by this
+    /// graph, or by an executable updated from graphs holding it) counts once.
+    pub(crate) fn hold(&mut self, keep: &HostKeep) {
+        if !self.host_fns.iter().any(|k| Arc::ptr_eq(k, keep)) {
+            self.host_fns.push(Arc::clone(keep));
+        }
+    }
+
+    /// The keeper of `value` that graphs hold ([`CudaGraph::hold`]): made once
+    /// per value, so its holds can be counted and are never duplicated.
+    pub(crate) fn holder(value: Arc<dyn Send + Sync>) -> HostKeep {
         let held = crate::lifetime::HeldOutsideHostFns::new(value);
         let keep: crate::stream::HostFn = Arc::new(move || {
             let _ = &held;
         });
-        self.host_fns.push(Arc::new(keep));
+        Arc::new(keep)
     }
 
     /// The raw `CUgraph`, for driver calls of your own.

@@ -191,6 +191,11 @@ impl CudaStream {
     /// for a device end of another context; the failing batch call, copy or
     /// wait (a batch with a host end is waited for even then).
     pub fn copy_batch(&self, copies: &[BatchCopy<'_>]) -> Result<()> {
+        if crate::lifetime::in_host_function() {
+            // Every driver call is refused here: nothing is queued, nothing
+            // to wait for.
+            return Err(crate::error::CallError::InHostFunction.about(self.subject("copy_batch")));
+        }
         let mut host = false;
         for (i, c) in copies.iter().enumerate() {
             if c.src_len != c.dst_len {

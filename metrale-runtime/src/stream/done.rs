@@ -130,6 +130,9 @@ impl CudaStream {
             match unsafe { cu!(d, cuStreamQuery(raw)) } {
                 Ok(()) => return,
                 Err(CallError::Status { status, .. }) if work_abandoned(status) => return,
+                // Inside a host function every call is refused and nothing
+                // was queued by this thread: polling would never end.
+                Err(CallError::InHostFunction) => return,
                 Err(_) => {
                     std::thread::sleep(pause);
                     pause = (pause * 2).min(std::time::Duration::from_millis(10));
