@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build the GPU suites and the benchmarks here (release, every optional feature)
+# and copy the executables, named by target, into a folder for a GPU host that
+# has no Rust toolchain:
+#
+#   scripts/gpu-bundle.sh .gpu/new      # then carry .gpu to the GPU host and run
+#   .gpu/new/test-gpu                   # METRALE_REQUIRE_GPU=1 there
+#   .gpu/new/bench-launch --quick
+#
+# Files are named `test-<name>`, `bench-<name>` and `example-<name>`. The folder
+# is emptied first. Tests embed their fixtures, so the files run from any folder.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+out=${1:?usage: scripts/gpu-bundle.sh OUT_DIR}
+features=${METRALE_BUNDLE_FEATURES:-nccl,nvrtc,cublas,nvtx}
+rm -rf "$out"
+mkdir -p "$out"
+cargo build --release -p metrale-runtime --features "$features" \
+  --tests --benches --examples --message-format=json-render-diagnostics 2>/dev/null |
+  python3 -c '
+import json, shutil, sys
+out = sys.argv[1]
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    t = m["target"]
+    kind = t["kind"][0]
+    if kind == "lib" or kind == "custom-build":
+        continue
+    prefix = {"test": "test", "bench": "bench", "example": "example"}.get(kind)
+    if prefix is None:
+        continue
+    shutil.copy(m["executable"], out + "/" + prefix + "-" + t["name"])
+' "$out"
+ls "$out"
