@@ -50,6 +50,9 @@ use crate::stream::CudaStream;
 /// ```
 pub struct MetraleRegistry {
     table: Arc<KernelTable>,
+    /// `table`'s id, kept here so a memoized lookup's hit compares against this
+    /// registry's own field (no load through the table's `Arc`).
+    table_id: u64,
     host: Arc<CudaHost>,
     /// Answers for caller caches that hold another registry's handle.
     side: SideCache,
@@ -111,12 +114,19 @@ impl MetraleRegistry {
         let blobs: Vec<(&str, &[u8])> =
             kernel_blobs.iter().map(|b| (b.name(), b.bytes())).collect();
         let code = ModuleSet::load_modules(host.ctx(), &blobs)?;
-        Ok(MetraleRegistry {
-            table: KernelTable::new(host.ctx(), Arc::new(code)),
+        Ok(Self::over(host, Arc::new(code)))
+    }
+
+    /// A registry of `host`'s device over `code`.
+    fn over(host: Arc<CudaHost>, code: Arc<ModuleSet>) -> MetraleRegistry {
+        let table = KernelTable::new(host.ctx(), code);
+        MetraleRegistry {
+            table_id: table.id(),
+            table,
             host,
             side: SideCache::default(),
             slow: Default::default(),
-        })
+        }
     }
 
     /// Load a model once for several devices: one registry per ordinal, in order.
@@ -152,14 +162,7 @@ impl MetraleRegistry {
             let code = Arc::new(ModuleSet::load_libraries(driver, &blobs)?);
             Ok(hosts
                 .into_iter()
-                .map(|h| {
-                    Arc::new(MetraleRegistry {
-                        table: KernelTable::new(h.ctx(), Arc::clone(&code)),
-                        host: h,
-                        side: SideCache::default(),
-                        slow: Default::default(),
-                    })
-                })
+                .map(|h| Arc::new(Self::over(h, Arc::clone(&code))))
                 .collect())
         } else {
             hosts
@@ -265,13 +268,15 @@ impl MetraleRegistry {
         module_name: &str,
         func_name: &str,
     ) -> Result<RawCudaFunc> {
-        if let Some(&f) = cache.get() {
-            if self.table.owns(f) {
-                return Ok(f);
+        if let Some(f) = cache.get() {
+            if f.table_id() == self.table_id {
+                // Copied whole from the cache (not field by field): the caller's
+                // own copy of the result then reads what one wide store wrote.
+                return Ok(*f);
             }
             // The cache holds another registry's handle (one since dropped, say):
             // this registry remembers its own answer for this cache.
-            if let Some(mine) = self.side.get(cache, f) {
+            if let Some(mine) = self.side.get(cache, *f) {
                 return Ok(mine);
             }
         }

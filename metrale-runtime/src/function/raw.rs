@@ -38,6 +38,12 @@ impl RawCudaFunc {
     pub fn as_raw(self) -> CUfunction {
         self.raw
     }
+
+    /// The id of the table that made it (see `KernelTable::owns`).
+    #[inline(always)]
+    pub(crate) fn table_id(self) -> u64 {
+        self.table
+    }
 }
 
 impl fmt::Debug for RawCudaFunc {

@@ -78,6 +78,12 @@ impl KernelTable {
         &self.ctx
     }
 
+    /// The id every handle this table makes carries.
+    #[inline(always)]
+    pub(crate) fn id(&self) -> u64 {
+        self.id
+    }
+
     pub(crate) fn code(&self) -> &Arc<ModuleSet> {
         &self.code
     }
