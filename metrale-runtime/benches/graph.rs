@@ -244,44 +244,48 @@ fn run() -> Result<(), MetraleError> {
             rows[10].push(raw);
         }
     }
-    // Per-node update: 1,000 updates, raw then ours, alternating per round.
+    // Per-node update: 1,000 updates of each path per round, the paths taking
+    // turns going first round by round.
     let (mut node_raw, mut node_ours) = (Row::default(), Row::default());
-    for _ in 0..rounds {
-        let k = 1000;
-        let mut p = params;
-        let np = sys::CUDA_KERNEL_NODE_PARAMS {
-            func: f.as_raw(),
-            gridDimX: 1,
-            gridDimY: 1,
-            gridDimZ: 1,
-            blockDimX: 32,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: 0,
-            kernelParams: p.as_mut_ptr(),
-            ..sys::CUDA_KERNEL_NODE_PARAMS::default()
-        };
-        node_raw.push(
-            time(|| {
-                for i in 0..k {
+    let mut p = params;
+    let np = sys::CUDA_KERNEL_NODE_PARAMS {
+        func: f.as_raw(),
+        gridDimX: 1,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: 32,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        kernelParams: p.as_mut_ptr(),
+        ..sys::CUDA_KERNEL_NODE_PARAMS::default()
+    };
+    let k = 1000;
+    let node_round = |ours: bool| -> f64 {
+        time(|| {
+            for i in 0..k {
+                if ours {
+                    // SAFETY: empty(float*, unsigned, float) on buf.
+                    unsafe { exec_upd.set_kernel_params(&nodes[i % STEP], &f, cfg, (&buf, n, x)) }
+                        .unwrap();
+                } else {
                     // SAFETY: a kernel node of the graph exec_upd was instantiated from.
                     ok("cuGraphExecKernelNodeSetParams_v2", unsafe {
                         raw_node_set(exec_upd.raw(), nodes[i % STEP].node.raw(), &np)
                     });
                 }
-            }) * 1e6
-                / k as f64,
-        );
-        node_ours.push(
-            time(|| {
-                for i in 0..k {
-                    // SAFETY: empty(float*, unsigned, float) on buf.
-                    unsafe { exec_upd.set_kernel_params(&nodes[i % STEP], &f, cfg, (&buf, n, x)) }
-                        .unwrap();
-                }
-            }) * 1e6
-                / k as f64,
-        );
+            }
+        }) * 1e6
+            / k as f64
+    };
+    for round in 0..rounds {
+        for j in 0..2 {
+            if (round + j) % 2 == 0 {
+                node_raw.push(node_round(false));
+            } else {
+                node_ours.push(node_round(true));
+            }
+        }
     }
 
     let h = reg.host();

@@ -50,6 +50,18 @@ pub fn ratios(a: &Row, b: &Row) -> Row {
     }
 }
 
+/// Per-round differences `a - b`, scaled by `scale` (paired rows).
+pub fn differences(a: &Row, b: &Row, scale: f64) -> Row {
+    Row {
+        samples: a
+            .samples
+            .iter()
+            .zip(&b.samples)
+            .map(|(x, y)| (x - y) * scale)
+            .collect(),
+    }
+}
+
 pub fn header(title: &str) {
     println!("\n{title}\n");
     println!(

@@ -134,6 +134,25 @@ pub fn run(reg: &MetraleRegistry, rounds: usize) -> Result<(), MetraleError> {
                 black_box(unsafe { (d.cuStreamSynchronize().unwrap())(raw_s) });
             }),
         ),
+        ("cuPointerGetAttribute (memory type) of a Vec", {
+            let get = d.cuPointerGetAttribute().unwrap();
+            let host = vec![0u32; 64];
+            let mut status = CUresult::CUDA_SUCCESS;
+            let row = per_call(rounds, k, || {
+                let mut t = 0u32;
+                // SAFETY: writes one u32; the pointer is only looked up.
+                status = unsafe {
+                    get(
+                        (&mut t as *mut u32).cast(),
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+                        host.as_ptr() as sys::CUdeviceptr,
+                    )
+                };
+                black_box(t);
+            });
+            println!("cuPointerGetAttribute of a Vec's pointer: {status}");
+            row
+        }),
         ("SeqCst fetch_add + fetch_sub", {
             let a = AtomicUsize::new(0);
             per_call(rounds, k * 10, || {
@@ -244,6 +263,51 @@ pub fn run(reg: &MetraleRegistry, rounds: usize) -> Result<(), MetraleError> {
         st
     };
     println!("\ncuGraphExecKernelNodeSetParams_v2 with no context current: {unbound}");
+    // With another context of the device current: the update must reach the
+    // node (a fill kernel's value, read back after a replay).
+    if let (Ok(create), Ok(destroy)) = (d.cuCtxCreate_v4(), d.cuCtxDestroy_v2()) {
+        let fill = reg.function("kernels", "fill_index")?;
+        let mut out = DeviceBuffer::<u32>::zeroed(s, 32)?;
+        let g: CudaGraph = s.capture(|cs| -> metrale_runtime::Result<()> {
+            // SAFETY: fill_index(unsigned*, unsigned, unsigned) over 32 words.
+            unsafe { cs.launch(&fill, cfg, (&mut out, 32u32, 1u32)) }
+        })?;
+        let fill_nodes = g.kernel_nodes()?;
+        let fill_exec = g.instantiate()?;
+        let (optr, on, base) = (out.device_ptr(), 32u32, 1000u32);
+        let mut fp: [*mut c_void; 3] = [
+            (&optr as *const u64).cast_mut().cast(),
+            (&on as *const u32).cast_mut().cast(),
+            (&base as *const u32).cast_mut().cast(),
+        ];
+        let fnp = sys::CUDA_KERNEL_NODE_PARAMS {
+            func: fill.as_raw(),
+            kernelParams: fp.as_mut_ptr(),
+            ..np
+        };
+        let mut other: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: makes a second context of device 0 (current on this thread),
+        // calls, destroys it and binds ours again.
+        let st = unsafe {
+            let dev = reg.ctx().device();
+            ok(
+                "cuCtxCreate",
+                create(&mut other, std::ptr::null_mut(), 0, dev),
+            );
+            let st = set_params(fill_exec.raw(), fill_nodes[0].node.raw(), &fnp);
+            ok("cuCtxSetCurrent", set_current(ctx_raw));
+            ok("cuCtxDestroy", destroy(other));
+            ok("cuCtxSetCurrent", set_current(ctx_raw));
+            st
+        };
+        // SAFETY: `out`, the only memory the graph touches, is alive.
+        unsafe { fill_exec.launch(s) }?;
+        let back = s.to_vec(&out)?;
+        println!(
+            "  with another context current: {st}; the replay wrote {}..{} (1000.. expected)",
+            back[0], back[31]
+        );
+    }
     let variants: [&str; 4] = [
         "node update raw",
         "  + cuCtxGetCurrent",
@@ -333,7 +397,6 @@ pub fn run(reg: &MetraleRegistry, rounds: usize) -> Result<(), MetraleError> {
     let stop = usize::MAX;
     let waiter = {
         let hand = Arc::clone(&hand);
-        let ev_sync = ev_sync;
         let ctx = ctx_raw as usize;
         std::thread::spawn(move || loop {
             // SAFETY: binds the (retained) context on this thread.
@@ -425,6 +488,66 @@ pub fn run(reg: &MetraleRegistry, rounds: usize) -> Result<(), MetraleError> {
     hand.ready.notify_one();
     waiter.join().unwrap();
     sync();
+
+    // 6. A tensor map's address replaced: which of its 16 words the driver
+    // changes, and what a copy of the map right after the call costs.
+    let (Ok(encode), Ok(replace)) = (d.cuTensorMapEncodeTiled(), d.cuTensorMapReplaceAddress())
+    else {
+        println!("tensor maps: the driver lacks them; rows skipped");
+        return Ok(());
+    };
+    let a = DeviceBuffer::<f32>::alloc(s, 256 * 512)?;
+    let b = DeviceBuffer::<f32>::alloc(s, 256 * 512)?;
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let (dims, strides, boxes, estrides) = ([512u64, 256], [512u64 * 4], [32u32, 32], [1u32, 1]);
+    // SAFETY: a writable map; arrays of the rank's length; `a` covers the tensor.
+    ok("cuTensorMapEncodeTiled", unsafe {
+        encode(
+            &mut map,
+            sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32,
+            2,
+            a.device_ptr() as *mut c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            estrides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_NONE,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    });
+    let before = map.opaque;
+    // SAFETY: an encoded map; `b` covers the tensor.
+    ok("cuTensorMapReplaceAddress", unsafe {
+        replace(&mut map, b.device_ptr() as *mut c_void)
+    });
+    let changed: Vec<usize> = (0..16).filter(|&i| before[i] != map.opaque[i]).collect();
+    println!("\ncuTensorMapReplaceAddress changed words {changed:?} of 16");
+    let mut copy = sys::CUtensorMap { opaque: [0; 16] };
+    let variants: [&str; 3] = [
+        "replace address raw, in place",
+        "  + a copy of the map right after",
+        "  + a copy of the map before the call",
+    ];
+    interleaved(rounds, &variants, |v| {
+        let k = 2_000;
+        time(|| {
+            for i in 0..k {
+                let p = if i % 2 == 0 { &b } else { &a };
+                if v == 2 {
+                    copy = *black_box(&map);
+                }
+                // SAFETY: an encoded map; both buffers cover the tensor.
+                black_box(unsafe { replace(&mut map, p.device_ptr() as *mut c_void) });
+                if v == 1 {
+                    copy = *black_box(&map);
+                }
+                black_box(&copy);
+            }
+        }) * 1e9
+            / k as f64
+    });
     Ok(())
 }
 
