@@ -139,15 +139,16 @@ impl CudaGraphExec {
         what: &str,
         f: impl FnOnce(&'static sys::Driver) -> Result<(), CallError>,
     ) -> Result<()> {
-        self.ctx.call(
-            || {
-                format!(
-                    "device {} executable graph {:p}: {what}",
-                    self.ctx.ordinal(),
-                    self.raw
-                )
-            },
-            f,
+        self.ctx.call(|| self.subject(what), f)
+    }
+
+    /// `device N executable graph 0x..: what`, for error texts.
+    #[cold]
+    fn subject(&self, what: &str) -> String {
+        format!(
+            "device {} executable graph {:p}: {what}",
+            self.ctx.ordinal(),
+            self.raw
         )
     }
 
@@ -325,17 +326,25 @@ impl CudaGraphExec {
                 f.name()
             )));
         }
-        self.ctx.bind()?;
         super::node::refuse_attributes(&cfg, f.name())?;
+        if !f.info().settled(cfg.shared_mem_bytes) {
+            // The kernel's layout is read, or its shared-memory limit raised, once:
+            // with the context current.
+            self.ctx.bind()?;
+        }
         prepare(&self.ctx, f.info(), &cfg, Some(args.layout()))?;
         let (e, n) = (self.raw, node.node.raw);
         args.with_params(|p| {
             let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());
-            self.call("kernel node update", |d| {
-                // SAFETY: the driver copies the argument values `p` points to during
-                // the call; the node belongs to the graph this was instantiated from.
-                unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
-            })
+            // Unbound: the executable graph names its context.
+            self.ctx
+                .call_by_handle(|d| {
+                    // SAFETY: the driver copies the argument values `p` points to
+                    // during the call; the node belongs to the graph this was
+                    // instantiated from.
+                    unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
+                })
+                .map_err(|e| e.about(self.subject("kernel node update")))
         })
     }
 

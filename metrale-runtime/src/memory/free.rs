@@ -230,7 +230,7 @@ impl FreeJob {
         // the stream is not being captured (checked in this section).
         let freed = self
             .ctx
-            .call_on_stream(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+            .call_by_handle(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
         if let Err(e) = freed {
             crate::error::report_drop_failures(format_args!("{what}"), &[e]);
         }
@@ -336,7 +336,7 @@ fn free_on_own(
     // SAFETY: this allocation's own stream-ordered free, once, on the stream it was
     // allocated on (alive: `own` holds it); no other stream used it, and the
     // stream is not being captured (checked in this section).
-    let freed = ctx.call_on_stream(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+    let freed = ctx.call_by_handle(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
     if let Err(e) = freed {
         crate::error::report_drop_failures(format_args!("{}", what()), &[e]);
     }

@@ -301,7 +301,7 @@ impl CudaStream {
             let s = self.raw();
             let ptr_out = std::cell::Cell::new(0);
             self.context()
-                .call_on_stream(|d| {
+                .call_by_handle(|d| {
                     let mut p: CUdeviceptr = 0;
                     // SAFETY: writes one address; the stream and pool are live.
                     let r = unsafe {

@@ -134,14 +134,6 @@ struct StreamInner {
     green: Option<Arc<GreenContext>>,
 }
 
-/// Whether an unbound stream call's `status` may be the driver wanting the
-/// stream's context current (see `CudaStream::call_unbound`).
-fn refused_for_context(status: sys::CUresult) -> bool {
-    status == sys::CUresult::CUDA_ERROR_INVALID_CONTEXT
-        || status == sys::CUresult::CUDA_ERROR_INVALID_HANDLE
-        || status == sys::CUresult::CUDA_ERROR_CONTEXT_IS_DESTROYED
-}
-
 // SAFETY: the handle is written once at creation and only read; the driver lets any
 // thread queue work on a stream (it binds the context first, or, for the calls
 // whose only handle is the stream, the driver takes the context from it).
@@ -423,13 +415,8 @@ impl CudaStream {
         if (raw as usize) <= 2 {
             return ctx.call(|| self.subject(what), |d| f(d, raw));
         }
-        match f(ctx.driver(), raw) {
-            Ok(r) => Ok(r),
-            Err(e) if e.status().is_some_and(refused_for_context) => {
-                ctx.call(|| self.subject(what), |d| f(d, raw))
-            }
-            Err(e) => Err(e.about(self.subject(what))),
-        }
+        ctx.call_by_handle(|d| f(d, raw))
+            .map_err(|e| e.about(self.subject(what)))
     }
 
     /// `device N stream 0x..: what` for error texts.
