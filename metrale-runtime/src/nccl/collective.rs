@@ -226,7 +226,7 @@ impl Communicator {
     /// That keeps a small collective's submit at NCCL's own cost. A
     /// communicator sharing resources with a parent or child takes its turn (no
     /// lock otherwise).
-    #[inline]
+    #[inline(always)]
     pub(super) fn submit<T: NcclType>(
         &self,
         op: Op,
@@ -276,7 +276,7 @@ impl Communicator {
     }
 
     /// [`submit`](Self::submit) with a send and a receive buffer.
-    #[inline]
+    #[inline(always)]
     pub(super) fn pair<T: NcclType>(
         &self,
         op: Op,
@@ -291,7 +291,7 @@ impl Communicator {
 
     /// [`submit`](Self::submit) with one buffer (`role`): sent and received in
     /// place, or a send's or a receive's.
-    #[inline]
+    #[inline(always)]
     pub(super) fn single<T: NcclType>(
         &self,
         op: Op,
@@ -307,7 +307,7 @@ impl Communicator {
     /// this device; inside a group, listed and (for a collective, `shape`)
     /// agreeing with the other ranks of its communicator that this thread's
     /// group queued; then the memory's use is noted and the stream remembered.
-    #[inline]
+    #[inline(always)]
     fn prepare<T: NcclType>(
         &self,
         call: &'static str,
