@@ -165,6 +165,8 @@ pub use nvrtc::{
     CompileCache, CompileOption, Compiled, Linked, Linker, NvrtcError, Program, Target,
 };
 pub use registry::MetraleRegistry;
+#[doc(hidden)]
+pub use stream::live_waiters;
 pub use stream::{
     host_function_panics, AsStream, CudaEvent, CudaStream, EventDone, EventOptions, HostFn,
     StreamDone, StreamOptions,

@@ -2,11 +2,14 @@
 //! ([`CudaEvent::done`]), for any executor.
 //!
 //! Invariants:
-//! - A future is woken by a stream callback the driver runs after the work it
-//!   waits for (`cuStreamAddCallback`, which the driver also calls when that work
-//!   failed), never by a polling thread; the callback wakes at most once.
-//! - The state the callback touches is an `Arc` the callback owns a share of, so
-//!   dropping a future before it resolves frees nothing the driver still uses.
+//! - A [`StreamDone`] is woken by its stream's waiting thread (`waiter.rs`),
+//!   blocked in the driver on an event recorded when the future was made; an
+//!   [`EventDone`], and a `StreamDone` beyond the waiting threads' bound, by a
+//!   stream callback the driver runs after the work it waits for
+//!   (`cuStreamAddCallback`, which the driver also calls when that work failed).
+//!   Never by a polling thread; each wakes at most once.
+//! - The state the waker touches is an `Arc` it owns a share of, so dropping a
+//!   future before it resolves frees nothing the driver or the thread still uses.
 //! - Once woken, the future asks the driver for the stream's (or event's) status
 //!   and resolves to its error when the work failed.
 
@@ -14,7 +17,7 @@ use std::ffi::c_void;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
 
 use metrale_cuda_sys::{CUresult, CUstream};
@@ -23,15 +26,47 @@ use super::host_fn::run_guarded;
 use super::{CudaEvent, CudaStream};
 use crate::error::{cu, CallError, MetraleError, Result};
 
-/// What a future and its callback share.
-struct Shared {
+/// What a future and what wakes it share.
+pub(crate) struct Shared {
     fired: AtomicBool,
-    /// The status the driver passed the callback.
+    /// The status the driver gave the waker (the callback's, or the event
+    /// wait's).
     status: AtomicI32,
+    /// The driver call that status came from, for the error text.
+    call: OnceLock<&'static str>,
     waker: Mutex<Option<Waker>>,
 }
 
 impl Shared {
+    fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            fired: AtomicBool::new(false),
+            status: AtomicI32::new(0),
+            call: OnceLock::new(),
+            waker: Mutex::new(None),
+        })
+    }
+
+    /// Record `status` (from `call`) and wake the future; once.
+    pub(crate) fn fire(&self, status: CUresult, call: &'static str) {
+        let _ = self.call.set(call);
+        self.status.store(status.0 as i32, Ordering::Release);
+        self.fired.store(true, Ordering::Release);
+        let waker = self
+            .waker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// The call whose status was recorded.
+    fn call(&self) -> &'static str {
+        self.call.get().copied().unwrap_or("cuStreamAddCallback")
+    }
+
     fn poll(&self, cx: &Context<'_>) -> Poll<CUresult> {
         if self.fired.load(Ordering::Acquire) {
             return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
@@ -57,19 +92,7 @@ unsafe extern "C" fn wake(_stream: CUstream, status: CUresult, data: *mut c_void
     // SAFETY: `data` is the `Arc<Shared>` share `queue_wake` leaked for this one
     // callback (never queued into a capture), which the driver calls once.
     let shared = unsafe { Arc::from_raw(data.cast_const().cast::<Shared>()) };
-    run_guarded(move || {
-        shared.status.store(status.0 as i32, Ordering::Release);
-        shared.fired.store(true, Ordering::Release);
-        let waker = shared
-            .waker
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        drop(shared);
-        if let Some(w) = waker {
-            w.wake();
-        }
-    });
+    run_guarded(move || shared.fire(status, "cuStreamAddCallback"));
 }
 
 /// `wake` as a host function (drivers without `cuStreamAddCallback`).
@@ -78,13 +101,38 @@ unsafe extern "C" fn wake_host(data: *mut c_void) {
     unsafe { wake(std::ptr::null_mut(), CUresult::CUDA_SUCCESS, data) }
 }
 
+/// Queue the wake-up on `stream`, outside any capture: through the stream's
+/// waiting thread when it has one (or can start one), else a driver callback.
+fn queue_done(stream: &CudaStream) -> Result<Arc<Shared>> {
+    let Some(waiter) = stream.waiter() else {
+        return queue_wake(stream);
+    };
+    let shared = Shared::new();
+    let section = stream.section();
+    stream.refuse_if_capturing(&section, "a future's wake-up (done)")?;
+    let event = waiter
+        .event()
+        .map_err(|e| e.about(stream.subject("making a wake-up event")))?;
+    let recorded = stream.call_unbound("recording a future's wake-up", |d, s| {
+        // SAFETY: an event of the stream's context, owned by its waiter.
+        unsafe { cu!(d, cuEventRecord(event, s)) }
+    });
+    drop(section);
+    match recorded {
+        Ok(()) => {
+            waiter.push(event, Arc::clone(&shared));
+            Ok(shared)
+        }
+        Err(e) => {
+            waiter.unused(event);
+            Err(e)
+        }
+    }
+}
+
 /// Queue the wake-up callback on `stream`, outside any capture.
 fn queue_wake(stream: &CudaStream) -> Result<Arc<Shared>> {
-    let shared = Arc::new(Shared {
-        fired: AtomicBool::new(false),
-        status: AtomicI32::new(0),
-        waker: Mutex::new(None),
-    });
+    let shared = Shared::new();
     let section = stream.section();
     stream.refuse_if_capturing(&section, "a future's wake-up (done)")?;
     let data = Arc::into_raw(Arc::clone(&shared))
@@ -120,12 +168,15 @@ enum State {
 /// A future resolving once the work queued on a stream before
 /// [`CudaStream::done`] has finished: `Ok(())`, or the error that work met.
 ///
-/// Works with any executor (plain [`Waker`]s); woken from a driver callback,
-/// with no polling thread. Dropping it before it resolves is safe and leaves the
-/// queued work alone. Polling it again after it resolved gives `Ok(())`.
+/// Works with any executor (plain [`Waker`]s); woken by the stream's waiting
+/// thread, asleep in the driver until the work is done (or, beyond the eight
+/// such threads a process keeps, by a driver callback), with no polling. It
+/// may stay pending for a few microseconds after a `synchronize` that saw the
+/// work finish. Dropping it before it resolves is safe and leaves the queued
+/// work alone. Polling it again after it resolved gives `Ok(())`.
 ///
-/// The driver calls back also when the work failed (the future then resolves to
-/// that error), but not after the context was destroyed or reset, nor once the
+/// A failed work wakes it too (the future then resolves to that error). A
+/// callback is not run after the context was destroyed or reset, nor once the
 /// process is tearing the driver down: such a future stays pending. Put a
 /// timeout around it where that can happen.
 #[must_use = "a future does nothing unless awaited or polled"]
@@ -157,16 +208,14 @@ impl Future for StreamDone {
             }
             State::Waiting(shared) => match shared.poll(cx) {
                 Poll::Pending => return Poll::Pending,
-                Poll::Ready(status) => status,
+                Poll::Ready(status) => (status, shared.call()),
             },
         };
         this.state = State::Done;
+        let (status, call) = status;
         if !status.is_success() {
-            return Poll::Ready(Err(CallError::Status {
-                call: "cuStreamAddCallback",
-                status,
-            }
-            .about(this.stream.subject("done (the work it waited for failed)"))));
+            return Poll::Ready(Err(CallError::Status { call, status }
+                .about(this.stream.subject("done (the work it waited for failed)"))));
         }
         if crate::lifetime::in_host_function() {
             // Polled from a waker that runs the task inline, on the driver's
@@ -266,7 +315,7 @@ impl CudaStream {
     /// # Ok(()) }
     /// ```
     pub fn done(&self) -> StreamDone {
-        let state = match queue_wake(self) {
+        let state = match queue_done(self) {
             Ok(shared) => State::Waiting(shared),
             Err(e) => State::Failed(Some(e)),
         };

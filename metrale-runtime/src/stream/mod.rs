@@ -17,8 +17,10 @@
 //!   its run, or never if a racing capture took it into a graph that is never
 //!   replayed; a repeatable one captured into a graph is held by the graph), a
 //!   panic never unwinds into the driver, and metrale calls from inside one are
-//!   refused. `future.rs`: [`StreamDone`] and [`EventDone`], futures woken by a
-//!   stream callback, whose shared state the callback owns a share of.
+//!   refused. `future.rs`: [`StreamDone`] and [`EventDone`], futures whose shared
+//!   state what wakes them owns a share of; `waiter.rs`: the bounded set of
+//!   threads that wake stream futures from a blocking-sync event wait (a
+//!   stream callback beyond them).
 //!
 //! `mod.rs` owns [`CudaStream`] itself (making, binding, synchronising);
 //! `section.rs` and `capture.rs` capture sections and the capture bookkeeping
@@ -30,7 +32,7 @@
 use std::ffi::{c_int, c_uint};
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering as AtomicOrdering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult, CUstream};
 
@@ -47,6 +49,7 @@ mod future;
 mod host_fn;
 mod pool;
 mod section;
+mod waiter;
 
 pub use event::{CudaEvent, EventOptions};
 pub use future::{EventDone, StreamDone};
@@ -56,6 +59,9 @@ pub(crate) use host_fn::{
 };
 pub(crate) use pool::DoneEvent;
 pub(crate) use section::Section;
+#[doc(hidden)]
+pub use waiter::live_waiters;
+use waiter::Waiter;
 
 /// How a stream is created.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,6 +138,9 @@ struct StreamInner {
     /// The green context the stream runs on, held so that it is destroyed only
     /// after the stream (fields drop after `Drop::drop` destroyed the stream).
     green: Option<Arc<GreenContext>>,
+    /// The thread that wakes this stream's futures, started by the first
+    /// `done`; `None` when none could be (see `waiter.rs`).
+    waiter: OnceLock<Option<Waiter>>,
 }
 
 // SAFETY: the handle is written once at creation and only read; the driver lets any
@@ -145,6 +154,11 @@ unsafe impl Sync for StreamInner {}
 
 impl Drop for StreamInner {
     fn drop(&mut self) {
+        if let Some(Some(w)) = self.waiter.get() {
+            // Its thread finishes the futures queued (their events complete
+            // with the work; the driver destroys the stream only after it).
+            w.close();
+        }
         let begun = std::mem::take(self.begun.get_mut().unwrap_or_else(PoisonError::into_inner));
         if !begun.is_empty() {
             self.end_abandoned_capture(begun);
@@ -343,8 +357,22 @@ impl CudaStream {
                 ending: AtomicBool::new(false),
                 capture_lock: Mutex::new(()),
                 green,
+                waiter: OnceLock::new(),
             }),
         }
+    }
+
+    /// The thread that wakes this stream's futures, started on first use;
+    /// `None` for the null and special streams, or when no more waiting
+    /// threads may start.
+    fn waiter(&self) -> Option<&Waiter> {
+        if (self.inner.raw as usize) <= 2 {
+            return None;
+        }
+        self.inner
+            .waiter
+            .get_or_init(|| Waiter::start(&self.inner.ctx, self.inner.made))
+            .as_ref()
     }
 
     /// The context generation the stream was made in.

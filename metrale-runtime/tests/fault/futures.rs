@@ -37,6 +37,15 @@ fn counting() -> (Arc<Counting>, Waker) {
     (Arc::clone(&c), Waker::from(c))
 }
 
+/// Wait (at most 5 s) until `count` was woken `n` times.
+fn wait_for_wakes(count: &Counting, n: usize) {
+    let t = std::time::Instant::now();
+    while count.wakes.load(Ordering::SeqCst) < n {
+        assert!(t.elapsed() < Duration::from_secs(5), "woken {n} time(s)");
+        std::thread::park_timeout(Duration::from_millis(1));
+    }
+}
+
 /// The smallest executor: poll, park until woken, poll again.
 fn block_on<F: Future>(f: F) -> (F::Output, usize) {
     let (count, waker) = counting();
@@ -229,19 +238,119 @@ fn metrale_calls_inside_a_host_function_are_refused() {
     assert!(s.query().unwrap());
 
     // A future polled on the driver's thread (a waker that runs tasks inline)
-    // resolves from the callback's status, with no CUDA call.
-    let fired = s.done();
+    // resolves from the status its waker recorded, with no CUDA call. Polled
+    // here first, so the wake is seen before the future moves there (the
+    // stream's waiting thread wakes it just after the work finished).
+    let mut fired = Box::pin(s.done());
+    let (count, waker) = counting();
+    let first = fired.as_mut().poll(&mut Context::from_waker(&waker));
     s.synchronize().unwrap();
+    if first.is_pending() {
+        wait_for_wakes(&count, 1);
+    }
     let (tx, rx) = mpsc::channel();
     s.launch_host_fn(move || {
         let (_c, waker) = counting();
         let mut cx = Context::from_waker(&waker);
-        let mut fired = pin!(fired);
         let _ = tx.send(matches!(fired.as_mut().poll(&mut cx), Poll::Ready(Ok(()))));
     })
     .unwrap();
     s.synchronize().unwrap();
     assert!(rx.recv().unwrap());
+}
+
+/// Wait (at most 5 s) until at most `n` waiting threads are alive.
+fn wait_for_waiters(n: usize) {
+    let t = std::time::Instant::now();
+    while metrale_runtime::live_waiters() > n {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "{} waiting threads, expected at most {n}",
+            metrale_runtime::live_waiters()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn futures_of_many_streams_take_a_few_threads_and_all_resolve() {
+    let reg = setup();
+    let before = metrale_runtime::live_waiters();
+    let streams: Vec<CudaStream> = (0..20)
+        .map(|_| CudaStream::new(reg.ctx()).unwrap())
+        .collect();
+    let futures: Vec<_> = streams
+        .iter()
+        .flat_map(|s| (0..50).map(|_| s.done()).collect::<Vec<_>>())
+        .collect();
+    assert!(
+        metrale_runtime::live_waiters() <= 8,
+        "{} waiting threads for 1,000 futures on 20 streams",
+        metrale_runtime::live_waiters()
+    );
+    // Those beyond the threads are woken by driver callbacks: all resolve.
+    for f in futures {
+        block_on(f).0.unwrap();
+    }
+    drop(streams);
+    // The threads of dropped streams leave.
+    wait_for_waiters(before);
+}
+
+fn a_stream_dropped_with_work_pending_lets_its_thread_finish_then_leave() {
+    let reg = setup();
+    let before = metrale_runtime::live_waiters();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let open = gate(&s);
+    let (count, waker) = counting();
+    let mut done = Box::pin(s.done());
+    assert!(done
+        .as_mut()
+        .poll(&mut Context::from_waker(&waker))
+        .is_pending());
+    // The future holds the stream: its last handle goes with the future.
+    drop(done);
+    drop(s);
+    std::thread::sleep(Duration::from_millis(10));
+    assert_eq!(count.wakes.load(Ordering::SeqCst), 0, "the work is held");
+    open.send(()).unwrap();
+    wait_for_waiters(before);
+}
+
+/// A waker that panics.
+struct Panicky;
+impl Wake for Panicky {
+    fn wake(self: Arc<Self>) {
+        panic!("a waker that panics");
+    }
+}
+
+fn a_waker_that_panics_leaves_the_waiting_thread_serving() {
+    let reg = setup();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let open = gate(&s);
+    let mut first = Box::pin(s.done());
+    let panicky = Waker::from(Arc::new(Panicky));
+    assert!(first
+        .as_mut()
+        .poll(&mut Context::from_waker(&panicky))
+        .is_pending());
+    open.send(()).unwrap();
+    s.synchronize().unwrap();
+    // The next future of the stream is woken by the same thread.
+    let open = gate(&s);
+    let next = s.done();
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(10));
+        open.send(()).unwrap();
+    });
+    let (out, wakes) = block_on(next);
+    out.unwrap();
+    assert!(wakes <= 1, "{wakes}");
+    t.join().unwrap();
+    assert!(matches!(
+        first.as_mut().poll(&mut Context::from_waker(&panicky)),
+        Poll::Ready(Ok(()))
+    ));
 }
 
 fn a_handle_dropped_inside_a_host_function_is_leaked_not_deadlocked() {
@@ -450,7 +559,8 @@ fn a_future_resolves_after_the_work_and_is_woken_once() {
     assert_eq!(count.wakes.load(Ordering::SeqCst), 0);
     open.send(()).unwrap();
     s.synchronize().unwrap();
-    assert_eq!(count.wakes.load(Ordering::SeqCst), 1);
+    // The stream's waiting thread wakes it just after the work finished.
+    wait_for_wakes(&count, 1);
     assert!(matches!(done.as_mut().poll(&mut cx), Poll::Ready(Ok(()))));
     assert_eq!(count.wakes.load(Ordering::SeqCst), 1, "woken exactly once");
 
@@ -732,6 +842,18 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "futures::resolves_after_the_work_woken_once",
             run: a_future_resolves_after_the_work_and_is_woken_once,
+        },
+        Test {
+            name: "futures::many_streams_take_a_few_threads_and_all_resolve",
+            run: futures_of_many_streams_take_a_few_threads_and_all_resolve,
+        },
+        Test {
+            name: "futures::dropped_stream_lets_its_thread_finish_then_leave",
+            run: a_stream_dropped_with_work_pending_lets_its_thread_finish_then_leave,
+        },
+        Test {
+            name: "futures::a_waker_that_panics_leaves_the_thread_serving",
+            run: a_waker_that_panics_leaves_the_waiting_thread_serving,
         },
         Test {
             name: "futures::resolves_to_the_error_of_failed_work",
