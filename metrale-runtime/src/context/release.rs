@@ -120,7 +120,36 @@ impl CudaContext {
     /// stream handles are dangling: the driver crashes on them, measured on CUDA
     /// 13.0). `false` after a reset (reported once) or at shutdown; a failed check
     /// is reported as a leak.
+    #[inline]
     pub(crate) fn may_release(&self, made: Generation, what: fmt::Arguments<'_>) -> bool {
+        if self.live_fast(made) {
+            return true;
+        }
+        self.may_release_slow(made, what)
+    }
+
+    /// The common answer of `state` in one inlined call: `cuCtxGetId` says the
+    /// context is still generation `made`. `false` means "ask `state`".
+    #[inline(always)]
+    fn live_fast(&self, made: Generation) -> bool {
+        let Some(made) = made.0 else {
+            return false;
+        };
+        if in_host_function() {
+            return false;
+        }
+        let Ok(get_id) = self.driver.cuCtxGetId() else {
+            return false;
+        };
+        let mut id: c_ulonglong = 0;
+        // SAFETY: writes one integer; the handle is this (retained) context.
+        let status = unsafe { get_id(self.raw, &mut id) };
+        status.is_success() && id == made
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn may_release_slow(&self, made: Generation, what: fmt::Arguments<'_>) -> bool {
         match self.state(made) {
             Ok(ReleaseState::Live) => true,
             Ok(ReleaseState::Gone) => false,

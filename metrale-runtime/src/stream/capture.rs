@@ -209,6 +209,7 @@ impl CudaStream {
 
     /// Refuse, inside `section`, an operation that cannot be captured (a copy that
     /// borrows host memory would be replayed after the borrow ends).
+    #[inline]
     pub(crate) fn refuse_if_capturing(&self, section: &Section<'_>, what: &str) -> Result<()> {
         match self.capturing_now(section) {
             Ok(false) => Ok(()),
