@@ -16,76 +16,15 @@
 use std::ffi::c_void;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError};
-use std::task::{Context, Poll, Waker};
+use std::sync::{Arc, PoisonError};
+use std::task::{Context, Poll};
 
 use metrale_cuda_sys::{CUresult, CUstream};
 
 use super::host_fn::run_guarded;
+use super::waiter::Shared;
 use super::{CudaEvent, CudaStream};
 use crate::error::{cu, CallError, MetraleError, Result};
-
-/// What a future and what wakes it share.
-pub(crate) struct Shared {
-    fired: AtomicBool,
-    /// The status the driver gave the waker (the callback's, or the event
-    /// wait's).
-    status: AtomicI32,
-    /// The driver call that status came from, for the error text.
-    call: OnceLock<&'static str>,
-    waker: Mutex<Option<Waker>>,
-}
-
-impl Shared {
-    fn new() -> Arc<Shared> {
-        Arc::new(Shared {
-            fired: AtomicBool::new(false),
-            status: AtomicI32::new(0),
-            call: OnceLock::new(),
-            waker: Mutex::new(None),
-        })
-    }
-
-    /// Record `status` (from `call`) and wake the future; once.
-    pub(crate) fn fire(&self, status: CUresult, call: &'static str) {
-        let _ = self.call.set(call);
-        self.status.store(status.0 as i32, Ordering::Release);
-        self.fired.store(true, Ordering::Release);
-        let waker = self
-            .waker
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        if let Some(w) = waker {
-            w.wake();
-        }
-    }
-
-    /// The call whose status was recorded.
-    fn call(&self) -> &'static str {
-        self.call.get().copied().unwrap_or("cuStreamAddCallback")
-    }
-
-    fn poll(&self, cx: &Context<'_>) -> Poll<CUresult> {
-        if self.fired.load(Ordering::Acquire) {
-            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
-        }
-        {
-            let mut slot = self.waker.lock().unwrap_or_else(PoisonError::into_inner);
-            match slot.as_mut() {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                _ => *slot = Some(cx.waker().clone()),
-            }
-        }
-        // The callback stores `fired` before it takes the waker: a callback that
-        // ran meanwhile is seen here.
-        if self.fired.load(Ordering::Acquire) {
-            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
-        }
-        Poll::Pending
-    }
-}
 
 /// The driver's callback: record the status, wake the future once.
 unsafe extern "C" fn wake(_stream: CUstream, status: CUresult, data: *mut c_void) {
@@ -168,7 +107,7 @@ enum State {
 /// A future resolving once the work queued on a stream before
 /// [`CudaStream::done`] has finished: `Ok(())`, or the error that work met.
 ///
-/// Works with any executor (plain [`Waker`]s); woken by the stream's waiting
+/// Works with any executor (plain [`Waker`](std::task::Waker)s); woken by the stream's waiting
 /// thread, asleep in the driver until the work is done (or, beyond the eight
 /// such threads a process keeps, by a driver callback), with no polling. It
 /// may stay pending for a few microseconds after a `synchronize` that saw the

@@ -1,4 +1,6 @@
-//! The waiting thread that wakes [`StreamDone`](super::StreamDone) futures: one
+//! What wakes a future (`Shared`, the state a future shares with its waker,
+//! used by `future.rs` too) and the waiting thread that wakes
+//! [`StreamDone`](super::StreamDone) futures: one
 //! per stream that was awaited, blocked in the driver on blocking-sync events
 //! recorded on that stream, so a wake-up costs what the host's best
 //! non-spinning wait costs plus one unpark (a driver callback adds a hop of
@@ -20,12 +22,12 @@
 
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
+use std::task::{Context, Poll, Waker};
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult};
 
-use super::future::Shared;
 use crate::context::{CudaContext, Generation};
 use crate::error::{cu, report_line, CallError};
 
@@ -240,5 +242,66 @@ impl State {
                 }
             },
         );
+    }
+}
+
+/// What a future and what wakes it share.
+pub(crate) struct Shared {
+    fired: AtomicBool,
+    /// The status the driver gave the waker (the callback's, or the event
+    /// wait's).
+    status: AtomicI32,
+    /// The driver call that status came from, for the error text.
+    call: OnceLock<&'static str>,
+    waker: Mutex<Option<Waker>>,
+}
+
+impl Shared {
+    pub(crate) fn new() -> Arc<Shared> {
+        Arc::new(Shared {
+            fired: AtomicBool::new(false),
+            status: AtomicI32::new(0),
+            call: OnceLock::new(),
+            waker: Mutex::new(None),
+        })
+    }
+
+    /// Record `status` (from `call`) and wake the future; once.
+    pub(crate) fn fire(&self, status: CUresult, call: &'static str) {
+        let _ = self.call.set(call);
+        self.status.store(status.0 as i32, Ordering::Release);
+        self.fired.store(true, Ordering::Release);
+        let waker = self
+            .waker
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// The call whose status was recorded.
+    pub(crate) fn call(&self) -> &'static str {
+        self.call.get().copied().unwrap_or("cuStreamAddCallback")
+    }
+
+    pub(crate) fn poll(&self, cx: &Context<'_>) -> Poll<CUresult> {
+        if self.fired.load(Ordering::Acquire) {
+            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
+        }
+        {
+            let mut slot = self.waker.lock().unwrap_or_else(PoisonError::into_inner);
+            match slot.as_mut() {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                _ => *slot = Some(cx.waker().clone()),
+            }
+        }
+        // The callback stores `fired` before it takes the waker: a callback that
+        // ran meanwhile is seen here.
+        if self.fired.load(Ordering::Acquire) {
+            return Poll::Ready(CUresult(self.status.load(Ordering::Acquire) as _));
+        }
+        Poll::Pending
     }
 }
