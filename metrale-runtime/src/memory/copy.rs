@@ -63,7 +63,7 @@ impl CudaStream {
         // SAFETY: `src` is `bytes` long and borrowed until the wait below; the
         // destination holds `bytes` in this stream's context; the stream is not
         // being captured (checked in this section), so the copy runs now.
-        self.call_unbound("copy to device", |d, s| unsafe {
+        self.call("copy to device", |d, s| unsafe {
             cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
         })?;
         let done = self.record_done_in(&section)?;
@@ -124,7 +124,7 @@ impl CudaStream {
         self.refuse_if_capturing(&section, "a copy into borrowed host memory")?;
         // SAFETY: the caller lends `dst` for `bytes` until the wait below; the source
         // holds `bytes` in this stream's context; the stream is not being captured.
-        self.call_unbound("copy from device", |d, s| unsafe {
+        self.call("copy from device", |d, s| unsafe {
             cu!(d, cuMemcpyDtoHAsync_v2(to, from, bytes, s))
         })?;
         // The wait is on an event recorded right after the copy, in the section: a
@@ -157,7 +157,7 @@ impl CudaStream {
         let (from, to, bytes) = (src.device_ptr(), dst.device_ptr(), bytes_of::<T>(src.len()));
         // SAFETY: both ranges hold `bytes` in this stream's context; device memory is
         // freed only after the work that uses it.
-        self.call_unbound("device-to-device copy", |d, s| unsafe {
+        self.call("device-to-device copy", |d, s| unsafe {
             cu!(d, cuMemcpyDtoDAsync_v2(to, from, bytes, s))
         })
     }
@@ -223,7 +223,7 @@ impl CudaStream {
         if bytes > 0 {
             // SAFETY: the pinned source is owned by the PendingCopy until its event
             // has completed; the destination holds `bytes`; not captured.
-            self.call_unbound("async copy to device", |d, s| unsafe {
+            self.call("async copy to device", |d, s| unsafe {
                 cu!(d, cuMemcpyHtoDAsync_v2(to, from, bytes, s))
             })?;
         }
@@ -256,7 +256,7 @@ impl CudaStream {
         self.refuse_if_capturing(&section, "a copy into a pinned buffer that is handed back")?;
         if bytes > 0 {
             // SAFETY: as for copy_h2d_pinned, in the other direction.
-            self.call_unbound("async copy from device", |d, s| unsafe {
+            self.call("async copy from device", |d, s| unsafe {
                 cu!(d, cuMemcpyDtoHAsync_v2(to, from, bytes, s))
             })?;
         }

@@ -23,7 +23,7 @@ impl CudaStream {
         let done = self.claim_done()?;
         let (ev, s) = (done.raw, self.inner.raw);
         // SAFETY: a live event and stream of the bound context.
-        let recorded = self.call_unbound("recording its completion event", |d, _| unsafe {
+        let recorded = self.call("recording its completion event", |d, _| unsafe {
             cu!(d, cuEventRecord(ev, s))
         });
         match recorded {
@@ -173,14 +173,10 @@ impl CudaStream {
     /// stays the caller's).
     pub(crate) fn wait_event(&self, event: CUevent) -> Result<()> {
         let sync = || {
-            // Unbound: the event names its context.
-            self.inner
-                .ctx
-                .call_by_handle(|d| {
-                    // SAFETY: a live event of this context.
-                    unsafe { cu!(d, cuEventSynchronize(event)) }
-                })
-                .map_err(|e| e.about(self.subject("waiting for queued work")))
+            self.call("waiting for queued work", |d, _| {
+                // SAFETY: a live event of this context.
+                unsafe { cu!(d, cuEventSynchronize(event)) }
+            })
         };
         let mut waited = sync();
         if waited
