@@ -255,14 +255,9 @@ pub fn run(reg: &MetraleRegistry, rounds: usize) -> Result<(), MetraleError> {
         ..sys::CUDA_KERNEL_NODE_PARAMS::default()
     };
     let node = nodes[0].node.raw();
-    // SAFETY: unbinds this thread's context, calls, binds it again.
-    let unbound = unsafe {
-        ok("cuCtxSetCurrent", set_current(std::ptr::null_mut()));
-        let st = set_params(exec.raw(), node, &np);
-        ok("cuCtxSetCurrent", set_current(ctx_raw));
-        st
-    };
-    println!("\ncuGraphExecKernelNodeSetParams_v2 with no context current: {unbound}");
+    // (With no context current, driver 580 crashed in this call on an H100:
+    // the update is never made unbound, so that case is not probed here.)
+
     // With another context of the device current: the update must reach the
     // node (a fill kernel's value, read back after a replay).
     if let (Ok(create), Ok(destroy)) = (d.cuCtxCreate_v4(), d.cuCtxDestroy_v2()) {

@@ -64,14 +64,6 @@ impl KernelInfo {
         bytes <= self.smem.load(Ordering::Acquire)
     }
 
-    /// Whether a launch with `smem` bytes of dynamic shared memory needs no
-    /// more driver calls about the kernel: its parameter layout was read and
-    /// its limit is high enough.
-    #[inline]
-    pub(crate) fn settled(&self, smem: u32) -> bool {
-        self.params.get().is_some() && self.smem_ready(smem)
-    }
-
     /// Raise the kernel's limit to at least `bytes` (the context is current).
     #[cold]
     pub(crate) fn opt_in(&self, d: &'static sys::Driver, bytes: u32) -> Result<(), CallError> {

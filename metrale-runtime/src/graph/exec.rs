@@ -327,23 +327,20 @@ impl CudaGraphExec {
             )));
         }
         super::node::refuse_attributes(&cfg, f.name())?;
-        if !f.info().settled(cfg.shared_mem_bytes) {
-            // The kernel's layout is read, or its shared-memory limit raised, once:
-            // with the context current.
-            self.ctx.bind()?;
-        }
+        // Bound once, here (the update itself must not go unbound: with no
+        // context current, driver 580 crashed in `cuGraphExecKernelNodeSetParams_v2`,
+        // seen on an H100 by `floor --parts`); the checks below and the call
+        // need no second bind.
+        self.ctx.bind()?;
         prepare(&self.ctx, f.info(), &cfg, Some(args.layout()))?;
         let (e, n) = (self.raw, node.node.raw);
+        let d = self.ctx.driver();
         args.with_params(|p| {
             let params = node_params(f.as_raw(), &cfg, p.as_mut_ptr());
-            // Unbound: the executable graph names its context.
-            self.ctx
-                .call_by_handle(|d| {
-                    // SAFETY: the driver copies the argument values `p` points to
-                    // during the call; the node belongs to the graph this was
-                    // instantiated from.
-                    unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
-                })
+            // SAFETY: the driver copies the argument values `p` points to during
+            // the call; the node belongs to the graph this was instantiated
+            // from; the context is current (bound above, on this thread).
+            unsafe { cu!(d, cuGraphExecKernelNodeSetParams_v2(e, n, &params)) }
                 .map_err(|e| e.about(self.subject("kernel node update")))
         })
     }

@@ -52,7 +52,7 @@ fn queue_done(stream: &CudaStream) -> Result<Arc<Shared>> {
     let event = waiter
         .event()
         .map_err(|e| e.about(stream.subject("making a wake-up event")))?;
-    let recorded = stream.call_unbound("recording a future's wake-up", |d, s| {
+    let recorded = stream.call("recording a future's wake-up", |d, s| {
         // SAFETY: an event of the stream's context, owned by its waiter.
         unsafe { cu!(d, cuEventRecord(event, s)) }
     });
