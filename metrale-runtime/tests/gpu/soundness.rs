@@ -81,7 +81,16 @@ fn captures_on_a_shared_stream_never_catch_a_copy_or_a_free() {
                 }
             }
             let _stop = Stop(stop);
-            for _ in 0..300 {
+            // At least 300 captures, and on until the copying thread has met
+            // them 20 times (a fast host can finish 300 before its first copy
+            // returns), within 20 s.
+            let t = std::time::Instant::now();
+            let mut n = 0;
+            while n < 300
+                || (ok.load(Ordering::Relaxed) + refused.load(Ordering::Relaxed) < 20
+                    && t.elapsed() < std::time::Duration::from_secs(20))
+            {
+                n += 1;
                 let g = s
                     .capture(|_| -> metrale_runtime::Result<()> {
                         std::thread::yield_now();
