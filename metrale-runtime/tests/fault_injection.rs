@@ -41,6 +41,8 @@ mod review2;
 mod review3;
 #[path = "fault/review4.rs"]
 mod review4;
+#[path = "fault/review5.rs"]
+mod review5;
 #[path = "fault/round4.rs"]
 mod round4;
 #[path = "fault/signals.rs"]
@@ -93,6 +95,7 @@ fn main() -> ExitCode {
         review2::tests(),
         review3::tests(),
         review4::tests(),
+        review5::tests(),
     ]
     .into_iter()
     .flatten()
@@ -117,6 +120,7 @@ fn main() -> ExitCode {
             .chain(review2::children())
             .chain(batch::children())
             .chain(review3::children())
+            .chain(review5::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -224,13 +224,11 @@ impl FreeJob {
                 return None;
             }
         }
-        let (ptr, s) = (self.ptr, own.raw());
+        let ptr = self.ptr;
         // SAFETY: this allocation's own stream-ordered free, once, on the stream it
         // was allocated on (alive: `own` holds it), after every use recorded above;
         // the stream is not being captured (checked in this section).
-        let freed = self
-            .ctx
-            .call_by_handle(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+        let freed = own.call_by_stream(|d, s| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
         if let Err(e) = freed {
             crate::error::report_drop_failures(format_args!("{what}"), &[e]);
         }
@@ -332,11 +330,10 @@ fn free_on_own(
     if !ctx.may_release(made, format_args!("{}", Lazy(&what))) {
         return Ok(());
     }
-    let s = own.raw();
     // SAFETY: this allocation's own stream-ordered free, once, on the stream it was
     // allocated on (alive: `own` holds it); no other stream used it, and the
     // stream is not being captured (checked in this section).
-    let freed = ctx.call_by_handle(|d| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
+    let freed = own.call_by_stream(|d, s| unsafe { cu!(d, cuMemFreeAsync(ptr, s)) });
     if let Err(e) = freed {
         crate::error::report_drop_failures(format_args!("{}", what()), &[e]);
     }

@@ -298,27 +298,25 @@ impl CudaStream {
         let section = self.section();
         self.refuse_if_capturing(&section, "a stream-ordered allocation")?;
         if bytes > 0 {
-            let s = self.raw();
             let ptr_out = std::cell::Cell::new(0);
-            self.context()
-                .call_by_handle(|d| {
-                    let mut p: CUdeviceptr = 0;
-                    // SAFETY: writes one address; the stream and pool are live.
-                    let r = unsafe {
-                        match pool {
-                            None => cu!(d, cuMemAllocAsync(&mut p, bytes, s)),
-                            Some(pl) => cu!(d, cuMemAllocFromPoolAsync(&mut p, bytes, pl, s)),
-                        }
-                    };
-                    ptr_out.set(p);
-                    r
-                })
-                .map_err(|e| {
-                    e.about(format_args!(
-                        "device {}: allocating {bytes} bytes in stream order",
-                        self.ordinal()
-                    ))
-                })?;
+            self.call_by_stream(|d, s| {
+                let mut p: CUdeviceptr = 0;
+                // SAFETY: writes one address; the stream and pool are live.
+                let r = unsafe {
+                    match pool {
+                        None => cu!(d, cuMemAllocAsync(&mut p, bytes, s)),
+                        Some(pl) => cu!(d, cuMemAllocFromPoolAsync(&mut p, bytes, pl, s)),
+                    }
+                };
+                ptr_out.set(p);
+                r
+            })
+            .map_err(|e| {
+                e.about(format_args!(
+                    "device {}: allocating {bytes} bytes in stream order",
+                    self.ordinal()
+                ))
+            })?;
             ptr = ptr_out.get();
         }
         drop(section);

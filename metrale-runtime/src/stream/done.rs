@@ -9,6 +9,7 @@ use metrale_cuda_sys::{self as sys, CUevent, CUresult};
 
 use super::pool::{DoneEvent, DONE_SLOTS};
 use super::section::Section;
+use super::waiter::relaxed;
 use super::CudaStream;
 use crate::error::{cu, CallError, MetraleError, Result};
 use crate::lifetime::work_abandoned;
@@ -219,19 +220,4 @@ impl CudaStream {
         drop(section);
         self.wait_done(done)
     }
-}
-
-/// Run `f` with this thread's capture mode relaxed (`cuThreadExchangeStreamCaptureMode`),
-/// restoring it afterwards: for a wait on an event recorded outside any capture,
-/// which the default modes refuse on a capturing thread.
-fn relaxed<R>(d: &'static sys::Driver, f: impl FnOnce() -> Result<R>) -> Result<R> {
-    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
-    // SAFETY: exchanges this thread's mode through a valid pointer.
-    let swapped = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) }.is_ok();
-    let r = f();
-    if swapped {
-        // SAFETY: puts the previous mode back.
-        let _ = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) };
-    }
-    r
 }

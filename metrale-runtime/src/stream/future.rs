@@ -43,30 +43,30 @@ unsafe extern "C" fn wake_host(data: *mut c_void) {
 /// Queue the wake-up on `stream`, outside any capture: through the stream's
 /// waiting thread when it has one (or can start one), else a driver callback.
 fn queue_done(stream: &CudaStream) -> Result<Arc<Shared>> {
-    let Some(waiter) = stream.waiter() else {
+    let section = stream.section();
+    stream.refuse_if_capturing(&section, "a future's wake-up (done)")?;
+    // No thread is started for a call refused anyway (inside a host function),
+    // and a waker running a task inline on the stream's own waiting thread
+    // must not queue on it (it would wait for itself): a callback then.
+    let waiter = if crate::lifetime::in_host_function() {
+        None
+    } else {
+        stream.waiter().filter(|w| !w.is_current())
+    };
+    let Some(waiter) = waiter else {
+        drop(section);
         return queue_wake(stream);
     };
     let shared = Shared::new();
-    let section = stream.section();
-    stream.refuse_if_capturing(&section, "a future's wake-up (done)")?;
-    let event = waiter
-        .event()
-        .map_err(|e| e.about(stream.subject("making a wake-up event")))?;
-    let recorded = stream.call("recording a future's wake-up", |d, s| {
-        // SAFETY: an event of the stream's context, owned by its waiter.
-        unsafe { cu!(d, cuEventRecord(event, s)) }
-    });
+    waiter.queue(Arc::clone(&shared), |event| {
+        stream.call("recording a future's wake-up", |d, s| {
+            // SAFETY: an event of the stream's context, owned by its waiter
+            // (which waits on it only after this record).
+            unsafe { cu!(d, cuEventRecord(event, s)) }
+        })
+    })?;
     drop(section);
-    match recorded {
-        Ok(()) => {
-            waiter.push(event, Arc::clone(&shared));
-            Ok(shared)
-        }
-        Err(e) => {
-            waiter.unused(event);
-            Err(e)
-        }
-    }
+    Ok(shared)
 }
 
 /// Queue the wake-up callback on `stream`, outside any capture.

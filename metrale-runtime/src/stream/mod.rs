@@ -436,15 +436,26 @@ impl CudaStream {
     pub(crate) fn call_unbound<R>(
         &self,
         what: &'static str,
-        mut f: impl FnMut(&'static sys::Driver, CUstream) -> Result<R, CallError>,
+        f: impl FnMut(&'static sys::Driver, CUstream) -> Result<R, CallError>,
     ) -> Result<R> {
+        self.call_by_stream(f)
+            .map_err(|e| e.about(self.subject(what)))
+    }
+
+    /// [`CudaStream::call_unbound`] leaving the [`CallError`] to the caller to
+    /// describe: unbound for a stream of its own, bound for the null and special
+    /// streams (they mean the current context's).
+    #[inline(always)]
+    pub(crate) fn call_by_stream<R>(
+        &self,
+        mut f: impl FnMut(&'static sys::Driver, CUstream) -> Result<R, CallError>,
+    ) -> Result<R, CallError> {
         let raw = self.inner.raw;
         let ctx = &self.inner.ctx;
         if (raw as usize) <= 2 {
-            return ctx.call(|| self.subject(what), |d| f(d, raw));
+            return ctx.with(|d| f(d, raw));
         }
         ctx.call_by_handle(|d| f(d, raw))
-            .map_err(|e| e.about(self.subject(what)))
     }
 
     /// `device N stream 0x..: what` for error texts.

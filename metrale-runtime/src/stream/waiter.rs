@@ -20,16 +20,18 @@
 //!   Drop waits for it. A job's state is an `Arc` the future shares, so a
 //!   future dropped early frees nothing the thread still uses.
 
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock, PoisonError};
 use std::task::{Context, Poll, Waker};
+use std::thread::JoinHandle;
 
 use metrale_cuda_sys::{self as sys, CUevent, CUresult};
 
 use crate::context::{CudaContext, Generation};
-use crate::error::{cu, report_line, CallError};
+use crate::error::{cu, report_line, CallError, MetraleError};
 
 /// The most waiting threads in the process.
 pub(crate) const WAITER_THREADS: usize = 8;
@@ -45,6 +47,8 @@ pub fn live_waiters() -> usize {
 /// A stream's waiter: the queue its thread takes jobs from.
 pub(crate) struct Waiter {
     state: Arc<State>,
+    /// Taken by `close` to wait for a thread that has nothing left to do.
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 struct State {
@@ -57,7 +61,8 @@ struct State {
 
 #[derive(Default)]
 struct Queue {
-    /// Events recorded on the stream, each with the future it wakes, in order.
+    /// Events recorded on the stream, each with the future it wakes, in the
+    /// order of their records (recorded and queued under this lock).
     jobs: VecDeque<(CUevent, Arc<Shared>)>,
     /// Events the thread is done with, for the next futures.
     free: Vec<CUevent>,
@@ -70,6 +75,11 @@ struct Queue {
 // SAFETY: the raw events are handles the driver lets any thread use; they are
 // touched under the queue's lock or by the one thread that took them from it.
 unsafe impl Send for Queue {}
+
+thread_local! {
+    /// The waiter whose thread this is (null elsewhere).
+    static SERVING: Cell<*const State> = const { Cell::new(std::ptr::null()) };
+}
 
 impl Waiter {
     /// A waiter for a stream of `ctx` made in `made`, with its thread started;
@@ -97,7 +107,10 @@ impl Waiter {
             .name(format!("metrale-waiter-{}", ctx.ordinal()))
             .spawn(move || run.serve());
         match spawned {
-            Ok(_) => Some(Waiter { state }),
+            Ok(handle) => Some(Waiter {
+                state,
+                thread: Mutex::new(Some(handle)),
+            }),
             Err(_) => {
                 LIVE.fetch_sub(1, Ordering::AcqRel);
                 None
@@ -105,12 +118,45 @@ impl Waiter {
         }
     }
 
-    /// An event to record for the next future: one the thread is done with, or
-    /// a new blocking-sync event.
-    pub(crate) fn event(&self) -> Result<CUevent, CallError> {
-        if let Some(e) = self.lock().free.pop() {
-            return Ok(e);
+    /// Whether the calling thread is this waiter's own (a waker running a task
+    /// inline there must not queue on it: it would wait for itself).
+    pub(crate) fn is_current(&self) -> bool {
+        SERVING.with(|s| std::ptr::eq(s.get(), Arc::as_ptr(&self.state)))
+    }
+
+    /// Record an event on the stream (`record`, given the event) and queue the
+    /// wake-up of `shared` after it, both under the queue's lock, so the thread
+    /// waits for the events in the order they were recorded.
+    pub(crate) fn queue(
+        &self,
+        shared: Arc<Shared>,
+        record: impl FnOnce(CUevent) -> Result<(), MetraleError>,
+    ) -> Result<(), MetraleError> {
+        let mut q = self.lock();
+        let event = match q.free.pop() {
+            Some(e) => e,
+            None => self.new_event().map_err(|e| {
+                e.about(format_args!(
+                    "device {}: making a future's wake-up event",
+                    self.state.ctx.ordinal()
+                ))
+            })?,
+        };
+        if let Err(e) = record(event) {
+            q.free.push(event);
+            return Err(e);
         }
+        q.jobs.push_back((event, shared));
+        let sleeping = q.sleeping;
+        drop(q);
+        if sleeping {
+            self.state.wake.notify_one();
+        }
+        Ok(())
+    }
+
+    /// A new blocking-sync event of the stream's context.
+    fn new_event(&self) -> Result<CUevent, CallError> {
         let flags = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC.0
             | sys::CUevent_flags::CU_EVENT_DISABLE_TIMING.0;
         let mut e: CUevent = std::ptr::null_mut();
@@ -121,30 +167,36 @@ impl Waiter {
         Ok(e)
     }
 
-    /// Give back an event that was not recorded (its record failed).
-    pub(crate) fn unused(&self, event: CUevent) {
-        self.lock().free.push(event);
-    }
-
-    /// Wake `shared` once `event`, just recorded on the stream, has completed.
-    pub(crate) fn push(&self, event: CUevent, shared: Arc<Shared>) {
+    /// The stream's last handle went. A thread asleep with nothing queued
+    /// leaves now: its events are destroyed here and it is waited for (it only
+    /// wakes and returns), so nothing of the stream outlives its last handle.
+    /// A thread with futures queued finishes them first (their events complete
+    /// with the stream's work) and then cleans up by itself; nothing waits for
+    /// it.
+    pub(crate) fn close(&self) {
         let mut q = self.lock();
-        q.jobs.push_back((event, shared));
+        q.closed = true;
+        let idle = q.sleeping && q.jobs.is_empty();
+        let events = if idle {
+            std::mem::take(&mut q.free)
+        } else {
+            Vec::new()
+        };
         let sleeping = q.sleeping;
         drop(q);
         if sleeping {
             self.state.wake.notify_one();
         }
-    }
-
-    /// The stream's last handle went: the thread leaves once its jobs are done.
-    pub(crate) fn close(&self) {
-        let mut q = self.lock();
-        q.closed = true;
-        let sleeping = q.sleeping;
-        drop(q);
-        if sleeping {
-            self.state.wake.notify_one();
+        self.state.destroy(events);
+        if idle && !self.is_current() {
+            let handle = self
+                .thread
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take();
+            if let Some(h) = handle {
+                let _ = h.join();
+            }
         }
     }
 
@@ -156,9 +208,30 @@ impl Waiter {
     }
 }
 
+/// On the thread's way out, however it leaves: its events destroyed, its
+/// place among the waiting threads given back.
+struct Leave<'a>(&'a State);
+
+impl Drop for Leave<'_> {
+    fn drop(&mut self) {
+        let events = std::mem::take(
+            &mut self
+                .0
+                .queue
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .free,
+        );
+        self.0.destroy(events);
+        LIVE.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl State {
     /// The thread: wait for each event in turn and wake its future.
     fn serve(self: Arc<Self>) {
+        SERVING.with(|s| s.set(Arc::as_ptr(&self)));
+        let _leave = Leave(&self);
         // Bound once; `cuEventSynchronize` takes the event's context from the
         // event, but a driver that wants it current gets it.
         let _ = self.ctx.bind_fast();
@@ -181,27 +254,27 @@ impl State {
             let Some((event, shared)) = job else {
                 break;
             };
-            // SAFETY: a live event this thread owns until it goes back to the
-            // free list below; blocking-sync, so the thread sleeps.
-            let status = match unsafe { cu!(d, cuEventSynchronize(event)) } {
-                Ok(()) => CUresult::CUDA_SUCCESS,
-                Err(CallError::Status { status, .. }) => status,
-                // The table lacks the call (never for a driver that made the
-                // event) or this thread is somehow a host function's.
-                Err(_) => CUresult::CUDA_ERROR_UNKNOWN,
-            };
+            let mut status = wait(d, event);
+            if (900..=908).contains(&status.0) {
+                // Refused because a global capture is in progress somewhere: an
+                // event recorded outside any capture may be waited for in the
+                // relaxed mode.
+                status = relaxed(d, || wait(d, event));
+            }
             // The waker is the executor's code: a panic there must not end
-            // this thread (the stream's later futures wait on it).
+            // this thread (the stream's later futures wait on it), nor may
+            // dropping the panic's payload.
             let woke = catch_unwind(AssertUnwindSafe(|| {
                 shared.fire(status, "cuEventSynchronize");
                 drop(shared);
             }));
-            if woke.is_err() {
+            if let Err(payload) = woke {
                 report_line(format_args!(
                     "a future's waker panicked on the waiting thread of device {}; the \
                      panic was caught and the thread goes on",
                     self.ctx.ordinal()
                 ));
+                let _ = catch_unwind(AssertUnwindSafe(move || drop(payload)));
             }
             self.queue
                 .lock()
@@ -209,19 +282,10 @@ impl State {
                 .free
                 .push(event);
         }
-        self.destroy_events();
-        LIVE.fetch_sub(1, Ordering::AcqRel);
     }
 
-    /// Destroy the events, under the release rule.
-    fn destroy_events(&self) {
-        let events = std::mem::take(
-            &mut self
-                .queue
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .free,
-        );
+    /// Destroy `events` (this waiter's), under the release rule.
+    fn destroy(&self, events: Vec<CUevent>) {
         if events.is_empty() {
             return;
         }
@@ -234,8 +298,8 @@ impl State {
             ),
             |d, failures| {
                 for &e in &events {
-                    // SAFETY: an event this waiter made, destroyed once (the
-                    // queue is closed and empty: nothing records it any more).
+                    // SAFETY: an event this waiter made, destroyed once: taken
+                    // off the free list, so nothing records or waits on it.
                     if let Err(e) = unsafe { cu!(d, cuEventDestroy_v2(e)) } {
                         failures.push(e);
                     }
@@ -243,6 +307,34 @@ impl State {
             },
         );
     }
+}
+
+/// `cuEventSynchronize` of `event`, as a status.
+fn wait(d: &'static sys::Driver, event: CUevent) -> CUresult {
+    // SAFETY: a live event the calling waiter owns until it goes back to the
+    // free list; blocking-sync, so the thread sleeps.
+    match unsafe { cu!(d, cuEventSynchronize(event)) } {
+        Ok(()) => CUresult::CUDA_SUCCESS,
+        Err(CallError::Status { status, .. }) => status,
+        // The table lacks the call (never for a driver that made the event)
+        // or this thread is somehow a host function's.
+        Err(_) => CUresult::CUDA_ERROR_UNKNOWN,
+    }
+}
+
+/// Run `f` with this thread's capture mode relaxed (`cuThreadExchangeStreamCaptureMode`),
+/// restoring it afterwards: for a wait on an event recorded outside any capture,
+/// which the default modes refuse on a capturing thread or during a global capture.
+pub(super) fn relaxed<R>(d: &'static sys::Driver, f: impl FnOnce() -> R) -> R {
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: exchanges this thread's mode through a valid pointer.
+    let swapped = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) }.is_ok();
+    let r = f();
+    if swapped {
+        // SAFETY: puts the previous mode back.
+        let _ = unsafe { cu!(d, cuThreadExchangeStreamCaptureMode(&mut mode)) };
+    }
+    r
 }
 
 /// What a future and what wakes it share.
