@@ -58,7 +58,7 @@ fn queue_done(stream: &CudaStream) -> Result<Arc<Shared>> {
         return queue_wake(stream);
     };
     let shared = Shared::new();
-    waiter.queue(Arc::clone(&shared), |event| {
+    let queued = waiter.queue(Arc::clone(&shared), |event| {
         stream.call("recording a future's wake-up", |d, s| {
             // SAFETY: an event of the stream's context, owned by its waiter
             // (which waits on it only after this record).
@@ -66,6 +66,9 @@ fn queue_done(stream: &CudaStream) -> Result<Arc<Shared>> {
         })
     })?;
     drop(section);
+    if !queued {
+        return queue_wake(stream);
+    }
     Ok(shared)
 }
 

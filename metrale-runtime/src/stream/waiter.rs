@@ -126,13 +126,17 @@ impl Waiter {
 
     /// Record an event on the stream (`record`, given the event) and queue the
     /// wake-up of `shared` after it, both under the queue's lock, so the thread
-    /// waits for the events in the order they were recorded.
+    /// waits for the events in the order they were recorded. `Ok(false)`, with
+    /// nothing recorded, when the thread is gone (the caller uses a callback).
     pub(crate) fn queue(
         &self,
         shared: Arc<Shared>,
         record: impl FnOnce(CUevent) -> Result<(), MetraleError>,
-    ) -> Result<(), MetraleError> {
+    ) -> Result<bool, MetraleError> {
         let mut q = self.lock();
+        if q.closed {
+            return Ok(false);
+        }
         let event = match q.free.pop() {
             Some(e) => e,
             None => self.new_event().map_err(|e| {
@@ -152,7 +156,7 @@ impl Waiter {
         if sleeping {
             self.state.wake.notify_one();
         }
-        Ok(())
+        Ok(true)
     }
 
     /// A new blocking-sync event of the stream's context.
@@ -214,14 +218,13 @@ struct Leave<'a>(&'a State);
 
 impl Drop for Leave<'_> {
     fn drop(&mut self) {
-        let events = std::mem::take(
-            &mut self
-                .0
-                .queue
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .free,
-        );
+        let events = {
+            let mut q = self.0.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            // Closed for good: were the thread to leave early (a panic of its
+            // own), later futures go to a callback rather than a dead queue.
+            q.closed = true;
+            std::mem::take(&mut q.free)
+        };
         self.0.destroy(events);
         LIVE.fetch_sub(1, Ordering::AcqRel);
     }
