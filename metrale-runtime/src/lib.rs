@@ -140,9 +140,10 @@ pub use graph::{
 pub use green::{GreenContext, SmResource, SmSplit};
 pub use host::{host, release, CudaHost};
 pub use launch::{
-    ArgLayout, Im2colWideMode, Interleave, KernelArg, KernelArgList, KernelArgs, L2Promotion,
-    LaunchAttributes, LaunchConfig, NullPtr, OobFill, Swizzle, TensorDataType, TensorElement,
-    TensorMap, TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN, TENSOR_MAP_MAX_RANK,
+    ArgLayout, ByAddress, ByValue, Im2colWideMode, Interleave, KernelArg, KernelArgList,
+    KernelArgs, L2Promotion, LaunchAttributes, LaunchConfig, NullPtr, OobFill, Swizzle,
+    TensorDataType, TensorElement, TensorMap, TensorMapBuilder, TensorMapLayout, MAX_ARG_ALIGN,
+    TENSOR_MAP_MAX_RANK,
 };
 pub use memory::{
     deferred_frees, granularity, Access, BatchCopy, DeviceBuffer, DeviceMemory, DeviceMemoryMut,

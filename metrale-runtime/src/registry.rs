@@ -492,7 +492,7 @@ impl MetraleRegistry {
     /// As [`MetraleRegistry::launch_on_stream`], and
     /// [`ErrorKind::ArgumentMismatch`](crate::ErrorKind::ArgumentMismatch).
     #[inline]
-    pub unsafe fn launch<A: KernelArgs>(
+    pub unsafe fn launch<A: KernelArgs<K>, K>(
         &self,
         func: RawCudaFunc,
         cfg: LaunchConfig,

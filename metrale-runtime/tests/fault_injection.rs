@@ -17,6 +17,8 @@ mod args;
 mod batch;
 #[path = "fault/common.rs"]
 mod common;
+#[path = "fault/compose.rs"]
+mod compose;
 #[path = "fault/errors.rs"]
 mod errors;
 #[path = "fault/foreign.rs"]
@@ -84,6 +86,7 @@ fn main() -> ExitCode {
         arena::tests(),
         launch::tests(),
         args::tests(),
+        compose::tests(),
         tensor_map::tests(),
         green::tests(),
         graph::tests(),

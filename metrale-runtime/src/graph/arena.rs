@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use super::{CudaGraph, CudaGraphExec};
 use crate::context::AsContext;
-use crate::error::{invalid_arg, Result};
+use crate::error::{invalid_arg, MetraleError, Result};
 use crate::memory::{DeviceBuffer, DeviceRepr, DeviceSliceMut};
 use crate::stream::CudaStream;
 
@@ -203,6 +203,61 @@ impl CaptureArena {
         graph.hold(&self.keep);
         Ok(graph)
     }
+
+    /// As [`CaptureArena::capture`], with `f` returning any error type that a
+    /// [`MetraleError`] converts into, as [`CudaStream::try_capture`] (name it in
+    /// the closure, `|s| -> Result<(), AppError> { .. }`, or with a turbofish).
+    ///
+    /// ```no_run
+    /// use metrale_runtime::{host, CaptureArena, CudaGraph, MetraleError};
+    /// #[derive(Debug)]
+    /// enum AppError { Gpu(MetraleError), Config(&'static str) }
+    /// impl From<MetraleError> for AppError {
+    ///     fn from(e: MetraleError) -> Self { AppError::Gpu(e) }
+    /// }
+    /// fn record(arena: &CaptureArena, layers: usize) -> Result<CudaGraph, AppError> {
+    ///     let h = host(0)?;
+    ///     let mut scratch = arena.take::<f32>(1024)?;
+    ///     arena.try_capture(h.stream(), |s| -> Result<(), AppError> {
+    ///         if layers == 0 {
+    ///             return Err(AppError::Config("no layers"));
+    ///         }
+    ///         s.zero(&mut scratch)?;
+    ///         Ok(())
+    ///     })
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`CudaStream::try_capture`]; `WrongDevice` for a stream of another
+    /// device.
+    pub fn try_capture<E, F>(&self, stream: &CudaStream, f: F) -> std::result::Result<CudaGraph, E>
+    where
+        E: From<MetraleError>,
+        F: FnOnce(&CudaStream) -> std::result::Result<(), E>,
+    {
+        stream.context().check_same(
+            self.memory.buffer.context(),
+            || format!("capture arena {:#x}", self.memory.buffer.device_ptr()),
+            "the stream",
+        )?;
+        let mut graph = stream.try_capture(f)?;
+        graph.hold(&self.keep);
+        Ok(graph)
+    }
+}
+
+/// `sizes` ascending without duplicates, or an error for none or a 0.
+fn bucket_sizes(sizes: &[usize]) -> Result<Vec<usize>> {
+    let mut sorted = sizes.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    if sorted.first().is_none_or(|&s| s == 0) {
+        return Err(invalid_arg(format!(
+            "graph buckets: sizes {sizes:?}: at least one, each above 0"
+        )));
+    }
+    Ok(sorted)
 }
 
 /// One captured step per batch-size bucket, replayed for the smallest bucket
@@ -245,17 +300,55 @@ impl GraphBuckets {
     where
         F: FnMut(&CudaStream, usize) -> Result<()>,
     {
-        let mut sorted = sizes.to_vec();
-        sorted.sort_unstable();
-        sorted.dedup();
-        if sorted.first().is_none_or(|&s| s == 0) {
-            return Err(invalid_arg(format!(
-                "graph buckets: sizes {sizes:?}: at least one, each above 0"
-            )));
-        }
+        let sorted = bucket_sizes(sizes)?;
         let mut buckets = Vec::with_capacity(sorted.len());
         for size in sorted {
             let graph = arena.capture(stream, |s| step(s, size))?;
+            let exec = graph.instantiate()?;
+            buckets.push((size, exec));
+        }
+        Ok(GraphBuckets { buckets })
+    }
+
+    /// As [`GraphBuckets::capture`], with `step` returning any error type that a
+    /// [`MetraleError`] converts into, as [`CudaStream::try_capture`].
+    ///
+    /// ```no_run
+    /// use metrale_runtime::{host, CaptureArena, GraphBuckets, MetraleError};
+    /// #[derive(Debug)]
+    /// enum AppError { Gpu(MetraleError), TooBig(usize) }
+    /// impl From<MetraleError> for AppError {
+    ///     fn from(e: MetraleError) -> Self { AppError::Gpu(e) }
+    /// }
+    /// fn buckets(arena: &CaptureArena) -> Result<GraphBuckets, AppError> {
+    ///     let h = host(0)?;
+    ///     let mut scratch = arena.take::<u32>(64 * 1024)?;
+    ///     GraphBuckets::try_capture(h.stream(), arena, &[1, 8, 64], |s, size| -> Result<(), AppError> {
+    ///         if size > 64 {
+    ///             return Err(AppError::TooBig(size));
+    ///         }
+    ///         s.memset_u32(&mut scratch.slice_mut(..size * 1024)?, 0)?;
+    ///         Ok(())
+    ///     })
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`GraphBuckets::capture`], with `step`'s own error as it failed.
+    pub fn try_capture<E, F>(
+        stream: &CudaStream,
+        arena: &CaptureArena,
+        sizes: &[usize],
+        mut step: F,
+    ) -> std::result::Result<GraphBuckets, E>
+    where
+        E: From<MetraleError>,
+        F: FnMut(&CudaStream, usize) -> std::result::Result<(), E>,
+    {
+        let sorted = bucket_sizes(sizes)?;
+        let mut buckets = Vec::with_capacity(sorted.len());
+        for size in sorted {
+            let graph = arena.try_capture(stream, |s| step(s, size))?;
             let exec = graph.instantiate()?;
             buckets.push((size, exec));
         }

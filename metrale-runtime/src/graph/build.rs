@@ -26,7 +26,7 @@ impl CudaGraph {
     ///
     /// # Errors
     /// As [`CudaStream::launch`](crate::CudaStream::launch); `cuGraphAddKernelNode_v2`'s status.
-    pub unsafe fn add_kernel_node<A: KernelArgs>(
+    pub unsafe fn add_kernel_node<A: KernelArgs<K>, K>(
         &mut self,
         deps: &[GraphNode],
         f: &CudaFunction,
@@ -133,7 +133,7 @@ impl CudaGraph {
 ///
 /// # Safety
 /// As [`CudaStream::launch`](crate::CudaStream::launch), for every replay.
-unsafe fn add_kernel<A: KernelArgs>(
+unsafe fn add_kernel<A: KernelArgs<K>, K>(
     (graph, graph_id): (CUgraph, u64),
     ctx: &Arc<CudaContext>,
     deps: &[GraphNode],
@@ -195,7 +195,7 @@ impl GraphBody<'_> {
     ///
     /// # Errors
     /// As [`CudaGraph::add_kernel_node`].
-    pub unsafe fn add_kernel_node<A: KernelArgs>(
+    pub unsafe fn add_kernel_node<A: KernelArgs<K>, K>(
         &mut self,
         deps: &[GraphNode],
         f: &CudaFunction,

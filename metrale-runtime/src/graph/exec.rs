@@ -298,7 +298,7 @@ impl CudaGraphExec {
     /// (the graph must not be changed by another thread meanwhile: it is `Send`,
     /// not `Sync`, so only its owner can); as
     /// [`CudaStream::launch`]; the driver's status.
-    pub unsafe fn set_kernel_params<A: KernelArgs>(
+    pub unsafe fn set_kernel_params<A: KernelArgs<K>, K>(
         &self,
         node: &KernelNode,
         f: &CudaFunction,

@@ -136,7 +136,7 @@ impl<'a> KernelArgList<'a> {
     /// struct), device memory as its address (`&buf`, `&mut buf`, a slice, with
     /// the borrow held as long as the list), [`NullPtr`], or a `&TensorMap` — any
     /// [`KernelArg`], with the size and alignment it has in a tuple.
-    pub fn push<A: KernelArg + 'a>(&mut self, arg: A) -> &mut Self {
+    pub fn push<A: KernelArg<K> + 'a, K>(&mut self, arg: A) -> &mut Self {
         self.append(&arg, A::SIZE, A::ALIGN);
         self
     }
@@ -174,7 +174,7 @@ impl<'a> KernelArgList<'a> {
     /// # Errors
     /// `InvalidArgument` for an index past the end or a different size or
     /// alignment, saying which; the list is unchanged.
-    pub fn set<A: KernelArg + 'a>(&mut self, index: usize, arg: A) -> Result<()> {
+    pub fn set<A: KernelArg<K> + 'a, K>(&mut self, index: usize, arg: A) -> Result<()> {
         self.check_slot(index, A::SIZE, A::ALIGN)?;
         let src = param_bytes(&arg, A::SIZE);
         let at = self.offsets[index];
@@ -261,7 +261,7 @@ impl<'a> KernelArgList<'a> {
         Ok(())
     }
 
-    fn append<A: KernelArg>(&mut self, arg: &A, size: usize, align: usize) {
+    fn append<A: KernelArg<K>, K>(&mut self, arg: &A, size: usize, align: usize) {
         self.append_bytes(param_bytes(arg, size), align);
     }
 
@@ -306,7 +306,7 @@ impl<'a> KernelArgList<'a> {
 }
 
 /// The `size` bytes a kernel argument passes.
-fn param_bytes<A: KernelArg>(arg: &A, size: usize) -> &[u8] {
+fn param_bytes<A: KernelArg<K>, K>(arg: &A, size: usize) -> &[u8] {
     // SAFETY: the KernelArg contract: `param_ptr` points to `SIZE` (= `size`) bytes
     // of the value, valid while `arg` is borrowed, which the result is.
     unsafe { std::slice::from_raw_parts(arg.param_ptr().cast::<u8>().cast_const(), size) }
@@ -331,7 +331,7 @@ fn check_bytes(index: usize, size: usize, align: usize) -> Result<()> {
 // list's storage (offsets and sizes recorded when it was pushed lie inside it),
 // valid while the list is borrowed, which covers the call; `layout` lists the same
 // arguments' sizes and alignments.
-unsafe impl KernelArgs for &KernelArgList<'_> {
+unsafe impl KernelArgs<()> for &KernelArgList<'_> {
     const SIZES: &'static [usize] = &[];
 
     #[inline]

@@ -27,7 +27,7 @@ mod path;
 mod tensor_map;
 
 pub use arg_list::{KernelArgList, MAX_ARG_ALIGN};
-pub use args::{ArgLayout, KernelArg, KernelArgs, NullPtr};
+pub use args::{ArgLayout, ByAddress, ByValue, KernelArg, KernelArgs, NullPtr};
 pub use config::{
     LaunchAttributes, LaunchConfig, DEFAULT_DYNAMIC_SHARED_LIMIT, MAX_PORTABLE_CLUSTER_SIZE,
 };

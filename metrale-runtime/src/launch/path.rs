@@ -248,7 +248,7 @@ impl CudaStream {
     /// [`ErrorKind::WrongDevice`], [`ErrorKind::KernelLaunch`] for an
     /// impossible shape or the driver's refusal.
     #[inline]
-    pub unsafe fn launch<A: KernelArgs>(
+    pub unsafe fn launch<A: KernelArgs<K>, K>(
         &self,
         f: &CudaFunction,
         cfg: LaunchConfig,

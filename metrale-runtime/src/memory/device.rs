@@ -154,11 +154,6 @@ impl<T: DeviceRepr> DeviceBuffer<T> {
         self.ptr
     }
 
-    /// The device address, by reference (what a kernel argument points at).
-    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-        &self.ptr
-    }
-
     /// The context the memory lives in.
     pub fn context(&self) -> &Arc<CudaContext> {
         self.ctx()
@@ -278,7 +273,11 @@ impl<T: DeviceRepr> Drop for DeviceBuffer<T> {
     }
 }
 
-impl<T: DeviceRepr> sealed::Sealed for DeviceBuffer<T> {}
+impl<T: DeviceRepr> sealed::Sealed for DeviceBuffer<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for DeviceBuffer<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -301,6 +300,7 @@ impl<T: DeviceRepr> DeviceMemory<T> for DeviceBuffer<T> {
         )
     }
 }
+impl<T: DeviceRepr> sealed::SealedMut for DeviceBuffer<T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for DeviceBuffer<T> {}
 
 macro_rules! slice_type {
@@ -357,10 +357,6 @@ macro_rules! slice_type {
                 self.ptr
             }
 
-            /// The device address, by reference (what a kernel argument points at).
-            pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-                &self.ptr
-            }
 
             /// A shared sub-view of `range`, relative to this view.
             ///
@@ -388,7 +384,11 @@ macro_rules! slice_type {
         }
 
 
-        impl<T: DeviceRepr> sealed::Sealed for $name<'_, T> {}
+        impl<T: DeviceRepr> sealed::Sealed for $name<'_, T> {
+            fn address_ref(&self) -> &CUdeviceptr {
+                &self.ptr
+            }
+        }
         impl<T: DeviceRepr> DeviceMemory<T> for $name<'_, T> {
             fn device_ptr(&self) -> CUdeviceptr {
                 self.ptr
@@ -426,6 +426,7 @@ slice_type!(
     &'a mut T
 );
 
+impl<T: DeviceRepr> sealed::SealedMut for DeviceSliceMut<'_, T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for DeviceSliceMut<'_, T> {}
 
 impl<'a, T: DeviceRepr> DeviceSliceMut<'a, T> {

@@ -388,11 +388,6 @@ impl<T: DeviceRepr> IpcBuffer<T> {
         self.ptr
     }
 
-    /// The address, by reference (what a kernel argument points at).
-    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-        &self.ptr
-    }
-
     /// A shared view of `range`.
     ///
     /// # Errors
@@ -465,7 +460,11 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
     }
 }
 
-impl<T: DeviceRepr> sealed::Sealed for IpcBuffer<T> {}
+impl<T: DeviceRepr> sealed::Sealed for IpcBuffer<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for IpcBuffer<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -488,4 +487,5 @@ impl<T: DeviceRepr> DeviceMemory<T> for IpcBuffer<T> {
         )
     }
 }
+impl<T: DeviceRepr> sealed::SealedMut for IpcBuffer<T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for IpcBuffer<T> {}

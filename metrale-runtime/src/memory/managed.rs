@@ -189,10 +189,6 @@ impl<T: DevicePod> ManagedBuffer<T> {
     pub fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
     }
-
-    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-        &self.ptr
-    }
 }
 
 impl CudaStream {
@@ -248,7 +244,11 @@ impl<T: DevicePod> Drop for ManagedBuffer<T> {
     }
 }
 
-impl<T: DevicePod> sealed::Sealed for ManagedBuffer<T> {}
+impl<T: DevicePod> sealed::Sealed for ManagedBuffer<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DevicePod> DeviceMemory<T> for ManagedBuffer<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -266,4 +266,5 @@ impl<T: DevicePod> DeviceMemory<T> for ManagedBuffer<T> {
         format!("managed buffer {:#x} ({} elements)", self.ptr, self.len)
     }
 }
+impl<T: DevicePod> sealed::SealedMut for ManagedBuffer<T> {}
 impl<T: DevicePod> DeviceMemoryMut<T> for ManagedBuffer<T> {}

@@ -90,11 +90,14 @@ pub use vmm::{granularity, Access, Granularity, HandleTypes, PhysicalMemory, Vir
 ///
 /// # Safety
 /// Implement only for `Copy` types without padding whose layout matches the
-/// kernel-side type (`#[repr(C)]` or `#[repr(transparent)]` for structs).
+/// kernel-side type (`#[repr(C)]` or `#[repr(transparent)]` for structs);
+/// never for a reference or a type that holds a host pointer or a handle (its
+/// bytes would be a host address to the kernel: device memory is passed as
+/// `&buf` or `&mut buf`, see [`KernelArg`](crate::KernelArg)).
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be passed to the device",
     label = "not a `DeviceRepr` type",
-    note = "for your own `#[repr(C)]` type without padding write `unsafe impl metrale_runtime::DeviceRepr for {Self} {{}}` (and `DevicePod` if every bit pattern is valid)"
+    note = "a value passed to the device is plain data: a number, an array of them, or your own `#[repr(C)]` struct of plain data without padding, which holds no reference, pointer or handle (for that struct: `unsafe impl metrale_runtime::DeviceRepr for YourStruct {{}}`); device memory is passed as `&buf` or `&mut buf`, never as a value"
 )]
 pub unsafe trait DeviceRepr: Copy + Send + Sync + 'static {}
 
@@ -107,7 +110,7 @@ pub unsafe trait DeviceRepr: Copy + Send + Sync + 'static {}
 #[diagnostic::on_unimplemented(
     message = "`{Self}` cannot be read back from the device",
     label = "not a `DevicePod` type (some bit patterns are invalid, or it is not `DeviceRepr`)",
-    note = "read-back needs every bit pattern to be valid: `unsafe impl metrale_runtime::DevicePod for {Self} {{}}` for a `#[repr(C)]` type of plain numbers"
+    note = "read-back needs every bit pattern to be valid: plain numbers, arrays of them, or your own `#[repr(C)]` struct of plain numbers without padding, which holds no reference, pointer or handle (for that struct: `unsafe impl metrale_runtime::DevicePod for YourStruct {{}}`)"
 )]
 pub unsafe trait DevicePod: DeviceRepr {}
 
@@ -146,10 +149,21 @@ mod sealed {
     use std::sync::atomic::AtomicBool;
     use std::sync::Mutex;
 
+    use metrale_cuda_sys::CUdeviceptr;
+
     use crate::stream::CudaStream;
 
     /// Implemented by this crate's device memory types only.
-    pub trait Sealed {}
+    pub trait Sealed {
+        /// The device address of the first element, by reference: the field a
+        /// kernel argument of this memory points the driver at (valid while the
+        /// handle is borrowed; the address never changes).
+        fn address_ref(&self) -> &CUdeviceptr;
+    }
+
+    /// The seal of [`super::DeviceMemoryMut`]: memory that may be written
+    /// through this handle (a `&mut` of it passes as a `T*` argument).
+    pub trait SealedMut: Sealed {}
 
     /// What an allocation needs to know to be freed only after every use: its own
     /// stream, when it is stream-ordered, and the streams of safe operations that
@@ -177,12 +191,13 @@ mod sealed {
 pub(crate) use device::bounds;
 /// The seal of [`DeviceMemory`], for device memory types of other rooms (an
 /// NCCL buffer).
-#[cfg(feature = "nccl")]
-pub(crate) use sealed::Sealed;
-pub(crate) use sealed::Uses;
+pub(crate) use sealed::{Sealed, SealedMut, Uses};
 
-/// Device memory holding elements of `T`: buffers, slices, managed buffers and
-/// typed symbols. Copies, fills and kernel arguments accept any of them.
+/// Device memory holding elements of `T`: buffers, slices, managed buffers,
+/// typed symbols and NCCL buffers, registrations and windows. Copies, fills and
+/// kernel arguments accept any of them: `&m` of any `m: impl DeviceMemory<T>`
+/// passes as a `const T*` kernel argument, `&mut m` of any
+/// `m: impl DeviceMemoryMut<T>` as a `T*` (see [`KernelArg`](crate::KernelArg)).
 pub trait DeviceMemory<T: DeviceRepr>: sealed::Sealed {
     /// The device address of the first element.
     fn device_ptr(&self) -> CUdeviceptr;
@@ -211,7 +226,7 @@ pub trait DeviceMemory<T: DeviceRepr>: sealed::Sealed {
 }
 
 /// Device memory that may be written through this handle.
-pub trait DeviceMemoryMut<T: DeviceRepr>: DeviceMemory<T> {}
+pub trait DeviceMemoryMut<T: DeviceRepr>: DeviceMemory<T> + sealed::SealedMut {}
 
 /// Note that `stream` is about to use `mem`, before the operation is queued, so
 /// that freeing `mem` waits for it:

@@ -92,10 +92,6 @@ impl<T: DeviceRepr> DeviceSymbol<T> {
         self.ptr
     }
 
-    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-        &self.ptr
-    }
-
     /// Write `values` (all `len` elements), ordered on `stream`, and wait.
     ///
     /// # Errors
@@ -147,7 +143,11 @@ impl<T: DevicePod> DeviceSymbol<T> {
 /// design (several handles may name it); writes are ordered on streams.
 struct SymbolView<'a, T: DeviceRepr>(&'a DeviceSymbol<T>);
 
-impl<T: DeviceRepr> sealed::Sealed for SymbolView<'_, T> {}
+impl<T: DeviceRepr> sealed::Sealed for SymbolView<'_, T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.0.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for SymbolView<'_, T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.0.ptr
@@ -162,9 +162,14 @@ impl<T: DeviceRepr> DeviceMemory<T> for SymbolView<'_, T> {
         self.0.describe()
     }
 }
+impl<T: DeviceRepr> sealed::SealedMut for SymbolView<'_, T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for SymbolView<'_, T> {}
 
-impl<T: DeviceRepr> sealed::Sealed for DeviceSymbol<T> {}
+impl<T: DeviceRepr> sealed::Sealed for DeviceSymbol<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for DeviceSymbol<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -184,6 +189,7 @@ impl<T: DeviceRepr> DeviceMemory<T> for DeviceSymbol<T> {
         )
     }
 }
+impl<T: DeviceRepr> sealed::SealedMut for DeviceSymbol<T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for DeviceSymbol<T> {}
 
 impl<T: DeviceRepr> fmt::Debug for DeviceSymbol<T> {

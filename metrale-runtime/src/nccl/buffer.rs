@@ -24,7 +24,7 @@ use crate::context::{AsContext, CudaContext, Generation};
 use crate::error::{invalid_arg, Result};
 use crate::memory::{
     release_nccl, DeviceMemory, DeviceMemoryMut, DeviceRepr, DeviceSlice, DeviceSliceMut, Sealed,
-    Uses,
+    SealedMut, Uses,
 };
 
 use super::error::missing;
@@ -217,7 +217,11 @@ impl<T: DeviceRepr> Drop for NcclBuffer<T> {
     }
 }
 
-impl<T: DeviceRepr> Sealed for NcclBuffer<T> {}
+impl<T: DeviceRepr> Sealed for NcclBuffer<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for NcclBuffer<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -240,4 +244,5 @@ impl<T: DeviceRepr> DeviceMemory<T> for NcclBuffer<T> {
         )
     }
 }
+impl<T: DeviceRepr> SealedMut for NcclBuffer<T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for NcclBuffer<T> {}

@@ -54,7 +54,7 @@ use metrale_cuda_sys::{CUdeviceptr, LibraryMissingSymbol};
 
 use crate::context::CudaContext;
 use crate::error::Result;
-use crate::memory::{DeviceMemory, DeviceMemoryMut, DeviceRepr, Sealed, Uses};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, DeviceRepr, Sealed, SealedMut, Uses};
 
 use super::buffer::NcclBuffer;
 use super::comm::Communicator;
@@ -389,7 +389,11 @@ macro_rules! guard_memory {
             }
         }
 
-        impl<T: DeviceRepr> Sealed for $name<'_, '_, T> {}
+        impl<T: DeviceRepr> Sealed for $name<'_, '_, T> {
+            fn address_ref(&self) -> &CUdeviceptr {
+                Sealed::address_ref(&*self.buf)
+            }
+        }
         impl<T: DeviceRepr> DeviceMemory<T> for $name<'_, '_, T> {
             fn device_ptr(&self) -> CUdeviceptr {
                 self.buf.device_ptr()
@@ -407,6 +411,7 @@ macro_rules! guard_memory {
                 format!("{} ({})", self.buf.describe(), stringify!($name))
             }
         }
+        impl<T: DeviceRepr> SealedMut for $name<'_, '_, T> {}
         impl<T: DeviceRepr> DeviceMemoryMut<T> for $name<'_, '_, T> {}
 
         impl<T: DeviceRepr> fmt::Debug for $name<'_, '_, T> {

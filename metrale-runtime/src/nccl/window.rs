@@ -14,7 +14,7 @@ use metrale_cuda_sys::CUdeviceptr;
 
 use crate::context::CudaContext;
 use crate::error::Result;
-use crate::memory::{DeviceMemory, DeviceMemoryMut, DeviceRepr, Sealed, Uses};
+use crate::memory::{DeviceMemory, DeviceMemoryMut, DeviceRepr, Sealed, SealedMut, Uses};
 
 use super::buffer::NcclBuffer;
 use super::comm::Communicator;

@@ -124,15 +124,15 @@ fn typed_args_pack_pointers_to_each_value() {
             assert_eq!(*p[2].cast::<f32>(), 1.5);
         }
     });
-    assert_eq!(<(u8, u16) as KernelArgs>::SIZES.len(), 2);
+    assert_eq!(<(u8, u16) as KernelArgs<_>>::SIZES.len(), 2);
     ().with_params(|p| assert!(p.is_empty()));
 }
 
 #[test]
 fn typed_args_know_their_sizes() {
-    assert_eq!(<(u64, u32, f32) as KernelArgs>::SIZES, &[8, 4, 4]);
-    assert_eq!(<([u8; 3], bool) as KernelArgs>::SIZES, &[3, 1]);
-    assert_eq!(<() as KernelArgs>::SIZES, &[] as &[usize]);
+    assert_eq!(<(u64, u32, f32) as KernelArgs<_>>::SIZES, &[8, 4, 4]);
+    assert_eq!(<([u8; 3], bool) as KernelArgs<_>>::SIZES, &[3, 1]);
+    assert_eq!(<() as KernelArgs<_>>::SIZES, &[] as &[usize]);
 }
 
 #[test]
@@ -168,8 +168,8 @@ fn setters_check_like_new() {
 
 #[test]
 fn typed_args_know_their_alignments_up_to_24() {
-    assert_eq!(<(u64, u32, [u8; 3]) as KernelArgs>::ALIGNS, &[8, 4, 1]);
-    assert_eq!(<(NullPtr, u16) as KernelArgs>::ALIGNS, &[8, 2]);
+    assert_eq!(<(u64, u32, [u8; 3]) as KernelArgs<_>>::ALIGNS, &[8, 4, 1]);
+    assert_eq!(<(NullPtr, u16) as KernelArgs<_>>::ALIGNS, &[8, 2]);
     type T24 = (
         u8,
         u16,
@@ -196,8 +196,8 @@ fn typed_args_know_their_alignments_up_to_24() {
         f32,
         NullPtr,
     );
-    assert_eq!(<T24 as KernelArgs>::SIZES.len(), 24);
-    assert_eq!(<T24 as KernelArgs>::SIZES[23], 8);
+    assert_eq!(<T24 as KernelArgs<_>>::SIZES.len(), 24);
+    assert_eq!(<T24 as KernelArgs<_>>::SIZES[23], 8);
     let args: T24 = (
         0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, 0.0, 0, 0, 0, 0, 0.0, NullPtr,
     );

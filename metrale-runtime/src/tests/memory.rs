@@ -42,7 +42,7 @@ fn byte_sizes_that_overflow_are_errors() {
 fn bool_is_sent_but_not_read_back() {
     fn sendable<T: super::DeviceRepr>() {}
     sendable::<bool>();
-    assert_eq!(<(bool, [u8; 3]) as crate::KernelArgs>::SIZES, &[1, 3]);
+    assert_eq!(<(bool, [u8; 3]) as crate::KernelArgs<_>>::SIZES, &[1, 3]);
 }
 
 #[cfg(feature = "half")]
@@ -52,7 +52,7 @@ fn half_floats_are_device_types() {
     pod::<half::f16>();
     pod::<half::bf16>();
     assert_eq!(
-        <(half::f16, half::bf16, [half::f16; 4]) as crate::KernelArgs>::SIZES,
+        <(half::f16, half::bf16, [half::f16; 4]) as crate::KernelArgs<_>>::SIZES,
         &[2, 2, 8]
     );
 }

@@ -194,11 +194,6 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         self.ptr
     }
 
-    /// The address, by reference (what a kernel argument points at).
-    pub(crate) fn device_ptr_ref(&self) -> &CUdeviceptr {
-        &self.ptr
-    }
-
     /// The context the memory lives in.
     pub fn context(&self) -> &Arc<CudaContext> {
         &self.range.ctx
@@ -422,7 +417,11 @@ impl<T: DeviceRepr> Drop for GrowableBuffer<T> {
     }
 }
 
-impl<T: DeviceRepr> sealed::Sealed for GrowableBuffer<T> {}
+impl<T: DeviceRepr> sealed::Sealed for GrowableBuffer<T> {
+    fn address_ref(&self) -> &CUdeviceptr {
+        &self.ptr
+    }
+}
 impl<T: DeviceRepr> DeviceMemory<T> for GrowableBuffer<T> {
     fn device_ptr(&self) -> CUdeviceptr {
         self.ptr
@@ -445,4 +444,5 @@ impl<T: DeviceRepr> DeviceMemory<T> for GrowableBuffer<T> {
         )
     }
 }
+impl<T: DeviceRepr> sealed::SealedMut for GrowableBuffer<T> {}
 impl<T: DeviceRepr> DeviceMemoryMut<T> for GrowableBuffer<T> {}
