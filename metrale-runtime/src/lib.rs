@@ -76,6 +76,12 @@
 
 pub use metrale_cuda_sys as sys;
 
+/// The `half` crate our `f16` / `bf16` element types come from (feature `half`),
+/// so a user names the same version metrale implements its traits for.
+#[cfg(feature = "half")]
+#[cfg_attr(docsrs, doc(cfg(feature = "half")))]
+pub use half;
+
 #[cfg(feature = "cublas")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cublas")))]
 pub mod blas;
