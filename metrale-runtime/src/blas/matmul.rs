@@ -400,6 +400,7 @@ impl MatmulPlan {
         note_use(b, stream)?;
         note_use(c, stream)?;
         note_use(&*d, stream)?;
+        extras.note_uses(stream)?;
         self.submit(stream, alpha, beta, &ops, &extras)
     }
 
@@ -434,6 +435,7 @@ impl MatmulPlan {
         note_use(a, stream)?;
         note_use(b, stream)?;
         note_use(&*d, stream)?;
+        extras.note_uses(stream)?;
         self.submit(stream, alpha, beta, &ops, &extras)
     }
 
