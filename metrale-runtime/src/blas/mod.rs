@@ -10,7 +10,7 @@
 //! | `core.rs` | what a handle and its plans share; the one path into cuBLASLt |
 //! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive (a user object in the graph) |
 //! | `plan.rs` | [`MatmulDesc`] (the problem) and its rules, [`Problem`] (the checked problem, the cache's key) |
-//! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`] |
+//! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`], [`Reduction`] |
 //! | `matmul.rs` | [`MatmulPlan`]: its descriptors, the heuristic, its `matmul` |
 //! | `check.rs` | the checks of every call's buffers, [`MatmulExtras`] (bias, FP8 scales) |
 //! | `gemm.rs` | [`Blas`]: plain cuBLAS (`gemm_ex`, strided batches, device scalars) |
@@ -68,7 +68,7 @@ pub use gemm::Blas;
 pub use grouped::GemmGroup;
 pub use handle::{BlasLt, BlasLtOptions};
 pub use matmul::MatmulPlan;
-pub use plan::{Epilogue, MatmulDesc, MatrixLayout, Problem, ScaleMode};
+pub use plan::{Epilogue, MatmulDesc, MatrixLayout, Problem, Reduction, ScaleMode};
 pub use shape::{GemmShape, MathMode};
 
 /// An FP8 number in the E4M3 format (4 exponent bits, 3 mantissa bits), as
