@@ -40,7 +40,14 @@
 //!   [`BlasLt::prepare`]); a GEMM on a stream being captured without a
 //!   workspace ready is refused, not allocated into the capture. A graph that
 //!   captured a workspace holds it as long as the graph or an executable graph
-//!   made from it lives (a user object in the graph, no node added).
+//!   made from it lives (a user object in the graph, no node added); the
+//!   holder exists before any GEMM of that capture is recorded, whichever
+//!   thread queues it.
+//! - Every buffer a call takes gets a use record before the library sees it:
+//!   A, B, C, D, the bias, the FP8 scales, device scalars, the grouped GEMM's
+//!   pointer arrays and the workspace.
+//! - A plan reduces exactly unless told otherwise ([`Reduction`]): split-K
+//!   partial sums are added in the compute type and D is rounded once.
 //! - [`BlasLt`] is `Send` and `Sync` (cuBLASLt's calls are thread-safe for one
 //!   handle; plans that set per-call pointers take a lock for it). [`Blas`]
 //!   keeps the cuBLAS handle's stream, workspace and modes behind a lock, so
