@@ -155,28 +155,34 @@ impl Blas {
         // stream's section, and two streams' sections are never held at once.)
         let section = stream.section();
         stream.refuse_if_capturing(&section, what)?;
+        // Everything that can fail without queueing work comes before the
+        // upload: from the upload on, every path waits for the stream before
+        // `ptrs`, the copy's source, goes.
+        let ws = inner.workspaces.get_or_make(&inner.ctx, stream)?;
+        ws.note_use(stream)?;
         let arrays = DeviceBuffer::<u64>::alloc(&inner.ctx, ptrs.len().max(1))?;
         note_use(&arrays, stream)?;
         let base = arrays.device_ptr();
         let (pa, pb, pc) = (base, base + 8 * total as u64, base + 16 * total as u64);
         let from = ptrs.as_ptr().cast::<c_void>();
         let bytes = std::mem::size_of_val(ptrs.as_slice());
-        stream
-            .call("uploading the grouped GEMM's pointer arrays", |d, s| {
-                // SAFETY: `arrays` holds `bytes` in this stream's context; `ptrs`
-                // is `bytes` long and lives until the stream is synchronised below,
-                // on every path; the stream is not being captured (checked in this
-                // section), so the copy runs now.
-                unsafe { cu!(d, cuMemcpyHtoDAsync_v2(base, from, bytes, s)) }
-            })
-            .inspect_err(|_| {
-                // Nothing of the copy may outlive `ptrs`: wait for it anyway.
-                let _ = stream.call("synchronize", |d, s| {
-                    // SAFETY: a live stream of the bound context.
-                    unsafe { cu!(d, cuStreamSynchronize(s)) }
-                });
-            })?;
-        let ws = inner.workspaces.get_or_make(&inner.ctx, stream)?;
+        if bytes > 0 {
+            stream
+                .call("uploading the grouped GEMM's pointer arrays", |d, s| {
+                    // SAFETY: `arrays` holds `bytes` in this stream's context; `ptrs`
+                    // is `bytes` long and lives until the stream is synchronised below,
+                    // on every path; the stream is not being captured (checked in this
+                    // section), so the copy runs now.
+                    unsafe { cu!(d, cuMemcpyHtoDAsync_v2(base, from, bytes, s)) }
+                })
+                .inspect_err(|_| {
+                    // Nothing of the copy may outlive `ptrs`: wait for it anyway.
+                    let _ = stream.call("synchronize", |d, s| {
+                        // SAFETY: a live stream of the bound context.
+                        unsafe { cu!(d, cuStreamSynchronize(s)) }
+                    });
+                })?;
+        }
         let mut state = self.lock();
         let configured = self.configure(
             &mut state,

@@ -59,7 +59,7 @@ impl Workspace {
     /// Note a use on `stream`, as every operand gets (a workspace is plain
     /// memory of the stream's own device, so this records nothing today and
     /// takes no other stream's section; it keeps the one rule uniform).
-    fn note_use(&self, stream: &CudaStream) -> Result<()> {
+    pub(crate) fn note_use(&self, stream: &CudaStream) -> Result<()> {
         note_use(&self.buf, stream)
     }
 }
