@@ -164,6 +164,9 @@ static int version = DEFAULT_VERSION;
 static int heuristic_count = 1;
 static size_t heuristic_workspace;
 static int heuristic_status;
+/* The reduction-scheme mask of the preference the last heuristic call was given
+ * (7, every scheme, when it set none). */
+static unsigned last_reduction_mask;
 static int live_lt, live_plain, live_desc, live_layout, live_pref;
 
 EXPORT void fakeblas_reset(void) {
@@ -174,7 +177,14 @@ EXPORT void fakeblas_reset(void) {
     heuristic_count = 1;
     heuristic_workspace = 0;
     heuristic_status = OK;
+    last_reduction_mask = 0;
     pthread_mutex_unlock(&lock);
+}
+EXPORT unsigned fakeblas_last_reduction_mask(void) {
+    pthread_mutex_lock(&lock);
+    unsigned m = last_reduction_mask;
+    pthread_mutex_unlock(&lock);
+    return m;
 }
 EXPORT void fakeblas_fail(const char *name, int status, long from_call, long times) {
     pthread_mutex_lock(&lock);
@@ -388,7 +398,7 @@ struct desc {
     int a_scale_mode, b_scale_mode;
 };
 struct layout { int magic; int type, order; unsigned long long rows, cols; long long ld; int batch; long long stride; };
-struct pref { int magic; unsigned long long max_ws; unsigned align[4]; };
+struct pref { int magic; unsigned long long max_ws; unsigned align[4]; unsigned reduction_mask; };
 
 static const char *status_name(st_t s) {
     switch (s) {
@@ -526,6 +536,7 @@ EXPORT st_t cublasLtMatmulPreferenceCreate(struct pref **p) {
     struct pref *x = calloc(1, sizeof *x);
     if (!x) RETURN(ALLOC_FAILED);
     x->magic = PREF_MAGIC;
+    x->reduction_mask = 7; /* CUBLASLT_REDUCTION_SCHEME_MASK: every scheme */
     *p = x;
     live_pref++;
     RETURN(OK);
@@ -542,6 +553,7 @@ EXPORT st_t cublasLtMatmulPreferenceSetAttribute(struct pref *d, int attr, const
     ENTER("cublasLtMatmulPreferenceSetAttribute");
     if (!d || d->magic != PREF_MAGIC || !buf) RETURN(INVALID_VALUE);
     if (attr == 1) SET(max_ws, unsigned long long);
+    else if (attr == 3) SET(reduction_mask, unsigned); /* CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK */
     else if (attr >= 5 && attr <= 8) SET(align[attr - 5], unsigned);
     else RETURN(INVALID_VALUE);
     RETURN(OK);
@@ -563,6 +575,7 @@ EXPORT st_t cublasLtMatmulAlgoGetHeuristic(struct lt *h, struct desc *op, struct
     if (!op || op->magic != DESC_MAGIC || !layouts_ok(a, b, c, d) || !p || p->magic != PREF_MAGIC ||
         requested < 1 || !out || !returned)
         RETURN(INVALID_VALUE);
+    last_reduction_mask = p->reduction_mask;
     if (heuristic_status) RETURN(heuristic_status);
     int n = heuristic_count < requested ? heuristic_count : requested;
     if (heuristic_workspace > p->max_ws) n = 0;

@@ -1167,6 +1167,17 @@ impl FakeBlas {
         );
     }
 
+    /// The reduction-scheme mask (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK`)
+    /// of the preference the last heuristic call was given: 7 (every scheme)
+    /// when it set none, 0 before any call since the last reset.
+    pub fn last_reduction_mask(&self) -> u32 {
+        call!(
+            self,
+            "fakeblas_last_reduction_mask",
+            unsafe extern "C" fn() -> u32
+        )
+    }
+
     /// Live objects of one kind.
     pub fn live(&self, what: BlasLive) -> i32 {
         call!(

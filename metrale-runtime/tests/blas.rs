@@ -14,6 +14,18 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "blas/round5.rs"]
+mod round5;
+
+use round5::{
+    defect_a_bias_and_fp8_scales_get_use_records_as_a_does,
+    defect_a_capture_cannot_begin_inside_a_grouped_gemm,
+    defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder,
+    defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
+    held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node,
+    plans_reduce_in_the_compute_type_unless_told_otherwise,
+};
+
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
 
@@ -1440,6 +1452,12 @@ fn main() -> ExitCode {
         grouped_gemms_compute_each_group,
         missing_library_missing_symbol_and_old_library,
         without_user_objects_a_host_node_holds_the_workspace,
+        defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder,
+        held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node,
+        defect_a_bias_and_fp8_scales_get_use_records_as_a_does,
+        plans_reduce_in_the_compute_type_unless_told_otherwise,
+        defect_a_capture_cannot_begin_inside_a_grouped_gemm,
+        defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
     ];
     let children = [
         harness::Child {
@@ -1456,6 +1474,10 @@ fn main() -> ExitCode {
         harness::Child {
             name: "old_driver_capture",
             run: old_driver_capture_child,
+        },
+        harness::Child {
+            name: "old_driver_two_threads",
+            run: round5::old_driver_two_threads_child,
         },
         harness::Child {
             name: "grouped_claims_new",

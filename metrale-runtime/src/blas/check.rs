@@ -11,21 +11,23 @@ use std::sync::Arc;
 
 use crate::context::CudaContext;
 use crate::error::Result;
-use crate::memory::DeviceMemory;
+use crate::memory::{note_use_parts, DeviceMemory, Uses};
 use crate::stream::CudaStream;
 
 use super::error::refused;
 use super::plan::{Problem, ScaleMode, OPERANDS};
 use super::{BlasElement, DataType};
 
-/// One buffer as a call checks it: its address, length, element type and
-/// context.
+/// One buffer as a call checks it: its address, length, element type,
+/// context and use record.
 #[derive(Clone, Copy)]
 pub(crate) struct Operand<'a> {
     pub(crate) ptr: u64,
     pub(crate) len: usize,
     pub(crate) ty: DataType,
     pub(crate) ctx: &'a Arc<CudaContext>,
+    /// The buffer's use record (`None`: memory that keeps none).
+    pub(crate) uses: Option<&'a Uses>,
 }
 
 impl<'a> Operand<'a> {
@@ -35,7 +37,16 @@ impl<'a> Operand<'a> {
             len: mem.len(),
             ty: T::DATA_TYPE,
             ctx: mem.memory_context(),
+            uses: mem.uses(),
         }
+    }
+
+    /// Note that work queued on `stream` uses this buffer (the buffer's use
+    /// record, as `memory::note_use` does for a whole buffer): a buffer
+    /// allocated in stream order elsewhere is waited for, and its free is
+    /// ordered after this use.
+    pub(crate) fn note_use(&self, stream: &CudaStream) -> Result<()> {
+        note_use_parts(self.uses, self.ctx, stream)
     }
 
     /// Bytes from the address to the end of `elements` elements.
@@ -57,6 +68,14 @@ impl<'a> MatmulExtras<'a> {
     /// No extras.
     pub fn new() -> MatmulExtras<'a> {
         MatmulExtras::default()
+    }
+
+    /// Note a use on `stream` of every extra given (after [`check`]).
+    pub(crate) fn note_uses(&self, stream: &CudaStream) -> Result<()> {
+        for o in self.bias.iter().chain(self.scales.iter().flatten()) {
+            o.note_use(stream)?;
+        }
+        Ok(())
     }
 
     /// The epilogue's bias vector (`m` elements per batch, of the plan's bias type).

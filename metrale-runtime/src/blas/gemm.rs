@@ -44,7 +44,7 @@ pub(super) struct PlainInner {
     pub(super) ctx: Arc<CudaContext>,
     made: Generation,
     state: Mutex<State>,
-    workspaces: Workspaces,
+    pub(super) workspaces: Workspaces,
 }
 
 // SAFETY: the raw handle and the last stream and workspace set on it are used

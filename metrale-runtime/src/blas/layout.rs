@@ -185,3 +185,40 @@ impl ScaleMode {
         }
     }
 }
+
+/// How an algorithm that splits the `k` dimension (split-K) may add up its
+/// partial products, and so how exact a plan's result is.
+///
+/// The default, [`Reduction::Exact`], lets the heuristic choose only
+/// algorithms that add partial sums in the compute type (f32 for every
+/// default plan) or do not split at all
+/// (`CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` = compute type): the result
+/// is rounded to D's type once, at the end. This is PyTorch's behaviour with
+/// `allow_bf16_reduced_precision_reduction` (and its f16 twin) set to `False`.
+///
+/// [`Reduction::ReducedPrecision`] allows every scheme, including partial
+/// sums added in D's type (in place in D, or in the workspace): for bf16 or
+/// f16 outputs each partial sum is rounded, so elements can be several ulps
+/// off; it is sometimes faster. PyTorch's default (`True`) is this.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Reduction {
+    /// Partial sums in the compute type, or no split (the default).
+    #[default]
+    Exact,
+    /// Any reduction scheme, including partial sums in the output type.
+    ReducedPrecision,
+}
+
+impl Reduction {
+    /// The `CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK` it sets: the compute
+    /// type's scheme only (no split is always allowed), or every scheme.
+    pub const fn scheme_mask(self) -> u32 {
+        match self {
+            // CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE (| SCHEME_NONE, which is 0).
+            Reduction::Exact => 2,
+            // CUBLASLT_REDUCTION_SCHEME_MASK: in place, compute type, output type.
+            Reduction::ReducedPrecision => 7,
+        }
+    }
+}

@@ -272,6 +272,16 @@ fn heuristic(
             problem.alignment as u32
         )?;
     }
+    // Which split-K reductions the heuristic may choose (exact by default:
+    // partial sums in the compute type only).
+    set_attr!(
+        core,
+        subject(),
+        cublasLtMatmulPreferenceSetAttribute,
+        pref.1,
+        PrefAttr::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
+        problem.reduction.scheme_mask()
+    )?;
     let mut result = cublasLtMatmulHeuristicResult_t::default();
     let mut returned = 0i32;
     let [a, b, c, d] = descs.layouts;
@@ -400,6 +410,7 @@ impl MatmulPlan {
         note_use(b, stream)?;
         note_use(c, stream)?;
         note_use(&*d, stream)?;
+        extras.note_uses(stream)?;
         self.submit(stream, alpha, beta, &ops, &extras)
     }
 
@@ -434,6 +445,7 @@ impl MatmulPlan {
         note_use(a, stream)?;
         note_use(b, stream)?;
         note_use(&*d, stream)?;
+        extras.note_uses(stream)?;
         self.submit(stream, alpha, beta, &ops, &extras)
     }
 

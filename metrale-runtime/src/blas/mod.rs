@@ -10,7 +10,7 @@
 //! | `core.rs` | what a handle and its plans share; the one path into cuBLASLt |
 //! | `workspace.rs` | one workspace per stream, and the one function that keeps a captured workspace alive (a user object in the graph) |
 //! | `plan.rs` | [`MatmulDesc`] (the problem) and its rules, [`Problem`] (the checked problem, the cache's key) |
-//! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`] |
+//! | `layout.rs` | [`MatrixLayout`], [`Epilogue`], [`ScaleMode`], [`Reduction`] |
 //! | `matmul.rs` | [`MatmulPlan`]: its descriptors, the heuristic, its `matmul` |
 //! | `check.rs` | the checks of every call's buffers, [`MatmulExtras`] (bias, FP8 scales) |
 //! | `gemm.rs` | [`Blas`]: plain cuBLAS (`gemm_ex`, strided batches, device scalars) |
@@ -40,7 +40,14 @@
 //!   [`BlasLt::prepare`]); a GEMM on a stream being captured without a
 //!   workspace ready is refused, not allocated into the capture. A graph that
 //!   captured a workspace holds it as long as the graph or an executable graph
-//!   made from it lives (a user object in the graph, no node added).
+//!   made from it lives (a user object in the graph, no node added); the
+//!   holder exists before any GEMM of that capture is recorded, whichever
+//!   thread queues it.
+//! - Every buffer a call takes gets a use record before the library sees it:
+//!   A, B, C, D, the bias, the FP8 scales, device scalars, the grouped GEMM's
+//!   pointer arrays and the workspace.
+//! - A plan reduces exactly unless told otherwise ([`Reduction`]): split-K
+//!   partial sums are added in the compute type and D is rounded once.
 //! - [`BlasLt`] is `Send` and `Sync` (cuBLASLt's calls are thread-safe for one
 //!   handle; plans that set per-call pointers take a lock for it). [`Blas`]
 //!   keeps the cuBLAS handle's stream, workspace and modes behind a lock, so
@@ -68,7 +75,7 @@ pub use gemm::Blas;
 pub use grouped::GemmGroup;
 pub use handle::{BlasLt, BlasLtOptions};
 pub use matmul::MatmulPlan;
-pub use plan::{Epilogue, MatmulDesc, MatrixLayout, Problem, ScaleMode};
+pub use plan::{Epilogue, MatmulDesc, MatrixLayout, Problem, Reduction, ScaleMode};
 pub use shape::{GemmShape, MathMode};
 
 /// An FP8 number in the E4M3 format (4 exponent bits, 3 mantissa bits), as

@@ -1,6 +1,6 @@
 //! What a matmul is, before cuBLASLt sees it: [`MatmulDesc`] (types, shapes,
 //! layouts, transposes, batches, epilogue, FP8 scales, workspace limit,
-//! alignment), its rules ([`MatmulDesc::check`]), and the checked result
+//! alignment, reduction precision), its rules ([`MatmulDesc::check`]), and the checked result
 //! ([`Problem`]) that keys the plan cache and builds the library's
 //! descriptors.
 //!
@@ -15,7 +15,7 @@
 
 use std::fmt;
 
-pub use super::layout::{Epilogue, MatrixLayout, ScaleMode};
+pub use super::layout::{Epilogue, MatrixLayout, Reduction, ScaleMode};
 use super::{BlasElement, ComputeType, DataType, Transpose};
 
 /// A matmul problem, `D = alpha * op(A) op(B) + beta * C` (then the
@@ -24,7 +24,8 @@ use super::{BlasElement, ComputeType, DataType, Transpose};
 ///
 /// By default every operand is packed column-major (cuBLAS's order), not
 /// transposed and not batched, the compute type is f32, the workspace limit is
-/// the handle's workspace, and operands must be 16-byte aligned.
+/// the handle's workspace, operands must be 16-byte aligned, and a split-K
+/// algorithm adds its partial sums in the compute type ([`Reduction::Exact`]).
 ///
 /// ```
 /// use metrale_runtime::blas::{Epilogue, MatmulDesc, Transpose};
@@ -52,6 +53,7 @@ pub struct MatmulDesc {
     d_scale: bool,
     workspace_limit: Option<usize>,
     alignment: usize,
+    reduction: Reduction,
 }
 
 /// A checked matmul problem: everything that changes the heuristic's choice,
@@ -73,6 +75,7 @@ pub struct Problem {
     /// `None` until the handle fills in its own workspace size.
     pub(crate) workspace_limit: Option<usize>,
     pub(crate) alignment: usize,
+    pub(crate) reduction: Reduction,
 }
 
 /// The operands' names, in the order of [`Problem::layouts`].
@@ -102,6 +105,7 @@ impl MatmulDesc {
             d_scale: false,
             workspace_limit: None,
             alignment: 16,
+            reduction: Reduction::Exact,
         }
     }
 
@@ -229,6 +233,14 @@ impl MatmulDesc {
         self
     }
 
+    /// How a split-K algorithm may add its partial sums (default
+    /// [`Reduction::Exact`]: in the compute type, rounded to D's type once).
+    #[must_use]
+    pub fn reduction(mut self, r: Reduction) -> MatmulDesc {
+        self.reduction = r;
+        self
+    }
+
     /// Check every rule; the checked problem, or what is wrong.
     ///
     /// # Errors
@@ -321,6 +333,9 @@ impl MatmulDesc {
                 if fp8 { 16 } else { largest }
             ));
         }
+        if fp8 {
+            check_fp8_leading_dimensions(&layouts, &self.types)?;
+        }
         Ok(Problem {
             m,
             n,
@@ -336,6 +351,7 @@ impl MatmulDesc {
             d_scale: self.d_scale,
             workspace_limit: self.workspace_limit,
             alignment: a,
+            reduction: self.reduction,
         })
     }
 
@@ -432,6 +448,31 @@ impl MatmulDesc {
     }
 }
 
+/// cuBLASLt's FP8 kernels (Hopper's, and Ada's) take an FP8 matrix only when
+/// its leading dimension is a multiple of 16 bytes: refused here, naming the
+/// rule, rather than left to the heuristic (which answers
+/// `CUBLAS_STATUS_NOT_SUPPORTED`).
+fn check_fp8_leading_dimensions(
+    layouts: &[MatrixLayout; 4],
+    types: &[DataType; 4],
+) -> std::result::Result<(), String> {
+    for (i, (l, t)) in layouts.iter().zip(types).enumerate() {
+        if !t.is_fp8() {
+            continue;
+        }
+        let bytes = l.ld.saturating_mul(t.size() as u64);
+        if !bytes.is_multiple_of(16) {
+            return Err(format!(
+                "operand {}: an FP8 matrix's leading dimension must be a multiple of 16 bytes \
+                 (cuBLASLt's FP8 kernels on Hopper and Ada take no other); layout {l}: its ld is \
+                 {bytes} bytes (pad ld to a multiple of 16)",
+                OPERANDS[i]
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Problem {
     /// A's layout as stored.
     pub fn a(&self) -> MatrixLayout {
@@ -458,6 +499,11 @@ impl Problem {
     /// The element types of A, B, C and D.
     pub fn types(&self) -> [DataType; 4] {
         self.types
+    }
+
+    /// How a split-K algorithm may add its partial sums.
+    pub fn reduction(&self) -> Reduction {
+        self.reduction
     }
 }
 
@@ -497,6 +543,9 @@ impl fmt::Display for Problem {
         }
         if let Some(w) = self.workspace_limit {
             write!(f, ", workspace limit {w} bytes")?;
+        }
+        if self.reduction != Reduction::Exact {
+            write!(f, ", reduction {:?}", self.reduction)?;
         }
         Ok(())
     }

@@ -16,14 +16,19 @@
 //!   ([`keep_for_capture`]: a user object, or on drivers without them a host
 //!   node) as long as the graph or an executable graph made from it lives;
 //!   freeing a workspace (`cuMemFree`) waits for the work that uses it.
+//! - A GEMM is recorded into a capture only after that capture's holder
+//!   exists: the mark a GEMM trusts (`kept_for`) is stored only once the
+//!   holder is in the capture's graph, and the holders are made one at a time
+//!   (`keeping`), so a second thread on the same capturing stream waits for
+//!   the first thread's holder instead of recording without one.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::context::CudaContext;
 use crate::error::{cu, Result};
-use crate::memory::DeviceBuffer;
+use crate::memory::{note_use, DeviceBuffer};
 use crate::stream::{CudaStream, Section};
 
 use super::error::refused;
@@ -32,8 +37,12 @@ use super::error::refused;
 pub(crate) struct Workspace {
     buf: DeviceBuffer<u8>,
     /// The last capture (the driver's id) that holds this workspace, so each
-    /// capture queues one holder, not one per GEMM; 0 for none.
+    /// capture queues one holder, not one per GEMM; 0 for none. Stored only
+    /// after the holder is in that capture's graph, under `keeping`.
     kept_for: AtomicU64,
+    /// Held while a holder is made and marked: never taken inside a stream's
+    /// section (making a holder takes sections and the capture-keep list).
+    keeping: Mutex<()>,
 }
 
 impl Workspace {
@@ -45,6 +54,13 @@ impl Workspace {
     /// Its size in bytes.
     pub(crate) fn size(&self) -> usize {
         self.buf.len()
+    }
+
+    /// Note a use on `stream`, as every operand gets (a workspace is plain
+    /// memory of the stream's own device, so this records nothing today and
+    /// takes no other stream's section; it keeps the one rule uniform).
+    pub(crate) fn note_use(&self, stream: &CudaStream) -> Result<()> {
+        note_use(&self.buf, stream)
     }
 }
 
@@ -92,6 +108,7 @@ impl Workspaces {
         let made = Arc::new(Workspace {
             buf: DeviceBuffer::<u8>::alloc(ctx, self.bytes.max(1))?,
             kept_for: AtomicU64::new(0),
+            keeping: Mutex::new(()),
         });
         let mut list = self.list.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some((_, w)) = list.iter().find(|(s, _)| s.same_stream(stream)) {
@@ -180,6 +197,7 @@ impl Workspaces {
                 .map_err(|e| e.about(stream.subject("capture status")))?;
             if !capturing {
                 let w = self.get_or_make(ctx, stream)?;
+                w.note_use(stream)?;
                 return Ok((section, w));
             }
             let id = stream
@@ -199,10 +217,16 @@ impl Workspaces {
             match id {
                 Some(id) if w.kept_for.load(Ordering::Acquire) != id => {
                     // Queued outside the section: it takes one of its own.
+                    // The mark is stored only once the holder is in the
+                    // graph, so a GEMM that sees it is held; this round looks
+                    // again.
                     drop(section);
                     keep_for_capture(stream, &w, id)?;
                 }
-                _ => return Ok((section, w)),
+                _ => {
+                    w.note_use(stream)?;
+                    return Ok((section, w));
+                }
             }
         }
         Err(refused(
@@ -234,23 +258,35 @@ pub(crate) fn keep_for_capture(
     workspace: &Arc<Workspace>,
     capture: u64,
 ) -> Result<()> {
-    if workspace.kept_for.swap(capture, Ordering::AcqRel) == capture {
+    // One holder is made at a time: a second GEMM of the same capture waits
+    // here for the first one's holder, then sees the mark.
+    let _keeping: MutexGuard<'_, ()> = workspace
+        .keeping
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if workspace.kept_for.load(Ordering::Acquire) == capture {
         return Ok(());
     }
-    let kept = match hold_by_user_object(stream, workspace) {
-        Ok(true) => Ok(()),
-        Ok(false) => hold_by_host_function(stream, workspace),
-        Err(e) => Err(e),
+    let held_for = match hold_by_user_object(stream, workspace)? {
+        Some(held_for) => held_for,
+        None => hold_by_host_function(stream, workspace)?,
     };
-    if kept.is_err() {
-        workspace.kept_for.store(0, Ordering::Release);
+    // The mark says "this capture's graph holds it", so it is stored only now,
+    // and only for the capture the holder went into (none: nothing to mark).
+    if let Some(id) = held_for {
+        workspace.kept_for.store(id, Ordering::Release);
     }
-    kept
+    Ok(())
 }
 
 /// Move a user object owning a clone of `workspace` into the graph `stream`
-/// is capturing into; `false` when the driver has no user objects.
-fn hold_by_user_object(stream: &CudaStream, workspace: &Arc<Workspace>) -> Result<bool> {
+/// is capturing into: `None` when the driver has no user objects, else the
+/// capture (the driver's id) whose graph now holds it (`Some(None)`: the
+/// stream was no longer capturing, nothing held).
+fn hold_by_user_object(
+    stream: &CudaStream,
+    workspace: &Arc<Workspace>,
+) -> Result<Option<Option<u64>>> {
     use metrale_cuda_sys::{
         CUgraph, CUstreamCaptureStatus, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags,
     };
@@ -268,20 +304,21 @@ fn hold_by_user_object(stream: &CudaStream, workspace: &Arc<Workspace>) -> Resul
         && d.cuGraphRetainUserObject().is_ok()
         && d.cuUserObjectRelease().is_ok();
     if !has {
-        return Ok(false);
+        return Ok(None);
     }
     let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut graph: CUgraph = std::ptr::null_mut();
+    let mut id: std::ffi::c_ulonglong = 0;
     stream.call("capture graph", |d, s| {
-        // SAFETY: writes the status and the graph only; the other outputs are
-        // optional (null).
+        // SAFETY: writes the status, the id and the graph only; the other
+        // outputs are optional (null).
         unsafe {
             cu!(
                 d,
                 cuStreamGetCaptureInfo_v3(
                     s,
                     &mut status,
-                    std::ptr::null_mut(),
+                    &mut id,
                     &mut graph,
                     std::ptr::null_mut(),
                     std::ptr::null_mut(),
@@ -292,7 +329,7 @@ fn hold_by_user_object(stream: &CudaStream, workspace: &Arc<Workspace>) -> Resul
     })?;
     if graph.is_null() || status != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE {
         // The capture ended (or was invalidated) meanwhile: nothing to hold.
-        return Ok(true);
+        return Ok(Some(None));
     }
     let held = Box::into_raw(Box::new(Arc::clone(workspace))).cast::<c_void>();
     let mut object: CUuserObject = std::ptr::null_mut();
@@ -340,12 +377,13 @@ fn hold_by_user_object(stream: &CudaStream, workspace: &Arc<Workspace>) -> Resul
         });
         return Err(e);
     }
-    Ok(true)
+    Ok(Some(Some(id)))
 }
 
 /// Capture a repeatable host function owning a clone of `workspace` (for a
-/// driver without user objects).
-fn hold_by_host_function(stream: &CudaStream, workspace: &Arc<Workspace>) -> Result<()> {
+/// driver without user objects): the capture whose graph now holds it (`None`:
+/// the stream was no longer capturing, and the function ran once instead).
+fn hold_by_host_function(stream: &CudaStream, workspace: &Arc<Workspace>) -> Result<Option<u64>> {
     struct Hold(Option<Arc<Workspace>>);
     impl Drop for Hold {
         fn drop(&mut self) {
@@ -357,7 +395,7 @@ fn hold_by_host_function(stream: &CudaStream, workspace: &Arc<Workspace>) -> Res
         }
     }
     let hold = Hold(Some(Arc::clone(workspace)));
-    stream.launch_host_fn_repeat(Arc::new(move || {
+    stream.launch_host_fn_repeat_in_capture(Arc::new(move || {
         let _ = &hold;
     }))
 }

@@ -66,7 +66,9 @@
 //!   `stream_ordered_buffer_used_on_another_device_is_freed_after_it`,
 //!   `plain_buffer_used_on_another_device_waits_for_it`,
 //!   `managed_host_access_waits_for_other_devices`; `memory.rs`
-//!   `a_failed_wait_does_not_end_the_borrow_early`;
+//!   `a_failed_wait_does_not_end_the_borrow_early`; every operand of a GEMM
+//!   (bias, FP8 scales, device scalars): `tests/blas/round5.rs`
+//!   `defect_a_bias_and_fp8_scales_get_use_records_as_a_does`;
 //! - 2, frees deferred by captures: `soundness.rs`
 //!   `frees_wait_for_captures_and_panics_end_them`,
 //!   `stress_shared_streams_with_captures`,
@@ -78,6 +80,9 @@
 //!   `defect_pinned_free_races_a_wait_queued_after_its_check`,
 //!   `held_pinned_dropped_behind_a_pending_wait_freed_once_it_passes`,
 //!   `held_pinned_dropped_on_a_capturing_thread_freed_by_an_end_on_another`;
+//!   no capture begins between a grouped GEMM's capture check and its wait
+//!   (its pointer arrays are freed after it): `tests/blas/round5.rs`
+//!   `defect_a_capture_cannot_begin_inside_a_grouped_gemm`;
 //! - 2, watched waits: `round4.rs` `a_refused_keeper_leaves_no_wait_counted_for_ever`;
 //!   `review2.rs` `child_defect_unseen_wait_queried_after_a_reset`,
 //!   `child_defect_unseen_wait_triage_invalidates_a_capture`;
@@ -96,9 +101,18 @@
 //!   `once_host_functions_are_refused_in_a_capture_and_repeatable_ones_replay`;
 //!   `round4.rs` `ending_a_capture_keeps_the_host_function_of_another_capture`;
 //!   `review2.rs` `held_three_captures_release_their_own`; `arena.rs` (a capture
-//!   arena's hold);
+//!   arena's hold); a captured GEMM's workspace, held before any GEMM of the
+//!   capture is recorded (two threads on one capturing stream):
+//!   `tests/blas/round5.rs`
+//!   `defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder`,
+//!   `held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node`;
 //! - 6, teardown and resets: `teardown.rs`
 //!   `teardown_resources_made_after_a_reset_are_freed`.
+//!
+//! The same round's cuBLAS checks that are not lifetime rules sit beside them
+//! in `tests/blas/round5.rs`: `plans_reduce_in_the_compute_type_unless_told_otherwise`,
+//! `defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule`
+//! (and on the GPU, `blas::bf16_odd_shapes_are_within_one_ulp_with_exact_reductions`).
 //!
 //! # Adding a resource
 //! Give it a use record (or hold the streams it was queued on) and its context's

@@ -412,6 +412,13 @@ impl CudaStream {
     /// # Errors
     /// As [`CudaStream::launch_host_fn`], less the refusal in a capture.
     pub fn launch_host_fn_repeat(&self, f: HostFn) -> Result<()> {
+        self.launch_host_fn_repeat_in_capture(f).map(|_| ())
+    }
+
+    /// [`CudaStream::launch_host_fn_repeat`], saying which capture (the
+    /// driver's id) recorded the host function into its graph: `None` when the
+    /// stream was not capturing, or the capture ended while it was queued.
+    pub(crate) fn launch_host_fn_repeat_in_capture(&self, f: HostFn) -> Result<Option<u64>> {
         let section = self.section();
         let capture = if section.may_capture {
             self.capture_id_raw()
@@ -428,7 +435,7 @@ impl CudaStream {
             drop(section);
             // A refused closure drops after the section: its captures may
             // queue stream work.
-            return queued.map_err(|(e, f)| {
+            return queued.map(|()| None).map_err(|(e, f)| {
                 drop(f);
                 e
             });
@@ -453,7 +460,7 @@ impl CudaStream {
             let refused = held.pop();
             drop(held);
             drop(refused);
-            return queued;
+            return queued.map(|()| None);
         }
         // A capture may end between the check above and the call (another
         // thread ending the capture this stream joined): the host function may
@@ -478,6 +485,6 @@ impl CudaStream {
                 self.subject("launch_host_fn_repeat")
             ));
         }
-        queued
+        queued.map(|()| (!for_good).then_some(capture))
     }
 }
