@@ -7,7 +7,8 @@
 #   .gpu/new/test-gpu                   # METRALE_REQUIRE_GPU=1 there
 #   .gpu/new/bench-launch --quick
 #
-# Files are named `test-<name>`, `bench-<name>` and `example-<name>`. The folder
+# Files are named `test-<name>`, `bench-<name>`, `example-<name>` and `bin-<name>`
+# (metrale-decode's tests `test-decode-<name>`). The folder
 # is emptied first. Tests embed their fixtures, so the files run from any folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,8 +16,12 @@ out=${1:?usage: scripts/gpu-bundle.sh OUT_DIR}
 features=${METRALE_BUNDLE_FEATURES:-nccl,nvrtc,cublas,nvtx}
 rm -rf "$out"
 mkdir -p "$out"
-cargo build --release -p metrale-runtime --features "$features" \
-  --tests --benches --examples --message-format=json-render-diagnostics 2>/dev/null |
+{
+  cargo build --release -p metrale-runtime --features "$features" \
+    --tests --benches --examples --message-format=json-render-diagnostics
+  cargo build --release -p metrale-decode --features plot \
+    --tests --bins --message-format=json-render-diagnostics
+} 2>/dev/null |
   python3 -c '
 import json, shutil, sys
 out = sys.argv[1]
@@ -31,9 +36,13 @@ for line in sys.stdin:
     kind = t["kind"][0]
     if kind == "lib" or kind == "custom-build":
         continue
-    prefix = {"test": "test", "bench": "bench", "example": "example"}.get(kind)
+    prefix = {"test": "test", "bench": "bench", "example": "example", "bin": "bin"}.get(kind)
     if prefix is None:
         continue
-    shutil.copy(m["executable"], out + "/" + prefix + "-" + t["name"])
+    pkg = m["package_id"].split("#")[0].rsplit("/", 1)[-1]
+    name = t["name"] if pkg == "metrale-runtime" or prefix == "bin" else pkg.replace("metrale-", "") + "-" + t["name"]
+    shutil.copy(m["executable"], out + "/" + prefix + "-" + name)
+
 ' "$out"
+strip "$out"/* 2>/dev/null || true
 ls "$out"

@@ -1,7 +1,7 @@
 //! CPU tests of metrale-decode (CI): configuration parsing, the checkpoint
 //! checks (every refusal), the shape and plan bookkeeping, the attention split,
 //! the host reference's invariants, and the kernels compiling with the real
-//! NVRTC when it is there (`METRALE_REQUIRE_NVRTC=1` makes its absence a failure).
+//! NVRTC (ignored without it; `.ci/run` runs it with the pinned wheel).
 
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
 
@@ -452,18 +452,32 @@ fn the_reference_attends_its_past_and_is_deterministic() {
     assert_eq!(argmax(&[1.0, 3.0, 3.0, 2.0]), 1);
 }
 
+/// Needs NVRTC: `.ci/run` runs it with the pinned wheel's library
+/// (`--include-ignored`, `METRALE_LIBNVRTC_PATH`).
 #[test]
+#[ignore = "needs NVRTC (METRALE_LIBNVRTC_PATH); .ci/run runs it with the pinned wheel"]
 fn the_kernels_compile_with_nvrtc() {
-    let required = std::env::var("METRALE_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
-    let p = metrale_decode::kernels::program();
-    match p.compile(metrale_runtime::nvrtc::Target::Sm(90)) {
-        Ok(out) => {
-            assert!(out.cubin().is_some_and(|c| c.len() > 10_000));
-            assert!(!out.log().contains("warning"), "{}", out.log());
-        }
-        Err(e) if !required && e.to_string().contains("could not load") => {
-            eprintln!("NVRTC not found, the compile test did not run: {e}");
-        }
-        Err(e) => panic!("{e}"),
+    let out = metrale_decode::kernels::program()
+        .compile(metrale_runtime::nvrtc::Target::Sm(90))
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(out.cubin().is_some_and(|c| c.len() > 10_000));
+    assert!(!out.log().contains("warning"), "{}", out.log());
+    for name in [
+        "embed_rmsnorm",
+        "rmsnorm",
+        "rope_append",
+        "attn_d128_g4",
+        "attn_d64_g4",
+        "attn_d32_g2",
+        "attn_combine",
+        "silu_mul",
+        "argmax_rows",
+        "fill_normal",
+    ] {
+        let cubin = out.cubin().unwrap_or_default();
+        assert!(
+            cubin.windows(name.len()).any(|w| w == name.as_bytes()),
+            "{name} is in the cubin"
+        );
     }
 }
