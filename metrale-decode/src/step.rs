@@ -16,7 +16,8 @@ use metrale_runtime::blas::{BlasLt, MatmulDesc, MatmulExtras, MatmulPlan, Transp
 use metrale_runtime::half::bf16;
 use metrale_runtime::nvtx::{self, EventAttributes};
 use metrale_runtime::{
-    memory_info, CaptureArena, CudaHost, CudaStream, DeviceSliceMut, GraphBuckets, LaunchConfig,
+    memory_info, CaptureArena, CudaEvent, CudaHost, CudaStream, DeviceSliceMut, GraphBuckets,
+    LaunchConfig,
 };
 
 use crate::config::Config;
@@ -41,6 +42,9 @@ pub struct Engine {
     pub blas: BlasLt,
     /// Streaming multiprocessors (the attention split is chosen for them).
     pub sms: usize,
+    /// Whether sessions time the heuristic's algorithms for each GEMM and keep
+    /// the fastest (on by default; `METRALE_DECODE_TUNE=0` turns it off).
+    pub tune: bool,
 }
 
 /// Where the weights come from.
@@ -74,6 +78,7 @@ impl Engine {
             weights,
             blas,
             sms,
+            tune: std::env::var("METRALE_DECODE_TUNE").map_or(true, |v| v != "0"),
         })
     }
 
@@ -309,10 +314,141 @@ impl<'a> Session<'a> {
         s.zero(&mut sess.tokens)?;
         s.zero(&mut sess.pos)?;
         for &b in &sizes {
-            sess.buckets.push(bucket(engine, b, capacity)?);
+            let mut bk = bucket(engine, b, capacity)?;
+            if engine.tune {
+                bk.plans = sess.tune(b)?;
+            }
+            sess.buckets.push(bk);
         }
         s.synchronize()?;
         Ok(sess)
+    }
+
+    /// The fastest of the heuristic's algorithms (up to 8) for each GEMM of
+    /// batch `b`, timed on this session's buffers over every layer's weights
+    /// (so the weights stream from memory as in a step, not from L2).
+    fn tune(&mut self, b: usize) -> Result<Plans> {
+        let e = self.engine;
+        let (cfg, w, s) = (&e.cfg, &e.weights, &e.stream);
+        let mut plans = Plans::new(&e.blas, cfg, b)?;
+        // Inputs of random values, not whatever the arena held (zeros run faster).
+        for (i, v) in [&mut self.h, &mut self.o, &mut self.act]
+            .into_iter()
+            .enumerate()
+        {
+            crate::weights::fill_normal(s, &e.kernels, v, 99 + i as u64, 1.0)?;
+        }
+        let h = cfg.hidden;
+        let shapes = [
+            (Op::Qkv, cfg.qkv_rows(), h),
+            (Op::O, h, cfg.heads * cfg.head_dim),
+            (Op::GateUp, 2 * cfg.ffn, h),
+            (Op::Down, h, cfg.ffn),
+            (Op::LmHead, cfg.vocab, h),
+        ];
+        for (op, out, inp) in shapes {
+            let desc =
+                MatmulDesc::new::<bf16, bf16, bf16, bf16>(to_u64(out)?, to_u64(b)?, to_u64(inp)?)
+                    .transpose_a(Transpose::Yes);
+            let candidates = e.blas.plan_candidates(&desc, 8)?;
+            let mut best: Option<(f32, MatmulPlan)> = None;
+            for plan in candidates {
+                let run = |sess: &mut Session<'a>| -> metrale_runtime::Result<()> {
+                    let none = MatmulExtras::new;
+                    match op {
+                        Op::Qkv => {
+                            for lw in &w.layers {
+                                plan.matmul_in_place(
+                                    s,
+                                    1.0,
+                                    &lw.wqkv,
+                                    &sess.h,
+                                    0.0,
+                                    &mut sess.qkv,
+                                    none(),
+                                )?;
+                            }
+                        }
+                        // Residual GEMMs with beta 0: x is overwritten (every step
+                        // writes x first, from the embedding).
+                        Op::O => {
+                            for lw in &w.layers {
+                                plan.matmul_in_place(
+                                    s,
+                                    1.0,
+                                    &lw.wo,
+                                    &sess.o,
+                                    0.0,
+                                    &mut sess.x,
+                                    none(),
+                                )?;
+                            }
+                        }
+                        Op::GateUp => {
+                            for lw in &w.layers {
+                                plan.matmul_in_place(
+                                    s,
+                                    1.0,
+                                    &lw.w_gate_up,
+                                    &sess.h,
+                                    0.0,
+                                    &mut sess.gu,
+                                    none(),
+                                )?;
+                            }
+                        }
+                        Op::Down => {
+                            for lw in &w.layers {
+                                plan.matmul_in_place(
+                                    s,
+                                    1.0,
+                                    &lw.w_down,
+                                    &sess.act,
+                                    0.0,
+                                    &mut sess.x,
+                                    none(),
+                                )?;
+                            }
+                        }
+                        _ => plan.matmul_in_place(
+                            s,
+                            1.0,
+                            w.lm_head(),
+                            &sess.h,
+                            0.0,
+                            &mut sess.logits,
+                            none(),
+                        )?,
+                    }
+                    Ok(())
+                };
+                // A candidate that fails to run (a workspace it cannot have, say) is skipped.
+                if run(self).is_err() {
+                    continue;
+                }
+                let (t0, t1) = (CudaEvent::timed(s)?, CudaEvent::timed(s)?);
+                t0.record(s)?;
+                for _ in 0..3 {
+                    run(self)?;
+                }
+                t1.record(s)?;
+                t1.synchronize()?;
+                let ms = t0.elapsed_ms(&t1)?;
+                if best.as_ref().is_none_or(|(b, _)| ms < *b) {
+                    best = Some((ms, plan));
+                }
+            }
+            if let Some((_, plan)) = best {
+                match op {
+                    Op::Qkv => plans.qkv = plan,
+                    Op::O => plans.o = plan,
+                    Op::GateUp => plans.gate_up = plan,
+                    Op::Down => plans.down = plan,
+                    _ => plans.lm_head = plan,
+                }
+            }
+        }
+        Ok(plans)
     }
 
     /// The bucket sizes, ascending.

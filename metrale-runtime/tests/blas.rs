@@ -608,6 +608,44 @@ fn zero_algorithms_is_a_typed_error_naming_the_problem() {
     );
 }
 
+fn candidates_are_the_heuristics_algorithms_in_order_each_a_checked_plan() {
+    let (lt, s) = setup();
+    blas().set_heuristic(3, 0, 0);
+    let desc = MatmulDesc::new::<f32, f32, f32, f32>(4, 4, 4);
+    let plans = lt.plan_candidates(&desc, 8).unwrap();
+    assert_eq!(plans.len(), 3, "as many as the heuristic offers");
+    // Best first: the first is the cached plan, the others differ from it.
+    assert!(plans[0].same_plan(&lt.plan(&desc).unwrap()));
+    assert_ne!(plans[1].algo().data[0], plans[0].algo().data[0]);
+    assert_ne!(plans[2].algo().data[0], plans[1].algo().data[0]);
+    assert_eq!(
+        lt.plan_candidates(&desc, 2).unwrap().len(),
+        2,
+        "at most the number asked"
+    );
+    // Each computes the product and is checked like any plan.
+    let a = DeviceBuffer::from_host(&s, &col(4, 4, |r, c| (r + c) as f32)).unwrap();
+    let b = DeviceBuffer::from_host(&s, &col(4, 4, |r, c| (r * c) as f32)).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+    let mut first = None;
+    for p in &plans {
+        let mut d = DeviceBuffer::<f32>::zeroed(&s, 16).unwrap();
+        p.matmul(&s, 1.0, &a, &b, 0.0, &c, &mut d).unwrap();
+        let got = s.to_vec(&d).unwrap();
+        assert_eq!(first.get_or_insert_with(|| got.clone()), &got);
+        let mut short = DeviceBuffer::<f32>::zeroed(&s, 15).unwrap();
+        assert!(p.matmul(&s, 1.0, &a, &b, 0.0, &c, &mut short).is_err());
+    }
+    blas().set_heuristic(0, 0, 0);
+    let e = lt
+        .plan_candidates(&MatmulDesc::new::<f32, f32, f32, f32>(4, 4, 8), 4)
+        .unwrap_err();
+    assert!(
+        matches!(e.as_cublas(), Some(BlasError::NoAlgorithm { .. })),
+        "{e}"
+    );
+}
+
 fn the_plan_cache_hits_on_equal_problems_and_misses_on_any_change() {
     let (lt, _s) = setup();
     let desc = MatmulDesc::new::<f32, f32, f32, f32>(16, 8, 4);
@@ -1439,6 +1477,7 @@ fn main() -> ExitCode {
         half_bf16_and_fp8_with_scales,
         problems_that_break_a_rule_are_refused_before_the_heuristic,
         zero_algorithms_is_a_typed_error_naming_the_problem,
+        candidates_are_the_heuristics_algorithms_in_order_each_a_checked_plan,
         the_plan_cache_hits_on_equal_problems_and_misses_on_any_change,
         buffers_are_checked_against_the_plan_before_the_library,
         d_overlapping_a_or_part_of_c_is_refused,

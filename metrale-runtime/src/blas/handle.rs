@@ -283,6 +283,33 @@ impl BlasLt {
         Ok(MatmulPlan::from_inner(plan))
     }
 
+    /// Up to `max` plans of `desc`, one per algorithm the heuristic offers,
+    /// best first (`max` at most 16): for a caller that times them on its own
+    /// buffers and keeps the fastest (an autotuned plan). Not cached; each is
+    /// a plan like [`BlasLt::plan`]'s, with every check.
+    ///
+    /// # Errors
+    /// As [`BlasLt::plan`]; `NoAlgorithm` when the heuristic offers none.
+    pub fn plan_candidates(&self, desc: &MatmulDesc, max: usize) -> Result<Vec<MatmulPlan>> {
+        let first = self.plan(desc)?;
+        let problem = *first.problem();
+        let mut plans = vec![first];
+        for nth in 1..max.min(super::matmul::MAX_CANDIDATES) {
+            match PlanInner::build_nth(&self.core, problem, nth) {
+                Ok(p) => plans.push(MatmulPlan::from_inner(Arc::new(p))),
+                // Fewer algorithms than asked: the list ends here.
+                Err(e)
+                    if e.as_cublas()
+                        .is_some_and(|b| matches!(b, super::BlasError::NoAlgorithm { .. })) =>
+                {
+                    break
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(plans)
+    }
+
     /// How many plans the cache holds.
     pub fn cached_plans(&self) -> usize {
         self.cache

@@ -105,6 +105,12 @@ macro_rules! set_attr {
 impl PlanInner {
     /// Create the descriptors of `problem` and run the heuristic once.
     pub(crate) fn build(core: &Arc<LtCore>, problem: Problem) -> Result<PlanInner> {
+        Self::build_nth(core, problem, 0)
+    }
+
+    /// [`PlanInner::build`] with the heuristic's `nth` choice (0: its best),
+    /// `NoAlgorithm` when it offers fewer.
+    pub(crate) fn build_nth(core: &Arc<LtCore>, problem: Problem, nth: usize) -> Result<PlanInner> {
         let subject = || format!("device {} {problem}", core.ctx.ordinal());
         let mut descs = Descs {
             lib: core.lib,
@@ -211,7 +217,7 @@ impl PlanInner {
                 )?;
             }
         }
-        let (algo, algo_workspace) = heuristic(core, &problem, &descs, subject)?;
+        let (algo, algo_workspace) = heuristic(core, &problem, &descs, subject, nth)?;
         Ok(PlanInner {
             core: Arc::clone(core),
             problem,
@@ -223,13 +229,17 @@ impl PlanInner {
     }
 }
 
-/// Run the heuristic for `problem` once: its best algorithm and the workspace
-/// it needs.
+/// The most algorithms [`BlasLt::plan_candidates`](super::BlasLt::plan_candidates) asks for.
+pub(crate) const MAX_CANDIDATES: usize = 16;
+
+/// Run the heuristic for `problem` once: its `nth` best algorithm (0: the
+/// best) and the workspace it needs.
 fn heuristic(
     core: &Arc<LtCore>,
     problem: &Problem,
     descs: &Descs,
     subject: impl Fn() -> String,
+    nth: usize,
 ) -> Result<(cublasLtMatmulAlgo_t, usize)> {
     struct Pref(&'static CublasLt, cublasLtMatmulPreference_t);
     impl Drop for Pref {
@@ -282,13 +292,15 @@ fn heuristic(
         PrefAttr::CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK,
         problem.reduction.scheme_mask()
     )?;
-    let mut result = cublasLtMatmulHeuristicResult_t::default();
+    let mut results: [cublasLtMatmulHeuristicResult_t; MAX_CANDIDATES] =
+        std::array::from_fn(|_| cublasLtMatmulHeuristicResult_t::default());
+    let want = (nth + 1).min(MAX_CANDIDATES);
     let mut returned = 0i32;
     let [a, b, c, d] = descs.layouts;
     core.call("cublasLtMatmulAlgoGetHeuristic", &subject, |lib| {
         let f = lib.cublasLtMatmulAlgoGetHeuristic()?;
-        // SAFETY: live handle, descriptors and preference; one result slot
-        // for the one algorithm asked.
+        // SAFETY: live handle, descriptors and preference; `want` result
+        // slots (at most the array's length) for `want` algorithms asked.
         Ok(unsafe {
             f(
                 core.raw,
@@ -298,13 +310,14 @@ fn heuristic(
                 c,
                 d,
                 pref.1,
-                1,
-                &mut result,
+                want as i32,
+                results.as_mut_ptr(),
                 &mut returned,
             )
         })
     })?;
-    if returned < 1 || !result.state.is_success() {
+    let result = &results[nth.min(MAX_CANDIDATES - 1)];
+    if returned <= nth as i32 || nth >= MAX_CANDIDATES || !result.state.is_success() {
         return Err(into_error(BlasError::NoAlgorithm { problem: subject() }));
     }
     Ok((result.algo, result.workspaceSize))
