@@ -1058,7 +1058,10 @@ fn plain_gemms_compute_and_check() {
     let c0 = ctx(0);
     let s = CudaStream::new(&c0).unwrap();
     let plain = Blas::new(&c0).unwrap();
-    assert_eq!(plain.version(), Some((13, 1, 0)));
+    assert_eq!(
+        plain.version(),
+        Some(metrale_runtime::Version::new(13, 1, 0))
+    );
     let (m, n, k) = (3usize, 2usize, 4usize);
     let a = col(k, m, |r, c| (r + c) as f32);
     let b = col(k, n, |r, c| r as f32 - c as f32);

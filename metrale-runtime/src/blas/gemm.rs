@@ -155,9 +155,9 @@ impl Blas {
         })
     }
 
-    /// The loaded cuBLAS's version (major, minor, patch).
-    pub fn version(&self) -> Option<(u32, u32, u32)> {
-        self.inner.lib.version()
+    /// The loaded cuBLAS's version.
+    pub fn version(&self) -> Option<crate::Version> {
+        self.inner.lib.version().map(crate::Version::from)
     }
 
     /// Make `stream`'s workspace now, so the stream can be captured.

@@ -272,13 +272,13 @@ fn supported_archs_raw() -> std::result::Result<Vec<u32>, NvrtcError> {
         .collect())
 }
 
-/// The loaded NVRTC's version, (major, minor).
+/// The loaded NVRTC's version (major and minor; NVRTC reports no patch level).
 ///
 /// # Errors
 /// The library's load error.
-pub fn nvrtc_version() -> Result<(u32, u32)> {
+pub fn nvrtc_version() -> Result<crate::Version> {
     let lib = library().map_err(into_error)?;
-    lib.version().ok_or_else(|| {
+    lib.version().map(crate::Version::from).ok_or_else(|| {
         into_error(NvrtcError::MissingSymbol {
             missing: sys_missing(lib, "nvrtcVersion"),
             subject: "NVRTC version".to_owned(),
