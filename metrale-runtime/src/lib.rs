@@ -174,3 +174,7 @@ pub use stream::{
     host_function_panics, AsStream, CudaEvent, CudaStream, EventDone, EventOptions, HostFn,
     StreamDone, StreamOptions,
 };
+
+#[cfg(test)]
+#[path = "tests/texts.rs"]
+mod texts;

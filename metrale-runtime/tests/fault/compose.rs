@@ -120,6 +120,44 @@ fn a_batch_taken_by_value_ends_its_borrows() {
     done(reg);
 }
 
+/// No space before a colon, no doubled space.
+fn tidy(e: &MetraleError) {
+    let text = e.to_string();
+    assert!(!text.contains(" :") && !text.contains("  "), "{text:?}");
+}
+
+fn composed_error_texts_are_tidy() {
+    let reg = setup();
+    let s = reg.stream();
+    let dev = DeviceBuffer::<u32>::zeroed(s, 4).unwrap();
+    let mut short = vec![0u32; 3];
+    // A pair of different lengths: the stream's name, then the call.
+    let e = s
+        .copy_batch([BatchCopy::d2h(&dev, &mut short[..])])
+        .unwrap_err();
+    assert!(e.to_string().contains(": copy_batch: pair 0"), "{e}");
+    tidy(&e);
+    // Refusals while capturing: the stream's name, then what is refused.
+    let mut host = vec![0u32; 4];
+    let mut in_capture = Vec::new();
+    let graph = s.capture(|s| {
+        in_capture.push(
+            s.copy_batch([BatchCopy::d2h(&dev, &mut host[..])])
+                .unwrap_err(),
+        );
+        in_capture.push(s.launch_host_fn(|| {}).unwrap_err());
+        Ok(())
+    });
+    drop(graph);
+    assert_eq!(in_capture.len(), 2);
+    for e in &in_capture {
+        assert!(e.to_string().contains("is being captured"), "{e}");
+        tidy(e);
+    }
+    drop(dev);
+    done(reg);
+}
+
 /// A user's own error type, as `try_capture` takes it.
 #[derive(Debug)]
 enum AppError {
@@ -194,6 +232,10 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "compose::a_batch_taken_by_value_ends_its_borrows",
             run: a_batch_taken_by_value_ends_its_borrows,
+        },
+        Test {
+            name: "compose::composed_error_texts_are_tidy",
+            run: composed_error_texts_are_tidy,
         },
         Test {
             name: "compose::arenas_and_buckets_capture_with_the_users_error",
