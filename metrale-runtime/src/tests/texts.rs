@@ -92,3 +92,47 @@ fn no_literal_has_a_space_before_a_colon_or_a_double_space() {
         [(1, "x: y".to_owned()), (2, "p  q".to_owned())]
     );
 }
+
+/// The launch check compares the count and each size, not alignment (the
+/// fault-injection test `args::alignment_is_left_to_the_drivers_offsets` pins
+/// the behaviour): no doc may say otherwise.
+#[test]
+fn no_doc_says_a_launch_compares_alignment() {
+    let wrong = [
+        "alignment are checked",
+        "alignments are checked",
+        "alignments against",
+        "offset a multiple of the argument's alignment",
+        "offset that is a multiple of it (checked",
+    ];
+    let mut texts = Vec::new();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    for dir in ["src", "src/launch", "src/graph", "src/guide"] {
+        for entry in std::fs::read_dir(root.join(dir)).unwrap() {
+            let path = entry.unwrap().path();
+            if path.extension().is_some_and(|e| e == "rs" || e == "md") {
+                texts.push((path.clone(), std::fs::read_to_string(&path).unwrap()));
+            }
+        }
+    }
+    texts.push((
+        root.join("../README.md"),
+        std::fs::read_to_string(root.join("../README.md")).unwrap(),
+    ));
+    for (path, text) in texts {
+        // Doc comments joined into running text.
+        let flat = text
+            .lines()
+            .map(|l| {
+                l.trim()
+                    .trim_start_matches("///")
+                    .trim_start_matches("//!")
+                    .trim()
+            })
+            .collect::<Vec<_>>()
+            .join(" ");
+        for w in wrong {
+            assert!(!flat.contains(w), "{}: says {w:?}", path.display());
+        }
+    }
+}
