@@ -130,7 +130,7 @@ fn composed_error_texts_are_tidy() {
     let reg = setup();
     let s = reg.stream();
     let dev = DeviceBuffer::<u32>::zeroed(s, 4).unwrap();
-    let mut short = vec![0u32; 3];
+    let mut short = [0u32; 3];
     // A pair of different lengths: the stream's name, then the call.
     let e = s
         .copy_batch([BatchCopy::d2h(&dev, &mut short[..])])
@@ -138,7 +138,7 @@ fn composed_error_texts_are_tidy() {
     assert!(e.to_string().contains(": copy_batch: pair 0"), "{e}");
     tidy(&e);
     // Refusals while capturing: the stream's name, then what is refused.
-    let mut host = vec![0u32; 4];
+    let mut host = [0u32; 4];
     let mut in_capture = Vec::new();
     let graph = s.capture(|s| {
         in_capture.push(
