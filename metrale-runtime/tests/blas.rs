@@ -532,7 +532,7 @@ fn problems_that_break_a_rule_are_refused_before_the_heuristic() {
         (
             // usize sizes: a batch count cuBLASLt cannot hold is refused, naming the limit.
             MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2).batch(1usize << 33),
-            "batch 4294967295 stride 4 is more than cuBLASLt holds (a leading dimension or batch stride above i64::MAX, a batch count above i32::MAX",
+            "the batch count 8589934592 is above cuBLASLt's limit (i32::MAX = 2147483647)",
         ),
         (
             MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2).workspace_limit(64 << 20),

@@ -45,7 +45,7 @@ pub struct MatmulDesc {
     compute: ComputeType,
     trans: [Transpose; 2],
     layouts: [Option<MatrixLayout>; 4],
-    batch: Option<u32>,
+    batch: Option<usize>,
     epilogue: Epilogue,
     bias_type: Option<DataType>,
     scales: [Option<ScaleMode>; 2],
@@ -164,7 +164,7 @@ impl MatmulDesc {
     /// `i32::MAX` is refused by the check.
     #[must_use]
     pub fn batch(mut self, count: usize) -> MatmulDesc {
-        self.batch = Some(narrow(count));
+        self.batch = Some(count);
         self
     }
 
@@ -249,6 +249,13 @@ impl MatmulDesc {
         if batch == 0 {
             return Err("the batch count must be at least 1".into());
         }
+        if batch > i32::MAX as usize {
+            return Err(format!(
+                "the batch count {batch} is above cuBLASLt's limit (i32::MAX = {})",
+                i32::MAX
+            ));
+        }
+        let batch = narrow(batch);
         let [ta, tb] = self.trans;
         let stored = [
             if ta.is_transposed() { (k, m) } else { (m, k) },
