@@ -7,7 +7,7 @@
 # not). metrale-readme's doctests check that the blocks compile; this checks
 # that copying one raises no warning.
 #
-# Usage: scripts/check-readme-clippy.sh [--features nvrtc,nccl]
+# Usage: scripts/check-readme-clippy.sh [--features nvrtc,nccl,cublas,nvtx]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 crate="$root/target/readme-clippy"
@@ -25,12 +25,14 @@ publish = false
 
 [dependencies]
 metrale-runtime = { path = "$root/metrale-runtime" }
+# The blas chapter's element types, as a user of the feature depends on them.
+half = { version = "2", optional = true, default-features = false }
 
 [features]
 nvrtc = ["metrale-runtime/nvrtc"]
 nccl = ["metrale-runtime/nccl"]
 nvtx = ["metrale-runtime/nvtx"]
-cublas = ["metrale-runtime/cublas"]
+cublas = ["metrale-runtime/cublas", "dep:half"]
 EOF
 echo "//! Not a library: the README's examples are under examples/." >"$crate/src/lib.rs"
 

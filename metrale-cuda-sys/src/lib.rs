@@ -31,10 +31,22 @@
 //! ([`Names`]: the library, its variable, the files tried), how its version is
 //! read and which load error it returns.
 //!
+//! The calling convention: each function is an accessor of the table named as
+//! the exported symbol (`cuMemAlloc_v2`, `cuCtxCreate_v4`: the names `cuda.h`
+//! maps the plain ones to), returning the function pointer or a
+//! [`MissingSymbol`]; the call is `unsafe` and returns a [`CUresult`], which
+//! has `is_success()`, `name()` and a `Display` of `NAME (value)`
+//! (`CUDA_ERROR_OUT_OF_MEMORY (2)`).
+//!
 //! ```no_run
 //! use metrale_cuda_sys as sys;
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let d = sys::driver()?;
+//! // SAFETY: cuInit takes flags 0.
+//! let status = unsafe { (d.cuInit()?)(0) };
+//! if !status.is_success() {
+//!     return Err(format!("cuInit: {status}").into()); // "CUDA_ERROR_NO_DEVICE (100)"
+//! }
 //! let mut version = 0;
 //! // SAFETY: cuDriverGetVersion only writes the int it is given.
 //! let status = unsafe { (d.cuDriverGetVersion()?)(&mut version) };
@@ -43,6 +55,11 @@
 //! ```
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
+
+// The README's calling convention, compiled with the crate's doctests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+mod readme {}
 
 use std::fmt;
 use std::sync::OnceLock;

@@ -111,8 +111,7 @@ impl Plans {
     pub fn new(blas: &BlasLt, cfg: &Config, b: usize) -> Result<Plans> {
         let plan = |out: usize, inp: usize| -> Result<MatmulPlan> {
             let desc =
-                MatmulDesc::new::<bf16, bf16, bf16, bf16>(to_u64(out)?, to_u64(b)?, to_u64(inp)?)
-                    .transpose_a(Transpose::Yes);
+                MatmulDesc::new::<bf16, bf16, bf16, bf16>(out, b, inp).transpose_a(Transpose::Yes);
             blas.plan(&desc).map_err(Error::from)
         };
         let h = cfg.hidden;
@@ -124,10 +123,6 @@ impl Plans {
             lm_head: plan(cfg.vocab, h)?,
         })
     }
-}
-
-fn to_u64(n: usize) -> Result<u64> {
-    u64::try_from(n).map_err(|_| Error::Invalid(format!("{n} does not fit 64 bits")))
 }
 
 /// One batch bucket: its plans, attention split and launch shapes.
@@ -348,8 +343,7 @@ impl<'a> Session<'a> {
         ];
         for (op, out, inp) in shapes {
             let desc =
-                MatmulDesc::new::<bf16, bf16, bf16, bf16>(to_u64(out)?, to_u64(b)?, to_u64(inp)?)
-                    .transpose_a(Transpose::Yes);
+                MatmulDesc::new::<bf16, bf16, bf16, bf16>(out, b, inp).transpose_a(Transpose::Yes);
             let candidates = e.blas.plan_candidates(&desc, 8)?;
             let mut best: Option<(f32, MatmulPlan)> = None;
             for plan in candidates {

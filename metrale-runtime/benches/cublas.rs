@@ -175,7 +175,7 @@ fn case<A: BlasElement + Default, D: BlasElement + Default>(
     (m, n, k): (u64, u64, u64),
     fp8: bool,
 ) -> Result<Case<A, D>, MetraleError> {
-    let mut desc = MatmulDesc::new::<A, A, D, D>(m, n, k);
+    let mut desc = MatmulDesc::new::<A, A, D, D>(m as usize, n as usize, k as usize);
     if fp8 {
         desc = desc
             .transpose_a(Transpose::Yes)
@@ -441,8 +441,8 @@ fn run() -> Result<(), MetraleError> {
     // A transformer layer's GEMMs: weights (out x in) transposed, activations
     // (in x batch); hidden 4096, MLP 16384.
     header("transformer layer GEMMs (QKV, out, up, down; hidden 4096), us per step");
-    let h = 4096u64;
-    for batch in [1u64, 16, 256] {
+    let h = 4096usize;
+    for batch in [1usize, 16, 256] {
         let shapes = [
             (3 * h, batch, h),
             (h, batch, h),
@@ -454,10 +454,10 @@ fn run() -> Result<(), MetraleError> {
             let plan = lt.plan(
                 &MatmulDesc::new::<bf16, bf16, bf16, bf16>(m, n, k).transpose_a(Transpose::Yes),
             )?;
-            let w = DeviceBuffer::<bf16>::zeroed(&s, (m * k) as usize)?;
-            let x = DeviceBuffer::<bf16>::zeroed(&s, (k * n) as usize)?;
-            let c = DeviceBuffer::<bf16>::zeroed(&s, (m * n) as usize)?;
-            let d = DeviceBuffer::<bf16>::zeroed(&s, (m * n) as usize)?;
+            let w = DeviceBuffer::<bf16>::zeroed(&s, m * k)?;
+            let x = DeviceBuffer::<bf16>::zeroed(&s, k * n)?;
+            let c = DeviceBuffer::<bf16>::zeroed(&s, m * n)?;
+            let d = DeviceBuffer::<bf16>::zeroed(&s, m * n)?;
             cases.push((plan, w, x, c, d));
         }
         let mut step = |st: &CudaStream| -> metrale_runtime::Result<()> {

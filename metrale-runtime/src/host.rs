@@ -73,6 +73,11 @@ impl CudaHost {
         self.ctx.driver_version()
     }
 
+    /// The CUDA version the driver supports, as a [`Version`](crate::Version).
+    pub fn cuda_version(&self) -> crate::Version {
+        self.ctx.cuda_version()
+    }
+
     /// The device limits launch validation uses.
     pub fn limits(&self) -> &DeviceLimits {
         self.ctx.limits()

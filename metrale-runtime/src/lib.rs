@@ -118,7 +118,7 @@ pub mod prelude {
         AsContext, AsStream, CudaEvent, CudaFunction, CudaGraph, CudaGraphExec, CudaStream,
         DeviceBuffer, DeviceMemory, DeviceMemoryMut, DevicePod, DeviceRepr, ErrorKind,
         KernelArgList, LaunchConfig, ManagedBuffer, MetraleError, MetraleRegistry, NullPtr,
-        PinnedBuffer, Result,
+        PinnedBuffer, Result, Version,
     };
     #[cfg(feature = "cublas")]
     pub use crate::{Blas, BlasLt, MatmulDesc, MatmulPlan};
@@ -131,7 +131,9 @@ pub use blas::{
     GemmShape, MatmulDesc, MatmulExtras, MatmulPlan, MatrixLayout, ScaleMode, Transpose,
 };
 pub use blob::BlobKind;
-pub use context::{context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits};
+pub use context::{
+    context, device_count, AsContext, ContextGuard, CudaContext, DeviceLimits, Version,
+};
 pub use device::{enable_peer_access, memory_info, Device, PeerLink};
 pub use error::{
     cuda_error_text, is_teardown_noop, CallError, ErrorKind, LaunchFailure, LaunchShape,
@@ -178,3 +180,7 @@ pub use stream::{
     host_function_panics, AsStream, CudaEvent, CudaStream, EventDone, EventOptions, HostFn,
     StreamDone, StreamOptions,
 };
+
+#[cfg(test)]
+#[path = "tests/texts.rs"]
+mod texts;

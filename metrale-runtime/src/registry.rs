@@ -12,6 +12,7 @@
 //! - Everything here delegates to the rooms below (module loading, function
 //!   table, launch path, stream methods); the registry adds the seed's names.
 
+use std::borrow::Borrow;
 use std::ffi::c_void;
 use std::fmt;
 use std::sync::{Arc, OnceLock};
@@ -103,14 +104,18 @@ impl MetraleRegistry {
         Ok(Arc::new(Self::load_into(host(ordinal)?, kernel_blobs)?))
     }
 
-    /// As [`MetraleRegistry::load`], into a host the caller holds, with names and
-    /// blobs of any lifetime, owned or borrowed ([`NamedBlob`]: `(String, Vec<u8>)`
-    /// read from disk, `(&str, &[u8])`, references to either); nothing is kept
-    /// after loading.
+    /// As [`MetraleRegistry::load`], into a host the caller holds (`&host`, or
+    /// the `Arc` itself), with names and blobs of any lifetime, owned or
+    /// borrowed ([`NamedBlob`]: `(String, Vec<u8>)` read from disk, `(&str,
+    /// &[u8])`, references to either); nothing is kept after loading.
     ///
     /// # Errors
     /// As [`MetraleRegistry::load`].
-    pub fn load_into(host: Arc<CudaHost>, kernel_blobs: &[impl NamedBlob]) -> Result<Self> {
+    pub fn load_into(
+        host: impl Borrow<Arc<CudaHost>>,
+        kernel_blobs: &[impl NamedBlob],
+    ) -> Result<Self> {
+        let host = Arc::clone(host.borrow());
         let blobs: Vec<(&str, &[u8])> =
             kernel_blobs.iter().map(|b| (b.name(), b.bytes())).collect();
         let code = ModuleSet::load_modules(host.ctx(), &blobs)?;

@@ -125,7 +125,7 @@ fn f32_results_match_the_host_reference_with_transposes() {
         let t = |x: bool| if x { Transpose::Yes } else { Transpose::No };
         let plan = lt
             .plan(
-                &MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64)
+                &MatmulDesc::new::<f32, f32, f32, f32>(m, n, k)
                     .transpose_a(t(ta))
                     .transpose_b(t(tb)),
             )
@@ -189,7 +189,7 @@ fn every_epilogue_with_its_bias() {
         Epilogue::GeluBias,
     ] {
         let plan = lt
-            .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64).epilogue(e))
+            .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).epilogue(e))
             .unwrap();
         let mut d = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
         let extras = if e.has_bias() {
@@ -295,9 +295,9 @@ fn every_epilogue_with_its_bias() {
 
 fn strided_batches_compute_each_matrix() {
     let (lt, s) = setup();
-    let (m, n, k, batches) = (2usize, 2usize, 3usize, 3u32);
+    let (m, n, k, batches) = (2usize, 2usize, 3usize, 3usize);
     let plan = lt
-        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64).batch(batches))
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).batch(batches))
         .unwrap();
     assert_eq!(plan.problem().d().batch_stride, (m * n) as u64);
     let a: Vec<f32> = (0..m * k * 3).map(|i| i as f32).collect();
@@ -341,9 +341,7 @@ fn half_bf16_and_fp8_with_scales() {
     let want = reference(&a, (m, k), false, &b, (k, n), false, m, n, k);
     // f16 in, f32 out.
     let plan = lt
-        .plan(&MatmulDesc::new::<f16, f16, f32, f32>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<f16, f16, f32, f32>(m, n, k))
         .unwrap();
     let ha: Vec<f16> = a.iter().map(|&x| f16::from_f32(x)).collect();
     let hb: Vec<f16> = b.iter().map(|&x| f16::from_f32(x)).collect();
@@ -355,9 +353,7 @@ fn half_bf16_and_fp8_with_scales() {
     assert_eq!(s.to_vec(&dd).unwrap(), want, "exact in f16");
     // bf16 in and out.
     let plan = lt
-        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(m, n, k))
         .unwrap();
     let ba: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
     let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
@@ -543,7 +539,12 @@ fn problems_that_break_a_rule_are_refused_before_the_heuristic() {
         ),
         (
             MatmulDesc::new::<f32, f32, f32, f32>(1 << 40, 1 << 40, 2).batch(4),
-            "operand C: layout 1099511627776x1099511627776 col ld 1099511627776, batch 4 stride 18446744073709551615 overflows",
+            "operand C: layout 1099511627776x1099511627776 col ld 1099511627776, batch 4 stride 18446744073709551615 is more than cuBLASLt holds (a leading dimension or batch stride above i64::MAX, a batch count above i32::MAX, or a required length above u64::MAX elements)",
+        ),
+        (
+            // usize sizes: a batch count cuBLASLt cannot hold is refused, naming the limit.
+            MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2).batch(1usize << 33),
+            "the batch count 8589934592 is above cuBLASLt's limit (i32::MAX = 2147483647)",
         ),
         (
             MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2).workspace_limit(64 << 20),
@@ -1107,7 +1108,10 @@ fn plain_gemms_compute_and_check() {
     let c0 = ctx(0);
     let s = CudaStream::new(&c0).unwrap();
     let plain = Blas::new(&c0).unwrap();
-    assert_eq!(plain.version(), Some((13, 1, 0)));
+    assert_eq!(
+        plain.version(),
+        Some(metrale_runtime::Version::new(13, 1, 0))
+    );
     let (m, n, k) = (3usize, 2usize, 4usize);
     let a = col(k, m, |r, c| (r + c) as f32);
     let b = col(k, n, |r, c| r as f32 - c as f32);
@@ -1223,7 +1227,19 @@ fn plain_gemms_compute_and_check() {
     let e = plain
         .gemm_ex(&s, &huge, 1.0, &da, &db, 0.0, &mut dc, ComputeType::F32)
         .unwrap_err();
-    assert!(refusal(&e).contains("exceeds i32::MAX"), "{e}");
+    assert!(
+        refusal(&e).contains("m 2147483648 is above cuBLAS's int limit (i32::MAX = 2147483647)"),
+        "{e}"
+    );
+    // usize sizes: a leading dimension past `u32` is named, not wrapped.
+    let wide = GemmShape::new(2, 2, 2).with_ld(2, 1 << 33, 2);
+    let e = plain
+        .gemm_ex(&s, &wide, 1.0, &da, &db, 0.0, &mut dc, ComputeType::F32)
+        .unwrap_err();
+    assert!(
+        refusal(&e).contains("ldb 8589934592 is above cuBLAS's int limit"),
+        "{e}"
+    );
     let fp8 = DeviceBuffer::from_host(&s, &[Fp8E4M3(0); 16]).unwrap();
     let e = plain
         .gemm_ex(

@@ -629,9 +629,11 @@ fn main() -> ExitCode {
     let gate = || match device_count() {
         Ok(n) if n >= 2 => Ok(()),
         Ok(n) => Err(format!(
-            "needs two GPUs: nvidia-h200-x2 not lent (the driver reports {n} CUDA device(s))"
+            "needs two CUDA devices of one host; the driver reports {n}"
         )),
-        Err(e) => Err(format!("needs two GPUs: nvidia-h200-x2 not lent ({e})")),
+        Err(e) => Err(format!(
+            "needs two CUDA devices of one host; the driver could not count them: {e}"
+        )),
     };
     let require = std::env::var("METRALE_REQUIRE_GPUS").is_ok_and(|v| v == "2");
     let children = [

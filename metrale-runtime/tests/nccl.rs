@@ -548,7 +548,7 @@ fn errors_name_the_call_status_text_and_communicator() {
     assert_eq!(lib.version(), Some((2, 28, 9)));
     assert_eq!(
         metrale_runtime::nccl::nccl_version().unwrap(),
-        Some((2, 28, 9))
+        Some(metrale_runtime::Version::new(2, 28, 9))
     );
 }
 

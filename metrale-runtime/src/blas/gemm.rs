@@ -155,9 +155,9 @@ impl Blas {
         })
     }
 
-    /// The loaded cuBLAS's version (major, minor, patch).
-    pub fn version(&self) -> Option<(u32, u32, u32)> {
-        self.inner.lib.version()
+    /// The loaded cuBLAS's version.
+    pub fn version(&self) -> Option<crate::Version> {
+        self.inner.lib.version().map(crate::Version::from)
     }
 
     /// Make `stream`'s workspace now, so the stream can be captured.
@@ -432,16 +432,12 @@ impl Blas {
         compute: ComputeType,
     ) -> Result<()> {
         let inner = &*self.inner;
+        if let Some(r) = shape.too_large() {
+            return Err(refused(call, self.subject(), r));
+        }
         let p = shape
             .problem([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
             .map_err(|r| refused(call, self.subject(), r))?;
-        if !shape.fits_the_api() {
-            return Err(refused(
-                call,
-                self.subject(),
-                "a size, leading dimension or batch count exceeds i32::MAX, or a stride i64::MAX",
-            ));
-        }
         let cc = Operand::of(&*c);
         let ops = [Operand::of(a), Operand::of(b), cc, cc];
         check(

@@ -101,11 +101,18 @@ impl Blas {
                     ),
                 ));
             }
-            if !s.fits_the_api() || group.a.len() > i32::MAX as usize {
+            if let Some(r) = s.too_large() {
+                return Err(refused(call, self.subject(), format!("group {g}: {r}")));
+            }
+            if group.a.len() > i32::MAX as usize {
                 return Err(refused(
                     call,
                     self.subject(),
-                    format!("group {g}: a size, leading dimension or count exceeds i32::MAX"),
+                    format!(
+                        "group {g}: {} products is above cuBLAS's int limit (i32::MAX = {})",
+                        group.a.len(),
+                        i32::MAX
+                    ),
                 ));
             }
             let p = s

@@ -366,9 +366,9 @@ impl BlasLt {
         self.core.raw
     }
 
-    /// The loaded cuBLASLt's version (major, minor, patch).
-    pub fn version(&self) -> Option<(u32, u32, u32)> {
-        self.core.lib.version()
+    /// The loaded cuBLASLt's version.
+    pub fn version(&self) -> Option<crate::Version> {
+        self.core.lib.version().map(crate::Version::from)
     }
 }
 

@@ -11,6 +11,11 @@ use super::Order;
 
 /// The layout of one operand: its stored size, leading dimension, order and
 /// batches (counts and strides in elements).
+///
+/// The constructors take `usize`, as buffer lengths are; a count beyond what
+/// cuBLASLt holds (a batch count above `i32::MAX`, a leading dimension or
+/// stride above `i64::MAX`) is kept as "too large" and refused by the plan's
+/// check, naming the limit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct MatrixLayout {
     /// Rows as stored.
@@ -29,9 +34,26 @@ pub struct MatrixLayout {
     pub batch_stride: u64,
 }
 
+/// A `usize` count as the `u64` cuBLASLt takes (lossless: `usize` is at most
+/// 64 bits on every target metrale builds for).
+pub(crate) const fn wide(x: usize) -> u64 {
+    x as u64
+}
+
+/// A `usize` count as a `u32` field, `u32::MAX` when it does not fit (above
+/// the `i32::MAX` the check allows, so refused there).
+pub(crate) const fn narrow(x: usize) -> u32 {
+    if x > u32::MAX as usize {
+        u32::MAX
+    } else {
+        x as u32
+    }
+}
+
 impl MatrixLayout {
     /// A packed column-major `rows x cols` matrix (`ld = rows`), not batched.
-    pub const fn col_major(rows: u64, cols: u64) -> MatrixLayout {
+    pub const fn col_major(rows: usize, cols: usize) -> MatrixLayout {
+        let (rows, cols) = (wide(rows), wide(cols));
         MatrixLayout {
             rows,
             cols,
@@ -43,7 +65,8 @@ impl MatrixLayout {
     }
 
     /// A packed row-major `rows x cols` matrix (`ld = cols`), not batched.
-    pub const fn row_major(rows: u64, cols: u64) -> MatrixLayout {
+    pub const fn row_major(rows: usize, cols: usize) -> MatrixLayout {
+        let (rows, cols) = (wide(rows), wide(cols));
         MatrixLayout {
             rows,
             cols,
@@ -56,16 +79,16 @@ impl MatrixLayout {
 
     /// This layout with leading dimension `ld`.
     #[must_use]
-    pub const fn with_ld(mut self, ld: u64) -> MatrixLayout {
-        self.ld = ld;
+    pub const fn with_ld(mut self, ld: usize) -> MatrixLayout {
+        self.ld = wide(ld);
         self
     }
 
     /// This layout as a batch of `count` matrices `stride` elements apart.
     #[must_use]
-    pub const fn with_batch(mut self, count: u32, stride: u64) -> MatrixLayout {
-        self.batch_count = count;
-        self.batch_stride = stride;
+    pub const fn with_batch(mut self, count: usize, stride: usize) -> MatrixLayout {
+        self.batch_count = narrow(count);
+        self.batch_stride = wide(stride);
         self
     }
 

@@ -5,6 +5,7 @@
 //! | file | owns |
 //! | --- | --- |
 //! | `mod.rs` | the element types ([`BlasElement`], [`Fp8E4M3`], [`Fp8E5M2`]), [`ComputeType`], [`Transpose`], [`Order`] |
+//! | `fp8.rs` | FP8 conversions from and to `f32` (round to nearest even, saturating, NaN kept) |
 //! | `error.rs` | [`BlasError`], how it fills the library-error shape, the status texts |
 //! | `handle.rs` | [`BlasLt`]: the cuBLASLt handle of a device, its plan cache |
 //! | `core.rs` | what a handle and its plans share; the one path into cuBLASLt |
@@ -60,6 +61,7 @@ use crate::memory::{DevicePod, DeviceRepr};
 mod check;
 mod core;
 mod error;
+mod fp8;
 mod gemm;
 mod grouped;
 mod handle;
@@ -79,13 +81,17 @@ pub use plan::{Epilogue, MatmulDesc, MatrixLayout, Problem, Reduction, ScaleMode
 pub use shape::{GemmShape, MathMode};
 
 /// An FP8 number in the E4M3 format (4 exponent bits, 3 mantissa bits), as
-/// its byte. metrale does no arithmetic on it; it marks a buffer's element type.
+/// its byte: a buffer's element type. [`Fp8E4M3::from_f32`] and
+/// [`Fp8E4M3::to_f32`] convert (round to nearest even, saturating to ±448, NaN
+/// kept), one value or a slice at a time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(transparent)]
 pub struct Fp8E4M3(pub u8);
 
 /// An FP8 number in the E5M2 format (5 exponent bits, 2 mantissa bits), as
-/// its byte.
+/// its byte. [`Fp8E5M2::from_f32`] and [`Fp8E5M2::to_f32`] convert (round to
+/// nearest even, saturating to ±57344 (OCP's saturating mode: an infinity too),
+/// NaN kept).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[repr(transparent)]
 pub struct Fp8E5M2(pub u8);
@@ -195,7 +201,9 @@ pub enum ComputeType {
     /// f32 with f32 inputs rounded to bf16 (`CUBLAS_COMPUTE_32F_FAST_16BF`).
     F32FastBf16,
     /// f16 (`CUBLAS_COMPUTE_16F`): f16 matrices with f16 C and D only; the
-    /// scale type is f16.
+    /// scale type is f16: alpha and beta, given as `f32`, are converted by
+    /// `half::f16::from_f32` (round to nearest, ties to even; beyond ±65504
+    /// ±infinity; NaN kept).
     F16,
 }
 

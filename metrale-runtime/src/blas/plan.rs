@@ -15,6 +15,7 @@
 
 use std::fmt;
 
+use super::layout::{narrow, wide};
 pub use super::layout::{Epilogue, MatrixLayout, Reduction, ScaleMode};
 use super::{BlasElement, ComputeType, DataType, Transpose};
 
@@ -45,7 +46,7 @@ pub struct MatmulDesc {
     compute: ComputeType,
     trans: [Transpose; 2],
     layouts: [Option<MatrixLayout>; 4],
-    batch: Option<u32>,
+    batch: Option<usize>,
     epilogue: Epilogue,
     bias_type: Option<DataType>,
     scales: [Option<ScaleMode>; 2],
@@ -84,15 +85,19 @@ pub(crate) const OPERANDS: [&str; 4] = ["A", "B", "C", "D"];
 impl MatmulDesc {
     /// `D (m x n) = op(A) (m x k) * op(B) (k x n) + C`, with element types
     /// `A`, `B`, `C` and `D`.
+    ///
+    /// Sizes are `usize`, as buffer lengths are (cuBLASLt takes them as
+    /// `uint64_t`, so every size fits; what a buffer cannot hold is refused by
+    /// [`MatmulDesc::check`]).
     pub fn new<A: BlasElement, B: BlasElement, C: BlasElement, D: BlasElement>(
-        m: u64,
-        n: u64,
-        k: u64,
+        m: usize,
+        n: usize,
+        k: usize,
     ) -> MatmulDesc {
         MatmulDesc {
-            m,
-            n,
-            k,
+            m: wide(m),
+            n: wide(n),
+            k: wide(k),
             types: [A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE, D::DATA_TYPE],
             compute: ComputeType::F32,
             trans: [Transpose::No; 2],
@@ -110,7 +115,7 @@ impl MatmulDesc {
     }
 
     /// The same as [`MatmulDesc::new`] with the element types as values.
-    pub(crate) fn typed(m: u64, n: u64, k: u64, types: [DataType; 4]) -> MatmulDesc {
+    pub(crate) fn typed(m: usize, n: usize, k: usize, types: [DataType; 4]) -> MatmulDesc {
         let mut d = MatmulDesc::new::<f32, f32, f32, f32>(m, n, k);
         d.types = types;
         d
@@ -159,9 +164,10 @@ impl MatmulDesc {
     }
 
     /// A batch of `count` products, each operand packed one matrix after the
-    /// other (for layouts not given explicitly).
+    /// other (for layouts not given explicitly). A count above cuBLASLt's
+    /// `i32::MAX` is refused by the check.
     #[must_use]
-    pub fn batch(mut self, count: u32) -> MatmulDesc {
+    pub fn batch(mut self, count: usize) -> MatmulDesc {
         self.batch = Some(count);
         self
     }
@@ -255,6 +261,13 @@ impl MatmulDesc {
         if batch == 0 {
             return Err("the batch count must be at least 1".into());
         }
+        if batch > i32::MAX as usize {
+            return Err(format!(
+                "the batch count {batch} is above cuBLASLt's limit (i32::MAX = {})",
+                i32::MAX
+            ));
+        }
+        let batch = narrow(batch);
         let [ta, tb] = self.trans;
         let stored = [
             if ta.is_transposed() { (k, m) } else { (m, k) },
@@ -269,9 +282,15 @@ impl MatmulDesc {
                 Some(l) => l,
                 None => {
                     let (r, c) = stored[i];
-                    let l = MatrixLayout::col_major(r, c);
                     let stride = if batch > 1 { r.saturating_mul(c) } else { 0 };
-                    l.with_batch(batch, stride)
+                    MatrixLayout {
+                        rows: r,
+                        cols: c,
+                        ld: r,
+                        batch_count: batch,
+                        batch_stride: stride,
+                        ..MatrixLayout::col_major(1, 1)
+                    }
                 }
             };
         }
@@ -307,7 +326,11 @@ impl MatmulDesc {
                 || l.batch_stride > i64::MAX as u64
                 || l.batch_count > i32::MAX as u32
             {
-                return Err(format!("operand {op}: layout {l} overflows"));
+                return Err(format!(
+                    "operand {op}: layout {l} is more than cuBLASLt holds (a leading \
+                     dimension or batch stride above i64::MAX, a batch count above \
+                     i32::MAX, or a required length above u64::MAX elements)"
+                ));
             }
         }
         let d = layouts[3];

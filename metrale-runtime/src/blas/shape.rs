@@ -40,30 +40,30 @@ pub struct GemmShape {
     /// Whether B is used transposed (then stored `n x k`).
     pub trans_b: Transpose,
     /// Rows of op(A) and C.
-    pub m: u32,
+    pub m: usize,
     /// Columns of op(B) and C.
-    pub n: u32,
+    pub n: usize,
     /// Columns of op(A), rows of op(B).
-    pub k: u32,
+    pub k: usize,
     /// A's leading dimension.
-    pub lda: u32,
+    pub lda: usize,
     /// B's leading dimension.
-    pub ldb: u32,
+    pub ldb: usize,
     /// C's leading dimension.
-    pub ldc: u32,
+    pub ldc: usize,
     /// Batch count (1 for `gemm_ex`).
-    pub batch: u32,
+    pub batch: usize,
     /// Elements between A's batches.
-    pub stride_a: u64,
+    pub stride_a: usize,
     /// Elements between B's batches.
-    pub stride_b: u64,
+    pub stride_b: usize,
     /// Elements between C's batches.
-    pub stride_c: u64,
+    pub stride_c: usize,
 }
 
 impl GemmShape {
     /// A packed `m x n x k` GEMM, no transposes, not batched.
-    pub const fn new(m: u32, n: u32, k: u32) -> GemmShape {
+    pub const fn new(m: usize, n: usize, k: usize) -> GemmShape {
         GemmShape {
             trans_a: Transpose::No,
             trans_b: Transpose::No,
@@ -98,7 +98,7 @@ impl GemmShape {
 
     /// With leading dimensions.
     #[must_use]
-    pub const fn with_ld(mut self, lda: u32, ldb: u32, ldc: u32) -> GemmShape {
+    pub const fn with_ld(mut self, lda: usize, ldb: usize, ldc: usize) -> GemmShape {
         self.lda = lda;
         self.ldb = ldb;
         self.ldc = ldc;
@@ -107,7 +107,7 @@ impl GemmShape {
 
     /// A strided batch of `count`, each operand packed one after the other.
     #[must_use]
-    pub const fn batched(mut self, count: u32) -> GemmShape {
+    pub const fn batched(mut self, count: usize) -> GemmShape {
         self.batch = count;
         let (ac, bc) = (
             if matches!(self.trans_a, Transpose::Yes) {
@@ -121,31 +121,58 @@ impl GemmShape {
                 self.n
             },
         );
-        self.stride_a = self.lda as u64 * ac as u64;
-        self.stride_b = self.ldb as u64 * bc as u64;
-        self.stride_c = self.ldc as u64 * self.n as u64;
+        self.stride_a = self.lda.saturating_mul(ac);
+        self.stride_b = self.ldb.saturating_mul(bc);
+        self.stride_c = self.ldc.saturating_mul(self.n);
         self
     }
 
     /// With batch strides.
     #[must_use]
-    pub const fn with_strides(mut self, a: u64, b: u64, c: u64) -> GemmShape {
+    pub const fn with_strides(mut self, a: usize, b: usize, c: usize) -> GemmShape {
         self.stride_a = a;
         self.stride_b = b;
         self.stride_c = c;
         self
     }
 
-    /// Whether every size, leading dimension and batch count fits cuBLAS's
-    /// `int`, and every stride its `long long`.
-    pub(crate) fn fits_the_api(&self) -> bool {
-        let small = [
-            self.m, self.n, self.k, self.lda, self.ldb, self.ldc, self.batch,
+    /// The first size cuBLAS cannot hold, named with its value and the limit
+    /// (`int` sizes, leading dimensions and counts; `long long` strides).
+    pub(crate) fn too_large(&self) -> Option<String> {
+        let ints = [
+            ("m", self.m),
+            ("n", self.n),
+            ("k", self.k),
+            ("lda", self.lda),
+            ("ldb", self.ldb),
+            ("ldc", self.ldc),
+            ("the batch count", self.batch),
         ];
-        small.iter().all(|&x| x <= i32::MAX as u32)
-            && [self.stride_a, self.stride_b, self.stride_c]
+        let longs = [
+            ("A's stride", self.stride_a),
+            ("B's stride", self.stride_b),
+            ("C's stride", self.stride_c),
+        ];
+        let int = ints
+            .iter()
+            .find(|(_, x)| *x > i32::MAX as usize)
+            .map(|(what, x)| {
+                format!(
+                    "{what} {x} is above cuBLAS's int limit (i32::MAX = {})",
+                    i32::MAX
+                )
+            });
+        int.or_else(|| {
+            longs
                 .iter()
-                .all(|&x| x <= i64::MAX as u64)
+                .find(|(_, x)| u64::try_from(*x).map_or(true, |x| x > i64::MAX as u64))
+                .map(|(what, x)| {
+                    format!(
+                        "{what} {x} is above cuBLAS's long long limit (i64::MAX = {})",
+                        i64::MAX
+                    )
+                })
+        })
     }
 
     /// The matmul problem of the same GEMM (C is also D), checked by the
@@ -158,7 +185,7 @@ impl GemmShape {
         if types.iter().any(|t| t.is_fp8()) {
             return Err("plain cuBLAS takes no FP8 matrices: use a cuBLASLt plan".into());
         }
-        let (m, n, k) = (u64::from(self.m), u64::from(self.n), u64::from(self.k));
+        let (m, n, k) = (self.m, self.n, self.k);
         let stored_a = if self.trans_a.is_transposed() {
             (k, m)
         } else {
@@ -171,13 +198,13 @@ impl GemmShape {
         };
         let batch = self.batch;
         let la = MatrixLayout::col_major(stored_a.0, stored_a.1)
-            .with_ld(self.lda.into())
+            .with_ld(self.lda)
             .with_batch(batch, self.stride_a);
         let lb = MatrixLayout::col_major(stored_b.0, stored_b.1)
-            .with_ld(self.ldb.into())
+            .with_ld(self.ldb)
             .with_batch(batch, self.stride_b);
         let lc = MatrixLayout::col_major(m, n)
-            .with_ld(self.ldc.into())
+            .with_ld(self.ldc)
             .with_batch(batch, self.stride_c);
         let mut desc = MatmulDesc::typed(m, n, k, [types[0], types[1], types[2], types[2]])
             .transpose_a(self.trans_a)

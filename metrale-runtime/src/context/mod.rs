@@ -25,11 +25,13 @@
 //!
 //! `mod.rs` owns [`CudaContext`] and [`context`]; `init.rs` the driver's
 //! initialisation and device facts; `release.rs` generations and the release rule;
-//! `waits.rs` the pending waits on mapped words; `guard.rs` [`ContextGuard`].
+//! `waits.rs` the pending waits on mapped words; `guard.rs` [`ContextGuard`];
+//! `version.rs` [`Version`], the one version type of every library.
 
 mod guard;
 mod init;
 mod release;
+mod version;
 mod waits;
 
 use std::collections::HashMap;
@@ -44,6 +46,7 @@ pub use guard::ContextGuard;
 pub(crate) use init::{device_attribute, device_handle, device_name, init_driver};
 pub use init::{device_count, DeviceLimits};
 pub(crate) use release::Generation;
+pub use version::Version;
 
 use crate::error::{cu, report_drop_failures, CallError, ErrorKind, Result};
 use init::read_limits;
@@ -289,6 +292,12 @@ impl CudaContext {
     /// `cuDriverGetVersion`'s answer (13000 for CUDA 13.0).
     pub fn driver_version(&self) -> i32 {
         self.driver_version
+    }
+
+    /// The CUDA version the driver supports, as a [`Version`] (13.0.0), ordered
+    /// like the other libraries' versions.
+    pub fn cuda_version(&self) -> Version {
+        Version::from_cuda(self.driver_version)
     }
 
     /// The device limits launches and allocations check.

@@ -35,6 +35,8 @@
 //! | load PTX / cubin / fatbin / clang offload bundle | `MetraleRegistry::load(0, blobs)` (borrowed or owned), `load_into(host, blobs)` | any CUDA 12/13 driver |
 //! | one model on several devices, loaded once | `MetraleRegistry::load_on_devices(&[0, 1], blobs)` | 12.0+ library API; a module per device otherwise |
 //! | typed launches checked against the parameter list | `stream.launch(&f, cfg, (&a, n, x))`, `f.params()` | 12.4+ (`cuFuncGetParamInfo`); unchecked before |
+//! | any device memory as a kernel argument, generic included | `(x, y, n)` with `x: &impl DeviceMemory<f32>` (`const float*`), `y: &mut impl DeviceMemoryMut<f32>` (`float*`) | any |
+//! | one version type for every library | `ctx.cuda_version() >= Version::new(12, 8, 0)`, `nccl_version()`, `BlasLt::version()` | any |
 //! | >48 KiB dynamic shared memory | `LaunchConfig::new(grid, block, 100 << 10)?` (or `.with_shared_mem(..)`) | any; up to the opt-in limit |
 //! | clusters, cooperative, programmatic dependent launch | `stream.launch(&f, cfg.with_cluster(4, 1, 1), args)` | 12.0+ (`cuLaunchKernelEx`) |
 //! | streams with flags and priority; events (timed or not) | `CudaStream::with_options`, `CudaEvent::timed`, `stream.wait(&event)` | any |

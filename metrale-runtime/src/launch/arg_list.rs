@@ -40,8 +40,10 @@ pub const MAX_ARG_ALIGN: usize = 4096;
 /// raw bytes of a stated size and alignment. Launched as `&list` wherever a tuple
 /// goes ([`CudaStream::launch`](crate::CudaStream::launch), the registry's
 /// `launch`, graph kernel nodes and their updates) and checked the same way
-/// against the kernel's parameter layout: the count, each size, and each
-/// parameter's offset a multiple of the argument's alignment.
+/// against the kernel's parameter layout: the count and each size. Alignment
+/// is not compared at launch (each argument's bytes go to the offset the driver
+/// reports); it is kept to store each argument aligned as its type, and
+/// [`set`](KernelArgList::set) compares it with the argument it replaces.
 ///
 /// Each argument's bytes are copied when it is pushed (a device address, for
 /// memory). Build it once and launch it many times: launching allocates nothing, and

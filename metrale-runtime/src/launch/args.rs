@@ -53,9 +53,10 @@ pub enum ByAddress {}
 pub unsafe trait KernelArg<Kind = ByValue> {
     /// The bytes the kernel receives (checked against its parameter layout).
     const SIZE: usize;
-    /// The alignment the argument's type needs, in bytes: the kernel's parameter
-    /// must sit at an offset that is a multiple of it (checked where the driver
-    /// reports the layout). The default, 1, asks nothing.
+    /// The alignment of the argument's type, in bytes: how a
+    /// [`KernelArgList`](crate::KernelArgList) stores it. A launch does not
+    /// compare it with the parameter's offset (it copies the bytes to the offset
+    /// the driver reports). The default is 1.
     const ALIGN: usize = 1;
     /// Pointer to the argument's bytes.
     fn param_ptr(&self) -> *mut c_void;
@@ -129,9 +130,10 @@ unsafe impl KernelArg for NullPtr {
     }
 }
 
-/// The sizes and alignments of an argument list, in order: what a launch checks
-/// against the kernel's parameter layout (the count, each size, and each
-/// parameter's offset a multiple of the argument's alignment).
+/// The sizes and alignments of an argument list, in order. A launch checks the
+/// count and each size against the kernel's parameter layout; alignment is not
+/// compared (the launch copies each argument's bytes to the offset the driver
+/// reports, which is not always a multiple of the declared alignment).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ArgLayout<'a> {
     sizes: &'a [usize],
@@ -140,7 +142,7 @@ pub struct ArgLayout<'a> {
 
 impl<'a> ArgLayout<'a> {
     /// A layout of `sizes.len()` arguments; `aligns` gives the alignment of the
-    /// first `aligns.len()` of them (an argument without one is not checked for it).
+    /// first `aligns.len()` of them (as many as are known).
     pub const fn new(sizes: &'a [usize], aligns: &'a [usize]) -> ArgLayout<'a> {
         ArgLayout { sizes, aligns }
     }
@@ -179,12 +181,13 @@ pub unsafe trait KernelArgs<Kinds> {
     /// compile time (tuples). Empty for a run-time list, which reports its sizes
     /// through [`KernelArgs::layout`] (what launches check).
     const SIZES: &'static [usize];
-    /// Each argument's alignment in bytes, in order, as `SIZES`. The default (empty)
-    /// asks no alignment of any parameter.
+    /// Each argument's alignment in bytes, in order, as `SIZES` (reported, not
+    /// compared at launch). The default is empty.
     const ALIGNS: &'static [usize] = &[];
     /// Call `f` with the packed `void*` array.
     fn with_params<R>(&self, f: impl FnOnce(&mut [*mut c_void]) -> R) -> R;
-    /// The sizes and alignments a launch checks: by default `SIZES` and `ALIGNS`.
+    /// The sizes (checked at launch) and alignments (reported): by default
+    /// `SIZES` and `ALIGNS`.
     #[inline]
     fn layout(&self) -> ArgLayout<'_> {
         ArgLayout::new(Self::SIZES, Self::ALIGNS)

@@ -219,10 +219,11 @@ pub(crate) unsafe fn launch_kernel(
 impl CudaStream {
     /// Launch `f` with typed arguments: a tuple of values and device memory
     /// (`(&a, &b, &mut c, n)`), packed on the stack, or a [`KernelArgList`](crate::KernelArgList) built
-    /// at run time (`&list`). The argument count, each argument's size and each
-    /// parameter's alignment are checked against the kernel's parameter layout
-    /// before the driver is called (where the driver reports it, CUDA 12.4+), as
-    /// are the launch shape and the stream's device.
+    /// at run time (`&list`). The argument count and each argument's size are
+    /// checked against the kernel's parameter layout before the driver is called
+    /// (where the driver reports it, CUDA 12.4+), as are the launch shape and the
+    /// stream's device. Alignment is not compared: each argument's bytes are
+    /// copied to the offset the driver reports for its parameter.
     ///
     /// ```no_run
     /// # use metrale_runtime::*;

@@ -179,6 +179,10 @@ impl CudaStream {
     /// Queue every pair of `copies` in one `cuMemcpyBatchAsync` call, ordered
     /// after the work already on this stream; pairs of zero bytes are skipped.
     ///
+    /// The pairs are taken by value (a `Vec` or an array, whose borrows end
+    /// with the call, so the destinations can be read right after) or by
+    /// reference (`&copies`, to keep them).
+    ///
     /// A batch with a host end waits until the stream has finished it (the
     /// host memory is borrowed only for this call) and is refused while the
     /// stream is being captured; a device-only batch returns at once. On a
@@ -190,7 +194,8 @@ impl CudaStream {
     /// host end on a capturing stream; [`ErrorKind::WrongDevice`](crate::ErrorKind::WrongDevice)
     /// for a device end of another context; the failing batch call, copy or
     /// wait (a batch with a host end is waited for even then).
-    pub fn copy_batch(&self, copies: &[BatchCopy<'_>]) -> Result<()> {
+    pub fn copy_batch<'a>(&self, copies: impl AsRef<[BatchCopy<'a>]>) -> Result<()> {
+        let copies = copies.as_ref();
         if crate::lifetime::in_host_function() {
             // Every driver call is refused here: nothing is queued, nothing
             // to wait for.

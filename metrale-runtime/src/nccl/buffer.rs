@@ -33,9 +33,9 @@ use super::lib;
 /// `len` elements of `T` in device memory from `ncclMemAlloc`, freed by
 /// `ncclMemFree` on drop (after the work that may use it).
 ///
-/// Pass it to collectives, copies and fills like a [`DeviceBuffer`](crate::DeviceBuffer);
-/// launch kernels on [`as_slice`](Self::as_slice) / [`as_slice_mut`](Self::as_slice_mut)
-/// (or a range of it). Register it with a communicator
+/// Pass it to collectives, copies, fills and kernels like a
+/// [`DeviceBuffer`](crate::DeviceBuffer) (`&buf` is a `const T*` argument,
+/// `&mut buf` a `T*`; a range of it through [`slice`](Self::slice)). Register it with a communicator
 /// ([`Communicator::register`](super::Communicator::register)) or make it a
 /// symmetric window ([`Communicator::register_window`](super::Communicator::register_window)).
 ///
@@ -46,7 +46,7 @@ use super::lib;
 /// let s = h.stream();
 /// let mut buf = NcclBuffer::<f32>::alloc(&h, 1024)?;
 /// s.copy_h2d(&vec![1.0; 1024], &mut buf)?;
-/// assert_eq!(s.to_vec(&buf.as_slice())?[0], 1.0);
+/// assert_eq!(s.to_vec(&buf)?[0], 1.0);
 /// # Ok(()) }
 /// ```
 pub struct NcclBuffer<T: DeviceRepr> {

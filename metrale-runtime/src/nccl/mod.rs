@@ -138,12 +138,12 @@ pub(crate) fn lib() -> Result<&'static Nccl> {
     raw::nccl().map_err(|e| error::into_error(NcclError::Unavailable(e.clone())))
 }
 
-/// The version of the loaded NCCL library, `(major, minor, patch)`.
+/// The version of the loaded NCCL library (`v >= Version::new(2, 27, 0)`).
 ///
 /// # Errors
 /// The library could not be loaded; `None` inside when it does not say.
-pub fn nccl_version() -> Result<Option<(u32, u32, u32)>> {
-    Ok(lib()?.version())
+pub fn nccl_version() -> Result<Option<crate::Version>> {
+    Ok(lib()?.version().map(crate::Version::from))
 }
 
 /// The id that names one communicator's rendezvous: made once (by rank 0, say)

@@ -28,7 +28,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
-use crate::context::CudaContext;
+use crate::context::AsContext;
 use crate::error::Result;
 
 use super::error::{into_error, NvrtcError};
@@ -162,12 +162,14 @@ impl CompileCache {
     }
 
     /// As [`CompileCache::compile`], for the device of `ctx` (the target
-    /// [`Program::compile_for`] picks).
+    /// [`Program::compile_for`] picks): a context, a host or a stream, as
+    /// everything else takes it.
     ///
     /// # Errors
     /// As [`Program::compile`].
-    pub fn compile_for(&self, program: &Program, ctx: &CudaContext) -> Result<Arc<Compiled>> {
-        let target = program::device_target(ctx.limits().compute_capability).map_err(into_error)?;
+    pub fn compile_for(&self, program: &Program, ctx: &impl AsContext) -> Result<Arc<Compiled>> {
+        let cc = ctx.context().limits().compute_capability;
+        let target = program::device_target(cc).map_err(into_error)?;
         self.compile(program, target)
     }
 

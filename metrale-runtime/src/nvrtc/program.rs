@@ -10,7 +10,7 @@ use std::ffi::{c_char, CString};
 
 use metrale_cuda_sys::nvrtc::{self as rtc, nvrtcProgram, nvrtcResult, Nvrtc};
 
-use crate::context::CudaContext;
+use crate::context::AsContext;
 use crate::error::Result;
 
 use super::error::{into_error, LibraryStatus, NvrtcError};
@@ -209,14 +209,15 @@ impl Program {
         compile(self, target).map_err(into_error)
     }
 
-    /// Compile for the device of `ctx`: its architecture when NVRTC supports it,
-    /// else PTX for the newest virtual architecture NVRTC has below it (which the
-    /// driver compiles when loading).
+    /// Compile for the device of `ctx` (a context, a host or a stream): its
+    /// architecture when NVRTC supports it, else PTX for the newest virtual
+    /// architecture NVRTC has below it (which the driver compiles when loading).
     ///
     /// # Errors
     /// As [`Program::compile`].
-    pub fn compile_for(&self, ctx: &CudaContext) -> Result<Compiled> {
-        let target = device_target(ctx.limits().compute_capability).map_err(into_error)?;
+    pub fn compile_for(&self, ctx: &impl AsContext) -> Result<Compiled> {
+        let cc = ctx.context().limits().compute_capability;
+        let target = device_target(cc).map_err(into_error)?;
         self.compile(target)
     }
 }
@@ -272,13 +273,13 @@ fn supported_archs_raw() -> std::result::Result<Vec<u32>, NvrtcError> {
         .collect())
 }
 
-/// The loaded NVRTC's version, (major, minor).
+/// The loaded NVRTC's version (major and minor; NVRTC reports no patch level).
 ///
 /// # Errors
 /// The library's load error.
-pub fn nvrtc_version() -> Result<(u32, u32)> {
+pub fn nvrtc_version() -> Result<crate::Version> {
     let lib = library().map_err(into_error)?;
-    lib.version().ok_or_else(|| {
+    lib.version().map(crate::Version::from).ok_or_else(|| {
         into_error(NvrtcError::MissingSymbol {
             missing: sys_missing(lib, "nvrtcVersion"),
             subject: "NVRTC version".to_owned(),

@@ -41,7 +41,7 @@ use std::marker::PhantomData;
 
 use metrale_cuda_sys::nvtx::nvtx;
 
-use crate::context::CudaContext;
+use crate::context::AsContext;
 use crate::device::Device;
 use crate::stream::{CudaEvent, CudaStream};
 
@@ -248,8 +248,9 @@ pub fn name_device(device: &Device, name: &str) {
     }
 }
 
-/// Name a context (`nvtxNameCuContextA`).
-pub fn name_context(ctx: &CudaContext, name: &str) {
+/// Name a context (`nvtxNameCuContextA`): a context, a host or a stream's.
+pub fn name_context(ctx: &impl AsContext, name: &str) {
+    let ctx = ctx.context();
     if let Some(f) = nvtx().nvtxNameCuContextA() {
         // SAFETY: a live context's handle (the tool records it) and a name.
         with_cstr(name, |p| unsafe { f(ctx.raw().cast(), p) });

@@ -460,11 +460,13 @@ impl CudaStream {
 
     /// `device N stream 0x..: what` for error texts.
     pub(crate) fn subject(&self, what: &str) -> String {
-        format!(
-            "device {} stream {:p} {what}",
-            self.inner.ctx.ordinal(),
-            self.inner.raw
-        )
+        let (ordinal, raw) = (self.inner.ctx.ordinal(), self.inner.raw);
+        if what.is_empty() {
+            // Alone, before a colon or a verb: no trailing space.
+            format!("device {ordinal} stream {raw:p}")
+        } else {
+            format!("device {ordinal} stream {raw:p} {what}")
+        }
     }
 
     /// Block until all work queued on the stream has finished; the error carries

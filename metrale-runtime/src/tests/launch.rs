@@ -284,3 +284,75 @@ fn list_pushes_and_replacements_are_checked() {
     assert!(recycled.is_empty());
     assert!(format!("{recycled:?}").starts_with("KernelArgList"));
 }
+
+/// The sizes and alignments a tuple of argument types passes (kinds inferred).
+fn layout_of<A: KernelArgs<K>, K>() -> (&'static [usize], &'static [usize]) {
+    (A::SIZES, A::ALIGNS)
+}
+
+/// Issue 41: every memory type, generic ones included, is a pointer argument:
+/// `&m` a `const T*`, `&mut m` a `T*`, `&` of a mutable view too.
+#[test]
+fn generic_and_mutable_memory_are_pointer_arguments() {
+    use crate::memory::{DeviceBuffer, DeviceMemory, DeviceMemoryMut, DeviceSliceMut};
+    use crate::{ByAddress, ByValue, KernelArg};
+    fn generic<X: DeviceMemory<f32>, Y: DeviceMemoryMut<f32>>() -> &'static [usize] {
+        layout_of::<(&X, &mut Y, u32), _>().0
+    }
+    assert_eq!(
+        generic::<DeviceBuffer<f32>, DeviceSliceMut<'_, f32>>(),
+        [8, 8, 4]
+    );
+    assert_eq!(
+        layout_of::<
+            (
+                &DeviceSliceMut<'_, f32>,
+                &mut DeviceSliceMut<'_, f32>,
+                &dyn DeviceMemory<f32>
+            ),
+            _,
+        >(),
+        (&[8, 8, 8][..], &[8, 8, 8][..])
+    );
+    assert_eq!(<&DeviceBuffer<u8> as KernelArg<ByAddress>>::SIZE, 8);
+    assert_eq!(<u16 as KernelArg<ByValue>>::ALIGN, 2);
+    assert_eq!(<u16 as KernelArg>::SIZE, 2, "ByValue is the default kind");
+}
+
+#[cfg(feature = "nccl")]
+#[test]
+fn nccl_memory_is_a_pointer_argument() {
+    use crate::nccl::{NcclBuffer, Registration, Window};
+    assert_eq!(
+        layout_of::<(&NcclBuffer<f32>, &mut NcclBuffer<f32>, u32), _>().0,
+        [8, 8, 4]
+    );
+    assert_eq!(
+        layout_of::<(&Registration<'_, '_, f32>, &mut Window<'_, '_, f32>), _>().0,
+        [8, 8]
+    );
+}
+
+/// No compiler note may suggest `unsafe impl DeviceRepr` (or `DevicePod`) for
+/// the type at hand: that type may be a reference or hold a pointer, whose bytes
+/// would reach the kernel as a host address.
+#[test]
+fn no_diagnostic_suggests_device_repr_for_the_type_at_hand() {
+    let sources = [
+        ("memory/mod.rs", include_str!("../memory/mod.rs")),
+        ("launch/args.rs", include_str!("../launch/args.rs")),
+        ("stream/mod.rs", include_str!("../stream/mod.rs")),
+    ];
+    let mut seen = 0;
+    for (file, text) in sources {
+        for part in text.split("#[diagnostic::on_unimplemented(").skip(1) {
+            let attr = &part[..part.find(")]").unwrap()];
+            seen += 1;
+            assert!(
+                !attr.contains("for {Self}"),
+                "{file}: a note suggests an impl for the type at hand: {attr}"
+            );
+        }
+    }
+    assert!(seen >= 4, "{seen} diagnostics read");
+}

@@ -166,9 +166,7 @@ pub fn defect_a_bias_and_fp8_scales_get_use_records_as_a_does() {
     let mut d = DeviceBuffer::<f32>::zeroed(&s2, m * n).unwrap();
     // As A.
     let plain = lt
-        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k))
         .unwrap();
     let mut a = s1.alloc::<f32>(m * k).unwrap();
     s1.copy_h2d(&[1.0f32; 8], &mut a).unwrap();
@@ -180,10 +178,7 @@ pub fn defect_a_bias_and_fp8_scales_get_use_records_as_a_does() {
     assert_eq!(delta(before), (1, 1), "A's free waits for S2's GEMM");
     // As the bias.
     let biased = lt
-        .plan(
-            &MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64)
-                .epilogue(Epilogue::Bias),
-        )
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).epilogue(Epilogue::Bias))
         .unwrap();
     let a = DeviceBuffer::<f32>::zeroed(&s2, m * k).unwrap();
     let mut bias = s1.alloc::<f32>(m).unwrap();
@@ -253,7 +248,7 @@ pub fn defect_a_bias_and_fp8_scales_get_use_records_as_a_does() {
     plainblas
         .gemm_device_scalars(
             &s2,
-            &GemmShape::new(m as u32, n as u32, k as u32),
+            &GemmShape::new(m, n, k),
             &alpha,
             &a,
             &b,

@@ -1,7 +1,8 @@
 //! Issue 41, "parts that compose": the forms a new user writes first, against the
 //! stand-in. Generic device memory as kernel arguments (`&impl DeviceMemory<T>`
 //! as `const T*`, `&mut impl DeviceMemoryMut<T>` as `T*`, a `&` of a mutable view
-//! as a read argument), a run-time argument list built in a loop over a manifest.
+//! as a read argument), a run-time argument list built in a loop over a manifest,
+//! a batch of copies taken by value, captures with the user's own error type.
 
 use crate::common::*;
 use crate::harness::Test;
@@ -99,6 +100,64 @@ fn a_list_is_built_in_a_loop_over_a_manifest() {
     done(reg);
 }
 
+fn a_batch_taken_by_value_ends_its_borrows() {
+    let reg = setup();
+    let s = reg.stream();
+    let dev = DeviceBuffer::from_host(s, &[1u32, 2, 3, 4, 5, 6]).unwrap();
+    let mut out = vec![0u32; 6];
+    let (head, tail) = out.split_at_mut(2);
+    let (late, early) = (dev.slice(4..).unwrap(), dev.slice(..4).unwrap());
+    let copies = vec![BatchCopy::d2h(&late, head), BatchCopy::d2h(&early, tail)];
+    s.copy_batch(copies).unwrap();
+    // The pairs went with the call: the destination is read at once.
+    assert_eq!(out, [5, 6, 1, 2, 3, 4]);
+    // By reference, as before, and as an array by value.
+    let mut again = [0u32; 6];
+    s.copy_batch([BatchCopy::d2h(&dev, &mut again[..])])
+        .unwrap();
+    assert_eq!(again, [1, 2, 3, 4, 5, 6]);
+    drop(dev);
+    done(reg);
+}
+
+/// No space before a colon, no doubled space.
+fn tidy(e: &MetraleError) {
+    let text = e.to_string();
+    assert!(!text.contains(" :") && !text.contains("  "), "{text:?}");
+}
+
+fn composed_error_texts_are_tidy() {
+    let reg = setup();
+    let s = reg.stream();
+    let dev = DeviceBuffer::<u32>::zeroed(s, 4).unwrap();
+    let mut short = [0u32; 3];
+    // A pair of different lengths: the stream's name, then the call.
+    let e = s
+        .copy_batch([BatchCopy::d2h(&dev, &mut short[..])])
+        .unwrap_err();
+    assert!(e.to_string().contains(": copy_batch: pair 0"), "{e}");
+    tidy(&e);
+    // Refusals while capturing: the stream's name, then what is refused.
+    let mut host = [0u32; 4];
+    let mut in_capture = Vec::new();
+    let graph = s.capture(|s| {
+        in_capture.push(
+            s.copy_batch([BatchCopy::d2h(&dev, &mut host[..])])
+                .unwrap_err(),
+        );
+        in_capture.push(s.launch_host_fn(|| {}).unwrap_err());
+        Ok(())
+    });
+    drop(graph);
+    assert_eq!(in_capture.len(), 2);
+    for e in &in_capture {
+        assert!(e.to_string().contains("is being captured"), "{e}");
+        tidy(e);
+    }
+    drop(dev);
+    done(reg);
+}
+
 /// A user's own error type, as `try_capture` takes it.
 #[derive(Debug)]
 enum AppError {
@@ -169,6 +228,14 @@ pub fn tests() -> Vec<Test> {
         Test {
             name: "compose::a_list_is_built_in_a_loop_over_a_manifest",
             run: a_list_is_built_in_a_loop_over_a_manifest,
+        },
+        Test {
+            name: "compose::a_batch_taken_by_value_ends_its_borrows",
+            run: a_batch_taken_by_value_ends_its_borrows,
+        },
+        Test {
+            name: "compose::composed_error_texts_are_tidy",
+            run: composed_error_texts_are_tidy,
         },
         Test {
             name: "compose::arenas_and_buckets_capture_with_the_users_error",

@@ -108,10 +108,7 @@ fn f32_and_tf32_match_the_host_within_tolerance() {
         // TF32 (10-bit mantissa inputs): 2e-3.
         for (compute, tol) in [(ComputeType::F32, 1e-5), (ComputeType::Tf32, 2e-3)] {
             let plan = lt
-                .plan(
-                    &MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64)
-                        .compute(compute),
-                )
+                .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).compute(compute))
                 .unwrap();
             plan.matmul(&s, 1.0, &da, &db, 0.0, &dc, &mut dd).unwrap();
             let got = s.to_vec(&dd).unwrap();
@@ -141,9 +138,7 @@ fn f16_bf16_and_fp8_match_the_host_within_tolerance() {
     let ha: Vec<f16> = a.iter().map(|&x| f16::from_f32(x)).collect();
     let hb: Vec<f16> = b.iter().map(|&x| f16::from_f32(x)).collect();
     let plan = lt
-        .plan(&MatmulDesc::new::<f16, f16, f32, f32>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<f16, f16, f32, f32>(m, n, k))
         .unwrap();
     let (da, db) = (
         DeviceBuffer::from_host(&s, &ha).unwrap(),
@@ -166,9 +161,7 @@ fn f16_bf16_and_fp8_match_the_host_within_tolerance() {
     let ba: Vec<bf16> = a.iter().map(|&x| bf16::from_f32(x)).collect();
     let bb: Vec<bf16> = b.iter().map(|&x| bf16::from_f32(x)).collect();
     let plan = lt
-        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(m, n, k))
         .unwrap();
     let (da, db) = (
         DeviceBuffer::from_host(&s, &ba).unwrap(),
@@ -209,7 +202,7 @@ fn f16_bf16_and_fp8_match_the_host_within_tolerance() {
     let fb: Vec<Fp8E4M3> = b.iter().map(|&x| to_fp8(x)).collect();
     let plan = lt
         .plan(
-            &MatmulDesc::new::<Fp8E4M3, Fp8E4M3, bf16, bf16>(m as u64, n as u64, k as u64)
+            &MatmulDesc::new::<Fp8E4M3, Fp8E4M3, bf16, bf16>(m, n, k)
                 .transpose_a(Transpose::Yes)
                 .a_scale(ScaleMode::Tensor)
                 .b_scale(ScaleMode::Tensor),
@@ -265,7 +258,7 @@ fn every_epilogue_matches_the_host() {
         Epilogue::GeluBias,
     ] {
         let plan = lt
-            .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64).epilogue(e))
+            .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).epilogue(e))
             .unwrap();
         let mut dd = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
         let extras = if e.has_bias() {
@@ -307,10 +300,7 @@ fn strided_batches_match_each_product() {
     let a = exact(m * k * batch, 7);
     let b = exact(k * n * batch, 8);
     let plan = lt
-        .plan(
-            &MatmulDesc::new::<f32, f32, f32, f32>(m as u64, n as u64, k as u64)
-                .batch(batch as u32),
-        )
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k).batch(batch))
         .unwrap();
     let da = DeviceBuffer::from_host(&s, &a).unwrap();
     let db = DeviceBuffer::from_host(&s, &b).unwrap();
@@ -337,7 +327,7 @@ fn strided_batches_match_each_product() {
     plain
         .gemm_strided_batched(
             &s,
-            &GemmShape::new(m as u32, n as u32, k as u32).batched(batch as u32),
+            &GemmShape::new(m, n, k).batched(batch),
             1.0,
             &da,
             &db,
@@ -365,9 +355,7 @@ fn a_captured_plan_replays_100_times_bit_identical_to_eager() {
         .map(|x| bf16::from_f32(x / 64.0))
         .collect();
     let plan = lt
-        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<bf16, bf16, bf16, bf16>(m, n, k))
         .unwrap();
     let da = DeviceBuffer::from_host(&s, &a).unwrap();
     let db = DeviceBuffer::from_host(&s, &b).unwrap();
@@ -428,9 +416,7 @@ fn two_streams_at_once_each_with_its_own_workspace() {
     let s2 = CudaStream::new(&context(0).unwrap()).unwrap();
     let (m, n, k) = (1024, 1024, 1024);
     let plan = lt
-        .plan(&MatmulDesc::new::<bf16, bf16, f32, f32>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<bf16, bf16, f32, f32>(m, n, k))
         .unwrap();
     let a = exact(m * k, 11);
     let b = exact(k * n, 12);
@@ -474,7 +460,7 @@ fn plain_gemm_ex_grouped_and_device_scalars() {
     let da = DeviceBuffer::from_host(&s, &a).unwrap();
     let db = DeviceBuffer::from_host(&s, &b).unwrap();
     let mut dc = DeviceBuffer::<f32>::zeroed(&s, m * n).unwrap();
-    let shape = GemmShape::new(m as u32, n as u32, k as u32).transpose_a();
+    let shape = GemmShape::new(m, n, k).transpose_a();
     plain
         .gemm_ex(&s, &shape, 1.0, &da, &db, 0.0, &mut dc, ComputeType::F32)
         .unwrap();
@@ -549,9 +535,7 @@ fn handles_work_with_another_context_current_on_green_streams_and_after_release(
     let a = exact(m * k, 17);
     let b = exact(k * n, 18);
     let plan = lt
-        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(
-            m as u64, n as u64, k as u64,
-        ))
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(m, n, k))
         .unwrap();
     let plain = Blas::new(&ctx).unwrap();
     let da = DeviceBuffer::from_host(&s, &a).unwrap();
@@ -585,7 +569,7 @@ fn handles_work_with_another_context_current_on_green_streams_and_after_release(
     plain
         .gemm_ex(
             &s,
-            &GemmShape::new(m as u32, n as u32, k as u32),
+            &GemmShape::new(m, n, k),
             1.0,
             &da,
             &db,
@@ -793,8 +777,7 @@ fn bf16_odd_shapes_are_within_one_ulp_with_exact_reductions() {
     for (m, n, k, ta) in [(1000, 1001, 999, false), (999, 1000, 1001, true)] {
         let (ar, ac) = if ta { (k, m) } else { (m, k) };
         let trans = if ta { Transpose::Yes } else { Transpose::No };
-        let desc = MatmulDesc::new::<bf16, bf16, bf16, bf16>(m as u64, n as u64, k as u64)
-            .transpose_a(trans);
+        let desc = MatmulDesc::new::<bf16, bf16, bf16, bf16>(m, n, k).transpose_a(trans);
         let exact_plan = lt.plan(&desc).unwrap();
         assert_eq!(
             exact_plan.problem().reduction(),

@@ -20,7 +20,9 @@ fn one_rank() -> (Communicator, CudaStream) {
 }
 
 fn at_least(v: (u32, u32, u32)) -> bool {
-    nccl_version().unwrap().is_some_and(|have| have >= v)
+    nccl_version()
+        .unwrap()
+        .is_some_and(|have| have >= Version::from(v))
 }
 
 /// All-to-all, gather, scatter and both pre-multiplied sums on one rank over

@@ -372,8 +372,8 @@ fn inputs_with_nul_are_refused() {
 fn supported_archs_and_version() {
     let archs = metrale_runtime::nvrtc::supported_archs().unwrap();
     assert!(archs.contains(&80) && archs.contains(&90), "{archs:?}");
-    let (major, _) = metrale_runtime::nvrtc::nvrtc_version().unwrap();
-    assert!(major >= 12);
+    let v = metrale_runtime::nvrtc::nvrtc_version().unwrap();
+    assert!(v >= metrale_runtime::Version::new(12, 0, 0), "{v}");
     assert_eq!(Target::Sm(90).to_string(), "sm_90");
     assert_eq!(Target::Compute(80).to_string(), "compute_80");
     assert_eq!(Target::Compute(80).arch(), 80);
