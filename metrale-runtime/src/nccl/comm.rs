@@ -123,8 +123,22 @@ impl fmt::Debug for Communicator {
 }
 
 /// How many streams a communicator keeps before it lets go of those nobody
-/// else holds.
+/// else holds whose work has finished.
 const KEPT_STREAMS: usize = 8;
+
+/// Whether the communicator may forget `s`: it holds the last handle (so no
+/// other thread can queue or capture there) and the stream's work has
+/// finished (asked only when it is not being captured: a query would
+/// invalidate the capture). Any error reads as "still busy".
+fn finished_and_unheld(s: &CudaStream) -> bool {
+    use metrale_cuda_sys::CUstreamCaptureStatus as Status;
+    s.is_last_handle()
+        && matches!(
+            s.capture_status_raw(),
+            Ok(Status::CU_STREAM_CAPTURE_STATUS_NONE)
+        )
+        && matches!(s.query(), Ok(true))
+}
 
 impl Communicator {
     /// This communicator's turn on the lock it shares with a parent or child
@@ -410,9 +424,12 @@ impl Communicator {
             if streams.len() >= KEPT_STREAMS && !in_group() {
                 // (Not inside a group: its queued work reaches these streams
                 // only at the group's end, so none may be destroyed before.)
-                // Streams only this list still holds: their owners are done
-                // with them, so keep them from piling up (a new stream per step).
-                streams.retain(|s| !s.is_last_handle());
+                // Streams only this list still holds and whose work has
+                // finished: nothing queued there can use a registration any
+                // more, so keep them from piling up (a new stream per step).
+                // One still busy (or whose state cannot be read) stays: a
+                // deregistration waits for it.
+                streams.retain(|s| !finished_and_unheld(s));
             }
             streams.push(stream.clone());
         }

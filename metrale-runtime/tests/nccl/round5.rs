@@ -1,0 +1,125 @@
+//! Issue 40 (soundness, round 5), the NCCL items, against the stand-in NCCL:
+//! a deregistration behind a collective on a stream the communicator forgot
+//! (item 3), a failed revoke (item 5), and the registrations of item 13
+//! (after `shrink`, under a graph that captured a collective through one).
+//! `defect_*`: failed on the code of the round; `held_*`: attacks that held.
+
+use std::time::Duration;
+
+use metrale_runtime::nccl::{CommConfig, NcclBuffer, ReduceOp};
+use metrale_runtime::{CudaStream, DeviceBuffer};
+
+use super::{harness, nccl, one_rank, refusal, reset};
+
+/// Item 3. A collective queued through a registration on a stream whose only
+/// handle is then the communicator's, behind work that does not finish (the
+/// stand-in's hang), then eight other streams used: the communicator kept at
+/// most eight streams and let go of those only it held, busy or not, so the
+/// deregistration waited for none of the collective's work and called
+/// `ncclCommDeregister` at once. A busy stream is kept now: the
+/// deregistration waits for it (bounded by the drop timeout) and refuses.
+fn defect_deregistration_behind_a_collective_on_a_forgotten_stream() {
+    reset();
+    let config = CommConfig::new().drop_timeout(Duration::from_millis(50));
+    let (comm, s) = one_rank(&config);
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    let mut reg = comm.register(&mut buf).unwrap();
+    nccl().set_hang(true);
+    {
+        let busy = CudaStream::new(comm.context()).unwrap();
+        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &busy)
+            .unwrap();
+        assert!(!busy.query().unwrap(), "the collective is still queued");
+    }
+    nccl().set_hang(false);
+    for _ in 0..8 {
+        let other = CudaStream::new(comm.context()).unwrap();
+        let mut b = DeviceBuffer::<f32>::alloc(&other, 4).unwrap();
+        comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &other)
+            .unwrap();
+        other.synchronize().unwrap();
+    }
+    let (reg, e) = match reg.deregister() {
+        Ok(()) => panic!(
+            "deregistered with the collective still queued ({} ncclCommDeregister)",
+            nccl().calls("ncclCommDeregister")
+        ),
+        Err(back) => back,
+    };
+    assert!(refusal(&e).contains("work the communicator queued"), "{e}");
+    assert_eq!(nccl().calls("ncclCommDeregister"), 0);
+    assert_eq!(nccl().registrations(), 1);
+    // Stopping the work lets everything go.
+    comm.abort();
+    s.synchronize().unwrap();
+    drop(reg);
+    drop(buf);
+    drop(comm);
+    assert_eq!(nccl().registrations(), 0);
+}
+
+/// Item 3, the other side: streams whose work finished are still let go of
+/// (the list does not grow with a new stream per step), and a registration
+/// then deregisters at once.
+fn held_finished_streams_are_still_forgotten() {
+    reset();
+    let (comm, _s) = one_rank(&CommConfig::new());
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    let mut reg = comm.register(&mut buf).unwrap();
+    for _ in 0..100 {
+        let other = CudaStream::new(comm.context()).unwrap();
+        comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &other)
+            .unwrap();
+        other.synchronize().unwrap();
+    }
+    let live = nccl_streams_live();
+    assert!(live <= 10, "{live} streams kept alive by the communicator");
+    reg.deregister().unwrap();
+    assert_eq!(nccl().calls("ncclCommDeregister"), 1);
+}
+
+/// Streams still alive in the stand-in driver.
+fn nccl_streams_live() -> i32 {
+    super::fake().live(metrale_fakecuda::Live::Streams)
+}
+
+/// Item 5. `ncclCommRevoke` fails: the communicator was marked revoked before
+/// the call, so `is_revoked()` said true and a second `revoke()` returned `Ok`
+/// without calling NCCL, while the work went on. Now a failed revoke leaves
+/// it unrevoked (usable), and the second calls NCCL again.
+fn defect_a_failed_revoke_reads_as_revoked() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    nccl().fail("ncclCommRevoke", 3, 1, Some(1)); // ncclInternalError, once
+    let e = comm.revoke().unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("ncclCommRevoke"), "{text}");
+    assert!(text.contains("ncclInternalError"), "{text}");
+    assert!(!comm.is_revoked(), "a failed revoke reads as revoked");
+    assert!(!comm.is_aborted());
+    // Still usable: not revoked.
+    let mut b = DeviceBuffer::<f32>::alloc(&s, 4).unwrap();
+    comm.all_reduce_in_place(&mut b, ReduceOp::Sum, &s).unwrap();
+    s.synchronize().unwrap();
+    comm.revoke().unwrap();
+    assert_eq!(
+        nccl().calls("ncclCommRevoke"),
+        2,
+        "the second revoke called NCCL"
+    );
+    assert!(comm.is_revoked());
+    comm.revoke().unwrap(); // a third: nothing
+    assert_eq!(nccl().calls("ncclCommRevoke"), 2);
+}
+
+/// The tests of this file.
+pub(super) fn tests() -> Vec<harness::Test> {
+    macro_rules! tests {
+        ($($f:ident),* $(,)?) => { vec![$(harness::Test { name: stringify!($f), run: $f }),*] };
+    }
+    tests![
+        defect_deregistration_behind_a_collective_on_a_forgotten_stream,
+        held_finished_streams_are_still_forgotten,
+        defect_a_failed_revoke_reads_as_revoked,
+    ]
+}
