@@ -58,7 +58,9 @@
 //!    and then by the graph and its executables; a graph holds what its replays
 //!    use (`graph/`: `keep`, `hold`, through [`HeldOutsideHostFns`]).
 //! 6. **Report, never silently leak, never panic, never block for ever.** A
-//!    release that cannot be ordered leaks with one line on stderr naming what.
+//!    release that cannot be ordered leaks with one line on stderr naming what;
+//!    releases still deferred when the process exits are named in one line
+//!    then (they are not run: the driver may be gone).
 //!
 //! # Where each rule is tested
 //! In `tests/fault/` (the stand-in driver), unless named otherwise:
@@ -98,7 +100,22 @@
 //!   `review2.rs` `held_three_captures_release_their_own`; `arena.rs` (a capture
 //!   arena's hold);
 //! - 6, teardown and resets: `teardown.rs`
-//!   `teardown_resources_made_after_a_reset_are_freed`.
+//!   `teardown_resources_made_after_a_reset_are_freed`;
+//! - issue 40 (round 5), in `round5.rs` unless named otherwise: 1, a
+//!   communicator forgets only streams whose work finished: `tests/nccl/round5.rs`
+//!   `defect_deregistration_behind_a_collective_on_a_forgotten_stream`,
+//!   `held_finished_streams_are_still_forgotten`; a failed revoke is not a
+//!   revoke: `defect_a_failed_revoke_reads_as_revoked`; 6, every context-wide
+//!   wait is in flight from its check (`enter_context_wide_wait`):
+//!   `defect_unmap_races_a_wait_queued_after_its_check`,
+//!   `defect_range_drop_races_a_wait_queued_after_its_check`,
+//!   `defect_sleep_races_a_wait_queued_after_its_check`; 2, a pending copy
+//!   dropped behind a wait is deferred:
+//!   `defect_pending_copy_dropped_behind_a_wait_this_thread_passes`,
+//!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, what is
+//!   still deferred at exit is reported once:
+//!   `defect_deferred_releases_at_exit_are_reported_once`,
+//!   `held_nothing_deferred_says_nothing_at_exit`.
 //!
 //! # Adding a resource
 //! Give it a use record (or hold the streams it was queued on) and its context's

@@ -488,6 +488,10 @@ impl lifetime::Deferred for FreeJob {
     fn still_blocked(&self) -> bool {
         crate::lifetime::captures_in_progress() || nccl_groups_open()
     }
+
+    fn describe(&self) -> String {
+        self.what()
+    }
 }
 
 /// How many frees are waiting for a capture or an NCCL group to end (for tests
