@@ -311,6 +311,18 @@ impl Fake {
         );
     }
 
+    /// Make `cuCtxSynchronize` also wait while the stand-in NCCL holds a
+    /// stream of the device (a collective not yet complete), as the driver
+    /// waits for NCCL's kernels; until the next reset.
+    pub fn set_ctx_sync_waits_holds(&self, on: bool) {
+        call!(
+            self,
+            "fakecuda_set_ctx_sync_waits_holds",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
     /// How many devices `cuDeviceGetCount` reports (0..=2; default 2).
     pub fn set_device_count(&self, n: i32) {
         call!(

@@ -112,7 +112,10 @@
 //!   `defect_sleep_races_a_wait_queued_after_its_check`; 2, a pending copy
 //!   dropped behind a wait is deferred:
 //!   `defect_pending_copy_dropped_behind_a_wait_this_thread_passes`,
-//!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, what is
+//!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, an NCCL
+//!   buffer's free waits for the device on a helper, bounded: `tests/nccl/round5.rs`
+//!   `defect_nccl_buffer_dropped_behind_a_collective_that_never_completes`,
+//!   `held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns`; 6, what is
 //!   still deferred at exit is reported once:
 //!   `defect_deferred_releases_at_exit_are_reported_once`,
 //!   `held_nothing_deferred_says_nothing_at_exit`.

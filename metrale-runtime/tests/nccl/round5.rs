@@ -4,7 +4,7 @@
 //! (after `shrink`, under a graph that captured a collective through one).
 //! `defect_*`: failed on the code of the round; `held_*`: attacks that held.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use metrale_runtime::nccl::{CommConfig, NcclBuffer, ReduceOp};
 use metrale_runtime::{CudaStream, DeviceBuffer};
@@ -112,6 +112,66 @@ fn defect_a_failed_revoke_reads_as_revoked() {
     assert_eq!(nccl().calls("ncclCommRevoke"), 2);
 }
 
+/// Item 6. An NCCL buffer dropped behind a collective that never completes (a
+/// dead peer; here the stand-in's hang, with its `cuCtxSynchronize` waiting
+/// for NCCL's work as the driver does): its free waited for the device's
+/// work (`cuCtxSynchronize` before `ncclMemFree`) without a bound. Now the
+/// Drop returns at its drop timeout, with one line on stderr, and a helper
+/// thread frees the memory once the work ends (here: the abort).
+fn defect_nccl_buffer_dropped_behind_a_collective_that_never_completes() {
+    reset();
+    super::fake().set_ctx_sync_waits_holds(true);
+    let (comm, s) = one_rank(&CommConfig::new());
+    let before = nccl().mem_live();
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    buf.set_drop_timeout(Duration::from_millis(100));
+    nccl().set_hang(true);
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s)
+        .unwrap();
+    nccl().set_hang(false);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        let t = Instant::now();
+        drop(buf);
+        let _ = tx.send(t.elapsed());
+    });
+    let took = rx.recv_timeout(Duration::from_secs(3));
+    // Whatever happened, end the collective so that everything can go.
+    comm.abort();
+    dropper.join().unwrap();
+    let took = took.expect("the NCCL buffer's drop blocked behind a collective that never ends");
+    assert!(
+        took >= Duration::from_millis(100) && took < Duration::from_secs(2),
+        "the drop took {took:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while nccl().mem_live() > before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(
+        nccl().mem_live(),
+        before,
+        "freed by the helper once the work ended"
+    );
+    s.synchronize().unwrap();
+    drop(comm);
+}
+
+/// Item 6, the other side: with no work in the way the helper frees the
+/// buffer before the drop returns.
+fn held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let before = nccl().mem_live();
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    comm.all_reduce_in_place(&mut buf, ReduceOp::Sum, &s)
+        .unwrap();
+    s.synchronize().unwrap();
+    drop(buf);
+    assert_eq!(nccl().mem_live(), before);
+    drop(comm);
+}
+
 /// The tests of this file.
 pub(super) fn tests() -> Vec<harness::Test> {
     macro_rules! tests {
@@ -121,5 +181,7 @@ pub(super) fn tests() -> Vec<harness::Test> {
         defect_deregistration_behind_a_collective_on_a_forgotten_stream,
         held_finished_streams_are_still_forgotten,
         defect_a_failed_revoke_reads_as_revoked,
+        defect_nccl_buffer_dropped_behind_a_collective_that_never_completes,
+        held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns,
     ]
 }
