@@ -118,7 +118,11 @@
 //!   `held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns`; 6, what is
 //!   still deferred at exit is reported once:
 //!   `defect_deferred_releases_at_exit_are_reported_once`,
-//!   `held_nothing_deferred_says_nothing_at_exit`.
+//!   `held_nothing_deferred_says_nothing_at_exit`; (not a lifetime rule, listed
+//!   with the round) linear blob checks and `inspect`: `metrale-cli/tests/linear.rs`
+//!   `overlapping_symbol_tables_are_refused_at_once`,
+//!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
+//!   `inspect_of_many_kernels_and_sections_is_linear`.
 //!
 //! # Adding a resource
 //! Give it a use record (or hold the streams it was queued on) and its context's
