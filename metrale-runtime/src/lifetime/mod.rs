@@ -118,7 +118,12 @@
 //!   `held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns`; 6, what is
 //!   still deferred at exit is reported once:
 //!   `defect_deferred_releases_at_exit_are_reported_once`,
-//!   `held_nothing_deferred_says_nothing_at_exit`; (not a lifetime rule, listed
+//!   `held_nothing_deferred_says_nothing_at_exit`; 5, registrations after a
+//!   shrink and under a graph that captured through them (the replay's
+//!   safety contract keeps them): `tests/nccl/round5.rs`
+//!   `held_registrations_used_after_shrink`,
+//!   `held_registration_dropped_while_a_graph_that_captured_through_it_lives`;
+//!   (not a lifetime rule, listed
 //!   with the round) linear blob checks and `inspect`: `metrale-cli/tests/linear.rs`
 //!   `overlapping_symbol_tables_are_refused_at_once`,
 //!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,

@@ -4,12 +4,15 @@
 //! (after `shrink`, under a graph that captured a collective through one).
 //! `defect_*`: failed on the code of the round; `held_*`: attacks that held.
 
+use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use metrale_runtime::nccl::{CommConfig, NcclBuffer, ReduceOp};
+use metrale_runtime::nccl::{
+    CommConfig, Communicator, NcclBuffer, NcclError, NcclId, OnFailure, ReduceOp,
+};
 use metrale_runtime::{CudaStream, DeviceBuffer};
 
-use super::{harness, nccl, one_rank, refusal, reset};
+use super::{ctx, harness, nccl, one_rank, refusal, reset};
 
 /// Item 3. A collective queued through a registration on a stream whose only
 /// handle is then the communicator's, behind work that does not finish (the
@@ -172,6 +175,103 @@ fn held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns() {
     drop(comm);
 }
 
+/// Item 13. Registrations of a communicator that was revoked and shrunk
+/// after a peer died: the parent's registration is refused by the parent
+/// (revoked), works as device memory in the shrunk communicator's
+/// collectives (which have their own registrations), and deregisters with the
+/// parent once; nothing is left registered.
+fn held_registrations_used_after_shrink() {
+    reset();
+    let id = NcclId::new().unwrap();
+    let queued = Arc::new(Barrier::new(2));
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let queued = Arc::clone(&queued);
+            std::thread::spawn(move || {
+                let c = ctx(rank);
+                let comm = Communicator::init_rank(&id, 2, rank, &c, &CommConfig::new()).unwrap();
+                let s = CudaStream::new(&c).unwrap();
+                if rank == 1 {
+                    queued.wait();
+                    nccl().kill(comm.raw().cast());
+                    comm.abort();
+                    return None;
+                }
+                let mut buf = NcclBuffer::<f32>::alloc(&c, 4).unwrap();
+                s.copy_h2d(&[1.0f32, 2.0, 3.0, 4.0], &mut buf).unwrap();
+                let mut reg = comm.register(&mut buf).unwrap();
+                comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+                    .unwrap();
+                queued.wait();
+                let e = comm
+                    .wait_with(&s, Duration::from_secs(5), OnFailure::Revoke)
+                    .unwrap_err();
+                assert!(comm.is_revoked(), "{e}");
+                // The parent refuses it now.
+                let e = comm
+                    .all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+                    .unwrap_err();
+                assert!(
+                    matches!(e.as_nccl(), Some(NcclError::Revoked { .. })),
+                    "{e}"
+                );
+                let small = comm.shrink(&[1], &CommConfig::new()).unwrap();
+                // Device memory to the shrunk communicator, with a
+                // registration of its own beside the parent's.
+                small
+                    .all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+                    .unwrap();
+                small.wait(&s, Duration::from_secs(5)).unwrap();
+                let mut other = NcclBuffer::<f32>::alloc(&c, 4).unwrap();
+                let own = small.register(&mut other).unwrap();
+                assert_eq!(small.registered_bytes(), 16);
+                assert_eq!(comm.registered_bytes(), 16);
+                drop(own);
+                let got = s.to_vec(&*reg).unwrap();
+                drop(reg);
+                assert_eq!(comm.registered_bytes(), 0);
+                drop(small);
+                drop(buf);
+                drop(other);
+                drop(comm);
+                Some(got)
+            })
+        })
+        .collect();
+    let out: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    assert!(out[0].is_some());
+    assert_eq!(nccl().registrations(), 0, "every registration released");
+    assert_eq!(nccl().calls("ncclCommDeregister"), 2);
+    assert_eq!(nccl().live(), 0);
+}
+
+/// Item 13. A registration dropped while a graph that captured a collective
+/// through it still lives: registering and deregistering are refused during
+/// the capture, and allowed after it (a guard borrows its buffer and
+/// communicator, so a graph cannot hold it). Replaying that graph after the
+/// deregistration is the caller's contract (`CudaGraphExec::launch`'s
+/// safety section names the registrations and windows); safe code cannot
+/// replay it, and the drops in any order leave nothing registered.
+fn held_registration_dropped_while_a_graph_that_captured_through_it_lives() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    let mut reg = comm.register(&mut buf).unwrap();
+    s.synchronize().unwrap();
+    let graph = s
+        .capture(|cs| comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, cs))
+        .unwrap();
+    let exec = graph.instantiate().unwrap();
+    reg.deregister().unwrap();
+    assert_eq!(nccl().calls("ncclCommDeregister"), 1);
+    assert_eq!(nccl().registrations(), 0);
+    drop(exec);
+    drop(graph);
+    drop(buf);
+    drop(comm);
+    assert_eq!(nccl().live(), 0);
+}
+
 /// The tests of this file.
 pub(super) fn tests() -> Vec<harness::Test> {
     macro_rules! tests {
@@ -183,5 +283,7 @@ pub(super) fn tests() -> Vec<harness::Test> {
         defect_a_failed_revoke_reads_as_revoked,
         defect_nccl_buffer_dropped_behind_a_collective_that_never_completes,
         held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns,
+        held_registrations_used_after_shrink,
+        held_registration_dropped_while_a_graph_that_captured_through_it_lives,
     ]
 }
