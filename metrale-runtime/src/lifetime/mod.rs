@@ -123,7 +123,9 @@
 //!   safety contract keeps them): `tests/nccl/round5.rs`
 //!   `held_registrations_used_after_shrink`,
 //!   `held_registration_dropped_while_a_graph_that_captured_through_it_lives`;
-//!   (not a lifetime rule, listed
+//!   a hostile NVTX tool (unknown ids, a call back during its init, null
+//!   entries, writes after it): `tests/nvtx.rs`
+//!   `hostile::held_a_hostile_tool_is_contained`; (not a lifetime rule, listed
 //!   with the round) linear blob checks and `inspect`: `metrale-cli/tests/linear.rs`
 //!   `overlapping_symbol_tables_are_refused_at_once`,
 //!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
