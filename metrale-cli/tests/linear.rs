@@ -65,7 +65,7 @@ fn cubin(secs: &[Sec]) -> Vec<u8> {
         let at = match s.same_bytes_as {
             Some(i) => placed[i],
             None => {
-                while b.len() % 8 != 0 {
+                while !b.len().is_multiple_of(8) {
                     b.push(0);
                 }
                 let at = b.len() as u64;
@@ -75,7 +75,7 @@ fn cubin(secs: &[Sec]) -> Vec<u8> {
         };
         placed.push(at);
     }
-    while b.len() % 8 != 0 {
+    while !b.len().is_multiple_of(8) {
         b.push(0);
     }
     let shoff = b.len() as u64;

@@ -377,9 +377,7 @@ unsafe impl<T: DevicePod> Send for CopyRelease<T> {}
 
 impl<T: DevicePod> crate::lifetime::Deferred for CopyRelease<T> {
     fn retry(mut self: Box<Self>) -> Option<Box<dyn crate::lifetime::Deferred>> {
-        let Some(done) = self.done.take() else {
-            return None;
-        };
+        let done = self.done.take()?;
         if super::free::host_free_must_wait(self.stream.context())
             && !matches!(self.stream.event_done(done.raw()), Ok(true))
         {
