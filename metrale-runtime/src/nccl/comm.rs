@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::stream::CudaStream;
 
 use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
+use super::ledger::{finished_and_unheld, KEPT_STREAMS};
 use super::state::{in_group, is_listed, DeferredAbort};
 use super::teardown::{
     abort_bounded, bound_deadline, bound_deadline_at, on_helper, settle, DropJob, Handle, Helped,
@@ -120,24 +121,6 @@ impl fmt::Debug for Communicator {
             .field("aborted", &self.aborted.get())
             .finish_non_exhaustive()
     }
-}
-
-/// How many streams a communicator keeps before it lets go of those nobody
-/// else holds whose work has finished.
-const KEPT_STREAMS: usize = 8;
-
-/// Whether the communicator may forget `s`: it holds the last handle (so no
-/// other thread can queue or capture there) and the stream's work has
-/// finished (asked only when it is not being captured: a query would
-/// invalidate the capture). Any error reads as "still busy".
-fn finished_and_unheld(s: &CudaStream) -> bool {
-    use metrale_cuda_sys::CUstreamCaptureStatus as Status;
-    s.is_last_handle()
-        && matches!(
-            s.capture_status_raw(),
-            Ok(Status::CU_STREAM_CAPTURE_STATUS_NONE)
-        )
-        && matches!(s.query(), Ok(true))
 }
 
 impl Communicator {
