@@ -109,7 +109,8 @@
 //!   wait is in flight from its check (`enter_context_wide_wait`):
 //!   `defect_unmap_races_a_wait_queued_after_its_check`,
 //!   `defect_range_drop_races_a_wait_queued_after_its_check`,
-//!   `defect_sleep_races_a_wait_queued_after_its_check`; 2, a pending copy
+//!   `defect_sleep_races_a_wait_queued_after_its_check`,
+//!   `defect_free_races_a_wait_queued_on_a_foreign_stream`; 2, a pending copy
 //!   dropped behind a wait is deferred:
 //!   `defect_pending_copy_dropped_behind_a_wait_this_thread_passes`,
 //!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, an NCCL

@@ -246,6 +246,13 @@ impl FreeJob {
         // counted meanwhile is queued after it, never under it.
         let ctx = Arc::clone(&self.ctx);
         let _in_flight = ctx.enter_context_wide_free();
+        // The same on the context of every foreign stream, whose synchronize
+        // below would wait behind a wait on a mapped word queued after the
+        // check (nothing is allocated when there is none).
+        let _foreign_in_flight: Vec<crate::context::ContextWideWait> = foreign
+            .iter()
+            .map(|f| f.context().enter_context_wide_wait())
+            .collect();
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the

@@ -138,6 +138,58 @@ fn defect_sleep_races_a_wait_queued_after_its_check() {
     in_child("round5_defect_sleep_races_a_wait_queued_after_its_check");
 }
 
+/// Item 4, found by this review in the free path the item names as the model:
+/// a buffer of device 0 used by a stream of device 1 is freed after that
+/// stream's `cuStreamSynchronize`; only device 0 counted the free in flight,
+/// so a wait on a mapped word queued on the device-1 stream between the
+/// check and the synchronize blocked the Drop until the word was written.
+fn child_defect_free_races_a_wait_queued_on_a_foreign_stream() {
+    fake().reset();
+    let (h0, h1) = (host(0).unwrap(), host(1).unwrap());
+    let s1 = CudaStream::new(&h1).unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(&h1, 1).unwrap());
+    let mut m = ManagedBuffer::<u32>::zeroed(&h0, 64).unwrap();
+    let src = DeviceBuffer::<u32>::from_host(&h1, &[9; 64]).unwrap();
+    s1.copy_peer(&src, &mut m).unwrap();
+    s1.synchronize().unwrap();
+    fake().pause_next("cuStreamSynchronize");
+    let (tx, rx) = mpsc::channel();
+    let dropper = std::thread::spawn(move || {
+        drop(m);
+        let _ = tx.send(());
+    });
+    assert!(
+        fake().wait_paused("cuStreamSynchronize", 10_000),
+        "the free found no pending wait and waits for the foreign stream"
+    );
+    let returned = std::thread::scope(|sc| {
+        let waiter = sc.spawn(|| {
+            let word = SignalWord::mapped(&go, 0).unwrap();
+            s1.wait_value32(&word, 1, WaitFlags::EQ).unwrap();
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(h1.context().pending_waits(), 1, "counted");
+        fake().resume("cuStreamSynchronize");
+        let returned = rx.recv_timeout(Duration::from_secs(2)).is_ok();
+        go.atomic(0).unwrap().store(1, Ordering::SeqCst);
+        waiter.join().unwrap();
+        returned
+    });
+    dropper.join().unwrap();
+    s1.synchronize().unwrap();
+    drop((go, src, s1, h0, h1));
+    release(0);
+    release(1);
+    assert!(
+        returned,
+        "the managed buffer's drop blocked behind a wait queued on a foreign stream after its check"
+    );
+}
+
+fn defect_free_races_a_wait_queued_on_a_foreign_stream() {
+    in_child("round5_defect_free_races_a_wait_queued_on_a_foreign_stream");
+}
+
 /// Item 6: a `PendingCopy` dropped while its copy sits behind a GPU-side wait
 /// on a mapped word that the dropping thread writes only afterwards. Its Drop
 /// waited for the copy: a single-threaded program deadlocks. Now the drop
@@ -271,6 +323,10 @@ pub fn children() -> Vec<Child> {
             run: child_defect_sleep_races_a_wait_queued_after_its_check,
         },
         Child {
+            name: "round5_defect_free_races_a_wait_queued_on_a_foreign_stream",
+            run: child_defect_free_races_a_wait_queued_on_a_foreign_stream,
+        },
+        Child {
             name: "round5_defect_pending_copy_dropped_behind_a_wait_this_thread_passes",
             run: child_defect_pending_copy_dropped_behind_a_wait_this_thread_passes,
         },
@@ -295,6 +351,7 @@ pub fn tests() -> Vec<Test> {
         defect_unmap_races_a_wait_queued_after_its_check,
         defect_range_drop_races_a_wait_queued_after_its_check,
         defect_sleep_races_a_wait_queued_after_its_check,
+        defect_free_races_a_wait_queued_on_a_foreign_stream,
         defect_pending_copy_dropped_behind_a_wait_this_thread_passes,
         held_pending_copy_dropped_without_a_wait_frees_at_once,
         defect_deferred_releases_at_exit_are_reported_once,
