@@ -110,7 +110,11 @@
 //!   `defect_unmap_races_a_wait_queued_after_its_check`,
 //!   `defect_range_drop_races_a_wait_queued_after_its_check`,
 //!   `defect_sleep_races_a_wait_queued_after_its_check`,
-//!   `defect_free_races_a_wait_queued_on_a_foreign_stream`; 2, a pending copy
+//!   `defect_free_races_a_wait_queued_on_a_foreign_stream`; 3, a wait on a
+//!   mapped word is refused in a host function before it is counted (it would
+//!   wait out a free that waits for it):
+//!   `defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it`,
+//!   `defect_a_host_function_waits_out_an_unmap_that_waits_for_it`; 2, a pending copy
 //!   dropped behind a wait is deferred:
 //!   `defect_pending_copy_dropped_behind_a_wait_this_thread_passes`,
 //!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, an NCCL

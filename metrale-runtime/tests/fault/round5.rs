@@ -138,6 +138,74 @@ fn defect_sleep_races_a_wait_queued_after_its_check() {
     in_child("round5_defect_sleep_races_a_wait_queued_after_its_check");
 }
 
+/// Item 4, found by this review: a host function that queues a wait on a
+/// mapped word while an unmap's `cuCtxSynchronize` (in flight) waits for that
+/// very host function. `wait_value32` counted the wait, then waited out the
+/// frees in flight before reaching the driver (which refuses it there): the
+/// host function spun for ever, and the unmap with it. It is refused at once
+/// now.
+fn child_defect_a_host_function_waits_out_an_unmap_that_waits_for_it() {
+    host_function_waits_out_a_context_wide_wait(false);
+}
+
+/// The same with a pinned buffer's free (`cuMemFreeHost`, in flight from its
+/// check), on the code of the round.
+fn child_defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it() {
+    host_function_waits_out_a_context_wide_wait(true);
+}
+
+fn defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it() {
+    in_child("round5_defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it");
+}
+
+/// A host function queues a wait on a mapped word 200 ms in, while another
+/// thread unmaps a range (`pinned`: frees a pinned buffer), which waits for
+/// the context's work, that host function included.
+fn host_function_waits_out_a_context_wide_wait(pinned: bool) {
+    let reg = setup();
+    let mut range = mapped_range(&reg);
+    let buffer = PinnedBuffer::<u32>::zeroed(reg.ctx(), 64).unwrap();
+    let s = CudaStream::new(reg.ctx()).unwrap();
+    let go = Arc::new(MappedWords::<u32>::new(reg.ctx(), 1).unwrap());
+    s.synchronize().unwrap();
+    let (said, heard) = mpsc::channel();
+    let (s2, go2) = (s.clone(), Arc::clone(&go));
+    s.launch_host_fn(move || {
+        // Long enough for the unmap below to be in its synchronize.
+        std::thread::sleep(Duration::from_millis(200));
+        let word = SignalWord::mapped(&go2, 0).unwrap();
+        let r = s2.wait_value32(&word, 1, WaitFlags::EQ);
+        let _ = said.send(r.map_err(|e| e.to_string()));
+    })
+    .unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let (r, left) = if pinned {
+            drop(buffer);
+            (Ok(()), None)
+        } else {
+            let r = range.unmap(0).map(drop).map_err(|e| e.to_string());
+            (r, Some(buffer))
+        };
+        let _ = tx.send((r, range, left));
+    });
+    let (unmapped, range, left) = rx
+        .recv_timeout(Duration::from_secs(3))
+        .expect("the context-wide wait and the host function wait for each other");
+    unmapped.unwrap();
+    let e = heard.recv().unwrap().unwrap_err();
+    assert!(e.contains("host function"), "{e}");
+    assert_eq!(reg.ctx().pending_waits(), 0, "nothing counted");
+    drop((range, left));
+    s.synchronize().unwrap();
+    drop((go, s));
+    done(reg);
+}
+
+fn defect_a_host_function_waits_out_an_unmap_that_waits_for_it() {
+    in_child("round5_defect_a_host_function_waits_out_an_unmap_that_waits_for_it");
+}
+
 /// Item 4, found by this review in the free path the item names as the model:
 /// a buffer of device 0 used by a stream of device 1 is freed after that
 /// stream's `cuStreamSynchronize`; only device 0 counted the free in flight,
@@ -323,6 +391,14 @@ pub fn children() -> Vec<Child> {
             run: child_defect_sleep_races_a_wait_queued_after_its_check,
         },
         Child {
+            name: "round5_defect_a_host_function_waits_out_an_unmap_that_waits_for_it",
+            run: child_defect_a_host_function_waits_out_an_unmap_that_waits_for_it,
+        },
+        Child {
+            name: "round5_defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it",
+            run: child_defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it,
+        },
+        Child {
             name: "round5_defect_free_races_a_wait_queued_on_a_foreign_stream",
             run: child_defect_free_races_a_wait_queued_on_a_foreign_stream,
         },
@@ -352,6 +428,8 @@ pub fn tests() -> Vec<Test> {
         defect_range_drop_races_a_wait_queued_after_its_check,
         defect_sleep_races_a_wait_queued_after_its_check,
         defect_free_races_a_wait_queued_on_a_foreign_stream,
+        defect_a_host_function_waits_out_an_unmap_that_waits_for_it,
+        defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it,
         defect_pending_copy_dropped_behind_a_wait_this_thread_passes,
         held_pending_copy_dropped_without_a_wait_frees_at_once,
         defect_deferred_releases_at_exit_are_reported_once,
