@@ -1,8 +1,8 @@
 //! Builds the stand-in driver as two shared libraries in `$OUT_DIR`: the full
 //! one, and an "old driver" one without the entry points CUDA 12 added; and the
 //! stand-in NCCL (`fakenccl.c`) as a third (also as an older NCCL, 2.26.5), the
-//! stand-in NVTX tool (`fakenvtx.c`) twice: one that attaches, one whose init
-//! returns 0, and the stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as
+//! stand-in NVTX tool (`fakenvtx.c`) three times: one that attaches, one whose
+//! init returns 0, one hostile, and the stand-in cuBLAS and cuBLASLt (`fakeblas.c`) twice: as
 //! 13.1.0, and as an older release (12.4.0, without the grouped GEMM).
 //!
 //! Without a working C compiler the build still succeeds (with a warning) and no
@@ -38,6 +38,11 @@ fn main() {
             "libmetrale_fakenvtx_fail.so",
             "src/fakenvtx.c",
             Some("-DFAKENVTX_FAIL"),
+        ),
+        (
+            "libmetrale_fakenvtx_hostile.so",
+            "src/fakenvtx.c",
+            Some("-DFAKENVTX_HOSTILE"),
         ),
         ("libmetrale_fakeblas.so", "src/fakeblas.c", None),
         (

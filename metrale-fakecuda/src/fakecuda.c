@@ -753,6 +753,9 @@ static int last_prefetch_dev = -99;
 /* Stream calls want the stream's context current (an older driver's rule, not
  * driver 580's): 201 with none current, 400 with another. */
 static int stream_ctx_strict;
+/* cuCtxSynchronize also waits while another stand-in (fakenccl) holds a stream
+ * of the device, as the driver waits for an NCCL kernel (off by default). */
+static int ctx_sync_waits_holds;
 
 /* ---- control -------------------------------------------------------------- */
 
@@ -771,6 +774,12 @@ EXPORT void fakecuda_reset(void) {
     last_prefetch_dev = -99;
     green_orphans = 0;
     stream_ctx_strict = 0;
+    ctx_sync_waits_holds = 0;
+    pthread_mutex_unlock(&lock);
+}
+EXPORT void fakecuda_set_ctx_sync_waits_holds(int on) {
+    pthread_mutex_lock(&lock);
+    ctx_sync_waits_holds = on;
     pthread_mutex_unlock(&lock);
 }
 EXPORT void fakecuda_set_stream_ctx_strict(int on) {
@@ -1199,6 +1208,20 @@ static CUresult do_ctx_sync(void) {
         if (handles[i].kind == K_STREAM && handles[i].dev == current->dev)
             drain(handles[i].p);
     drain(&legacy_stream);
+    if (ctx_sync_waits_holds) {
+        /* Rescan after each wait: the lock is released meanwhile. */
+        int again = 1;
+        while (again) {
+            again = 0;
+            for (int i = 0; i < TABLE; i++)
+                if (handles[i].kind == K_STREAM && handles[i].dev == current->dev &&
+                    ((struct stream *)handles[i].p)->holds > 0) {
+                    wait_holds(handles[i].p);
+                    again = 1;
+                    break;
+                }
+        }
+    }
     return SUCCESS;
 }
 EXPORT CUresult cuCtxSynchronize(void) { LOCKED(do_ctx_sync()); }

@@ -8,6 +8,15 @@
  * writes them too but returns 0, a tool that failed to initialise: the caller
  * must then call none of them.
  *
+ * Built with -DFAKENVTX_HOSTILE it is a hostile tool: during its init it asks
+ * for tables with null out-pointers, unknown (negative, huge) module ids and
+ * unknown export-table ids, runs the hook a test set (a call back into the
+ * process, whose NVTX calls land while the tool is attaching), fills the
+ * tables and then clears the CORE mark entries (a tool may leave any entry
+ * null); after its init, each push asks for the CORE table again and writes a
+ * different pop into it (a write the caller must not see). Surprises (a
+ * refusal that was not one) are counted in fakenvtx_hostile_surprises.
+ *
  * Tests read the records through the fakenvtx_* exports. */
 
 #include <pthread.h>
@@ -222,8 +231,14 @@ static int pop(const void *domain) {
     return level;
 }
 
+#ifdef FAKENVTX_HOSTILE
+static void late_write(void);
+static int push_ex(const event_attributes *a) { late_write(); return push(NULL, a, NULL); }
+static int push_a(const char *m) { late_write(); return push(NULL, NULL, m); }
+#else
 static int push_ex(const event_attributes *a) { return push(NULL, a, NULL); }
 static int push_a(const char *m) { return push(NULL, NULL, m); }
+#endif
 static int pop_core(void) { return pop(NULL); }
 
 static void name_category(uint32_t category, const char *name) {
@@ -308,11 +323,54 @@ static void set_entry(fn_table table, unsigned size, unsigned index, fn_ptr f) {
 
 #define ENTRY(f) ((fn_ptr)(void (*)(void))(f))
 
+#ifdef FAKENVTX_HOSTILE
+static const callbacks_table *kept_cb; /* kept past the init, as a hostile tool may */
+static long surprises;
+static long redirected_pops;
+static void (*init_hook)(void);
+EXPORT void fakenvtx_set_init_hook(void (*hook)(void)) { init_hook = hook; }
+EXPORT long fakenvtx_hostile_surprises(void) { return surprises; }
+EXPORT long fakenvtx_redirected_pops(void) { return redirected_pops; }
+static int pop_redirected(void) {
+    pthread_mutex_lock(&lock);
+    redirected_pops++;
+    pthread_mutex_unlock(&lock);
+    return -1;
+}
+/* After the init: ask for the CORE table again and write another pop. */
+static void late_write(void) {
+    fn_table t = NULL;
+    unsigned n = 0;
+    if (kept_cb && kept_cb->get_module_function_table(1, &t, &n) && t && n > 11 && t[11])
+        *t[11] = (fn_ptr)(void (*)(void))pop_redirected;
+}
+#endif
+
 EXPORT int InitializeInjectionNvtx2(get_export_table_fn get_export_table) {
     inits++;
     if (!get_export_table) return 0;
     const callbacks_table *cb = get_export_table(1);
     if (!cb || cb->struct_size < sizeof *cb || !cb->get_module_function_table) return 0;
+#ifdef FAKENVTX_HOSTILE
+    {
+        fn_table t = NULL;
+        unsigned n = 0;
+        /* Null out-pointers: answered without a write through them. */
+        cb->get_module_function_table(1, NULL, NULL);
+        cb->get_module_function_table(1, &t, NULL);
+        cb->get_module_function_table(1, NULL, &n);
+        /* Unknown modules: refused, nothing written. */
+        t = NULL;
+        n = 7;
+        if (cb->get_module_function_table(-1, &t, &n) || t || n != 7) surprises++;
+        if (cb->get_module_function_table(0x7fffffff, &t, &n) || t || n != 7) surprises++;
+        if (cb->get_module_function_table(8, &t, &n) || t || n != 7) surprises++;
+        /* Unknown export tables: null. */
+        if (get_export_table(0) || get_export_table(0xffffffffu) || get_export_table(4)) surprises++;
+        kept_cb = cb;
+        if (init_hook) init_hook();
+    }
+#endif
     const version_table *vi = get_export_table(3);
     if (vi && vi->struct_size >= sizeof *vi) {
         app_version = vi->version;
@@ -363,6 +421,13 @@ EXPORT int InitializeInjectionNvtx2(get_export_table_fn get_export_table) {
     }
     /* An unknown module is refused. */
     if (cb->get_module_function_table(7, &t, &n) || cb->get_module_function_table(0, &t, &n)) return 0;
+#ifdef FAKENVTX_HOSTILE
+    /* Clear the CORE marks this init filled (entries a tool leaves null). */
+    if (cb->get_module_function_table(1, &t, &n)) {
+        if (n > 1 && t[1]) *t[1] = NULL;
+        if (n > 2 && t[2]) *t[2] = NULL;
+    }
+#endif
 #ifdef FAKENVTX_FAIL
     return 0;
 #else

@@ -53,6 +53,14 @@ pub fn nvtx_failing_library_path() -> &'static Path {
     Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenvtx_fail.so"))
 }
 
+/// Path of the stand-in NVTX tool built hostile (`-DFAKENVTX_HOSTILE`): its init
+/// asks for tables with null out-pointers and unknown ids, calls the hook set
+/// with [`FakeNvtx::set_init_hook`], and clears the CORE mark entries; after
+/// it, each push writes another pop into the CORE table.
+pub fn nvtx_hostile_library_path() -> &'static Path {
+    Path::new(concat!(env!("OUT_DIR"), "/libmetrale_fakenvtx_hostile.so"))
+}
+
 /// Path of the stand-in cuBLAS and cuBLASLt (`src/fakeblas.c`): one library
 /// exporting both APIs (point `METRALE_LIBCUBLASLT_PATH` and
 /// `METRALE_LIBCUBLAS_PATH` at it), GEMMs computed on the host over the stand-in
@@ -306,6 +314,18 @@ impl Fake {
         call!(
             self,
             "fakecuda_set_stream_ctx_strict",
+            unsafe extern "C" fn(c_int),
+            c_int::from(on)
+        );
+    }
+
+    /// Make `cuCtxSynchronize` also wait while the stand-in NCCL holds a
+    /// stream of the device (a collective not yet complete), as the driver
+    /// waits for NCCL's kernels; until the next reset.
+    pub fn set_ctx_sync_waits_holds(&self, on: bool) {
+        call!(
+            self,
+            "fakecuda_set_ctx_sync_waits_holds",
             unsafe extern "C" fn(c_int),
             c_int::from(on)
         );
@@ -969,6 +989,39 @@ impl FakeNvtx {
             "fakenvtx record layout"
         );
         fake
+    }
+
+    /// The hostile build only: run `hook` inside the tool's init (a call
+    /// back into the process while the tool attaches).
+    pub fn set_init_hook(&self, hook: extern "C" fn()) {
+        call!(
+            self,
+            "fakenvtx_set_init_hook",
+            unsafe extern "C" fn(extern "C" fn()),
+            hook
+        );
+    }
+
+    /// The hostile build only: requests the caller should have refused but
+    /// did not (an unknown module or export table answered).
+    pub fn hostile_surprises(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenvtx_hostile_surprises",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
+    /// The hostile build only: calls of the pop written into the table after
+    /// the init (the caller must never make one).
+    pub fn redirected_pops(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakenvtx_redirected_pops",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
     }
 
     /// Every call received since the last [`reset`](FakeNvtx::reset).

@@ -47,6 +47,8 @@ mod review4;
 mod review5;
 #[path = "fault/round4.rs"]
 mod round4;
+#[path = "fault/round5.rs"]
+mod round5;
 #[path = "fault/signals.rs"]
 mod signals;
 #[path = "fault/soundness.rs"]
@@ -99,6 +101,7 @@ fn main() -> ExitCode {
         review3::tests(),
         review4::tests(),
         review5::tests(),
+        round5::tests(),
     ]
     .into_iter()
     .flatten()
@@ -124,6 +127,7 @@ fn main() -> ExitCode {
             .chain(batch::children())
             .chain(review3::children())
             .chain(review5::children())
+            .chain(round5::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -13,6 +13,8 @@ mod harness;
 
 #[path = "nccl/buffers_and_faults.rs"]
 mod buffers_and_faults;
+#[path = "nccl/round5.rs"]
+mod round5;
 
 use std::process::ExitCode;
 use std::sync::{Arc, OnceLock};
@@ -1645,6 +1647,7 @@ fn main() -> ExitCode {
         drop_retries_a_transient_query_failure,
     ];
     tests.extend(buffers_and_faults::tests());
+    tests.extend(round5::tests());
     #[cfg(feature = "half")]
     tests.push(harness::Test {
         name: "all_reduce_half_types",

@@ -5,7 +5,7 @@
 //! of this test binary: `attached::` with the stand-in named by
 //! `NVTX_INJECTION64_PATH` (and the stand-in driver for the CUDA handles),
 //! `no_tool::` with the variable unset, `init_fails::` with the stand-in built
-//! so that its init returns 0. The parent tests run the groups and check that
+//! so that its init returns 0, `hostile::` with the stand-in built hostile. The parent tests run the groups and check that
 //! every test of each passed.
 #![cfg(feature = "nvtx")]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::panic)]
@@ -69,6 +69,17 @@ fn with_a_tool_whose_init_returns_0_every_call_is_a_no_op() {
         run_group(
             "init_fails",
             Some(metrale_fakecuda::nvtx_failing_library_path()),
+            1,
+        );
+    }
+}
+
+#[test]
+fn with_a_hostile_tool_calls_stay_contained() {
+    if std::env::var(GROUP).is_err() {
+        run_group(
+            "hostile",
+            Some(metrale_fakecuda::nvtx_hostile_library_path()),
             1,
         );
     }
@@ -153,6 +164,88 @@ mod init_fails {
         let fake = FakeNvtx::open(path);
         assert_eq!(fake.inits(), 1, "the tool's init ran once");
         assert_eq!(fake.count(), 0, "none of its entries was called");
+    }
+}
+
+/// Issue 40 item 13: a hostile tool (`-DFAKENVTX_HOSTILE`). During its init it
+/// asks for tables with null out-pointers and unknown module and export-table
+/// ids, and calls back into the process (the hook below makes NVTX calls and
+/// asks how attaching went, on the attaching thread); it leaves the CORE
+/// marks null; after its init every push writes another pop into the table
+/// it kept. Held: the unknown ids are refused with nothing written, the calls
+/// made during the init are no-ops (no deadlock, nothing recorded, the
+/// answer is "no tool" until the init has returned), null entries are
+/// no-ops, and writes after the init are never seen.
+mod hostile {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+
+    static HOOK_RAN: AtomicBool = AtomicBool::new(false);
+    static NO_TOOL_DURING_INIT: AtomicBool = AtomicBool::new(false);
+    /// What a push made inside the init returned (-2: none, -1: `None`).
+    static PUSHED_DURING_INIT: AtomicI32 = AtomicI32::new(-2);
+
+    extern "C" fn during_init() {
+        nvtx::mark("during init");
+        let pushed = nvtx::range_push("during init");
+        PUSHED_DURING_INIT.store(pushed.map_or(-1, |l| l as i32), Ordering::SeqCst);
+        let _ = nvtx::range_pop();
+        let d = Domain::new("during init");
+        drop(d.range(&EventAttributes::new().message("x")));
+        drop(d);
+        NO_TOOL_DURING_INIT.store(
+            *nvtx::injection() == Injection::NoTool && !nvtx::is_attached(),
+            Ordering::SeqCst,
+        );
+        HOOK_RAN.store(true, Ordering::SeqCst);
+    }
+
+    #[test]
+    fn held_a_hostile_tool_is_contained() {
+        if !in_group("hostile") {
+            return;
+        }
+        let path = metrale_fakecuda::nvtx_hostile_library_path();
+        let fake = FakeNvtx::open(path);
+        fake.set_init_hook(during_init);
+        // The first call attaches: the tool's init runs the hook.
+        nvtx::mark("first");
+        assert!(
+            HOOK_RAN.load(Ordering::SeqCst),
+            "the tool's init called back"
+        );
+        assert!(
+            NO_TOOL_DURING_INIT.load(Ordering::SeqCst),
+            "during the init the answer was not yet in"
+        );
+        assert_eq!(
+            PUSHED_DURING_INIT.load(Ordering::SeqCst),
+            -1,
+            "a push during the init is a no-op"
+        );
+        assert_eq!(
+            *nvtx::injection(),
+            Injection::Attached {
+                path: path.to_path_buf()
+            }
+        );
+        assert_eq!(fake.inits(), 1);
+        assert_eq!(fake.hostile_surprises(), 0, "unknown ids were refused");
+        assert_eq!(
+            fake.count(),
+            0,
+            "nothing reached the tool during its init, and its null marks are no-ops"
+        );
+        nvtx::mark_with(&EventAttributes::new().message("m"));
+        assert_eq!(fake.count(), 0, "the cleared MarkEx is a no-op");
+        // Each push makes the tool write another pop into the table it kept.
+        for _ in 0..3 {
+            assert_eq!(nvtx::range_push("r"), Some(0));
+            assert_eq!(nvtx::range_pop(), Some(0));
+        }
+        assert_eq!(fake.redirected_pops(), 0, "a write after the init was seen");
+        let kinds: Vec<NvtxKind> = fake.records().iter().map(|r| r.kind().unwrap()).collect();
+        assert_eq!(kinds, [NvtxKind::Push, NvtxKind::Pop].repeat(3));
     }
 }
 

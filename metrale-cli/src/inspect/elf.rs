@@ -3,6 +3,8 @@
 //! the toolkit note. Called only on a blob that `metrale_runtime::blob::check`
 //! accepted, so every section lies inside it; reads still go through `get`.
 
+use std::collections::HashMap;
+
 use super::kernel::{Kernel, Param};
 
 /// A cubin's architecture, toolkit and kernels.
@@ -51,10 +53,23 @@ struct Section<'a> {
     bytes: &'a [u8],
 }
 
+/// The longest name read from a string table: longer ones are cut there (a
+/// crafted table can name one long string from every symbol, and reading it
+/// whole for each would make the output, and the time, symbols × its length).
+const MAX_NAME: usize = 4096;
+
 fn c_str(b: &[u8], at: usize) -> &str {
     let tail = b.get(at..).unwrap_or_default();
+    let tail = &tail[..tail.len().min(MAX_NAME)];
     let end = tail.iter().position(|&c| c == 0).unwrap_or(tail.len());
-    std::str::from_utf8(&tail[..end]).unwrap_or("")
+    match std::str::from_utf8(&tail[..end]) {
+        Ok(name) => name,
+        // Cut inside a character: the part before it.
+        Err(e) if e.error_len().is_none() => {
+            std::str::from_utf8(&tail[..e.valid_up_to()]).unwrap_or("")
+        }
+        Err(_) => "",
+    }
 }
 
 fn sections(blob: &[u8]) -> Vec<Section<'_>> {
@@ -160,13 +175,66 @@ fn toolkit(note: &[u8]) -> (Option<(u32, u32)>, Option<String>) {
     (release, arch)
 }
 
+/// What a kernel's own `.nv.info.<name>` section says (read once per section,
+/// however many symbols name it).
+#[derive(Clone, Default)]
+struct Own {
+    params: Vec<Param>,
+    param_bytes: Option<u64>,
+    max_registers: Option<u64>,
+    max_threads: Option<u64>,
+    note: Option<String>,
+}
+
+fn own_info(bytes: &[u8]) -> Own {
+    let own = records(bytes);
+    let mut params: Vec<(u16, Param)> = own
+        .iter()
+        .filter(|(a, _)| *a == EIATTR_KPARAM_INFO)
+        .filter_map(|(_, v)| {
+            let ordinal = u16_at(v, 4)?;
+            let offset = u64::from(u16_at(v, 6)?);
+            let size = u64::from((u32_at(v, 8)? >> 18) & 0x3fff);
+            Some((ordinal, Param { offset, size }))
+        })
+        .collect();
+    params.sort_by_key(|(ordinal, _)| *ordinal);
+    let value16 = |attr: u8| {
+        own.iter()
+            .find(|(a, _)| *a == attr)
+            .and_then(|(_, v)| u16_at(v, 0))
+            .map(u64::from)
+    };
+    let bound = own
+        .iter()
+        .find(|(a, _)| *a == EIATTR_REQNTID || *a == EIATTR_MAX_THREADS);
+    let max_threads = bound.and_then(|(_, v)| dims(v));
+    let note = bound
+        .filter(|(_, v)| v.len() >= 12 && max_threads.is_none())
+        .map(|_| "a thread bound whose product overflows u64: not shown".to_owned());
+    Own {
+        params: params.into_iter().map(|(_, p)| p).collect(),
+        param_bytes: value16(EIATTR_CBANK_PARAM_SIZE),
+        max_registers: value16(EIATTR_MAXREG_COUNT).filter(|&n| n != 0xff),
+        max_threads,
+        note,
+    }
+}
+
 /// Read the kernels of the cubin `blob` built for `sm_<sm>`.
+///
+/// Linear in the blob: the sections are looked up by name in a map built
+/// once (the first of a name wins, as a scan in order would find), the
+/// global records by attribute and symbol likewise, and each kernel's own
+/// section is read once.
 pub fn parse(blob: &[u8], sm: u32) -> Cubin {
     let secs = sections(blob);
-    let (toolkit, arch) = secs
-        .iter()
-        .find(|s| s.name == ".note.nv.tkinfo")
-        .map_or((None, None), |s| toolkit(s.bytes));
+    let mut by_name: HashMap<&str, usize> = HashMap::with_capacity(secs.len());
+    for (i, s) in secs.iter().enumerate() {
+        by_name.entry(s.name).or_insert(i);
+    }
+    let named = |name: &str| by_name.get(name).and_then(|&i| secs.get(i).map(|s| (i, s)));
+    let (toolkit, arch) = named(".note.nv.tkinfo").map_or((None, None), |(_, s)| toolkit(s.bytes));
     let mut cubin = Cubin {
         sm,
         arch,
@@ -180,68 +248,54 @@ pub fn parse(blob: &[u8], sm: u32) -> Cubin {
         .get(symtab.link as usize)
         .map(|s| s.bytes)
         .unwrap_or_default();
-    let global: Vec<(u8, &[u8])> = secs
-        .iter()
-        .find(|s| s.name == ".nv.info")
-        .map(|s| records(s.bytes))
-        .unwrap_or_default();
-    let per_symbol = |attr: u8, index: u32| -> Option<u64> {
-        global
-            .iter()
-            .find(|(a, v)| *a == attr && u32_at(v, 0) == Some(index))
-            .and_then(|(_, v)| u32_at(v, 4))
-            .map(u64::from)
-    };
+    // (attribute, symbol index) -> value, the first record of each.
+    let mut global: HashMap<(u8, u32), Option<u64>> = HashMap::new();
+    if let Some((_, s)) = named(".nv.info") {
+        for (attr, v) in records(s.bytes) {
+            if attr != EIATTR_REGCOUNT && attr != EIATTR_FRAME_SIZE {
+                continue;
+            }
+            if let Some(index) = u32_at(v, 0) {
+                global
+                    .entry((attr, index))
+                    .or_insert_with(|| u32_at(v, 4).map(u64::from));
+            }
+        }
+    }
+    let per_symbol =
+        |attr: u8, index: u32| -> Option<u64> { global.get(&(attr, index)).copied().flatten() };
+    let mut owns: HashMap<usize, Own> = HashMap::new();
+    let mut key = String::new();
     for (index, sym) in symtab.bytes.chunks_exact(24).enumerate() {
         let (info, other) = (sym[4], sym[5]);
         if info & 0xf != STT_FUNC || other & STO_CUDA_ENTRY == 0 {
             continue;
         }
-        let name = c_str(strtab, u32_at(sym, 0).unwrap_or(0) as usize).to_owned();
+        let name = c_str(strtab, u32_at(sym, 0).unwrap_or(0) as usize);
         let index = u32::try_from(index).unwrap_or(u32::MAX);
-        let find = |prefix: &str| {
-            secs.iter()
-                .find(|s| s.name.strip_prefix(prefix) == Some(&name))
+        let mut find = |prefix: &str| {
+            key.clear();
+            key.push_str(prefix);
+            key.push_str(name);
+            named(&key)
         };
-        let own: Vec<(u8, &[u8])> = find(".nv.info.")
-            .map(|s| records(s.bytes))
-            .unwrap_or_default();
-        let mut params: Vec<(u16, Param)> = own
-            .iter()
-            .filter(|(a, _)| *a == EIATTR_KPARAM_INFO)
-            .filter_map(|(_, v)| {
-                let ordinal = u16_at(v, 4)?;
-                let offset = u64::from(u16_at(v, 6)?);
-                let size = u64::from((u32_at(v, 8)? >> 18) & 0x3fff);
-                Some((ordinal, Param { offset, size }))
-            })
-            .collect();
-        params.sort_by_key(|(ordinal, _)| *ordinal);
-        let value16 = |attr: u8| {
-            own.iter()
-                .find(|(a, _)| *a == attr)
-                .and_then(|(_, v)| u16_at(v, 0))
-                .map(u64::from)
+        let own = match find(".nv.info.") {
+            Some((i, s)) => owns.entry(i).or_insert_with(|| own_info(s.bytes)).clone(),
+            None => Own::default(),
         };
-        let bound = own
-            .iter()
-            .find(|(a, _)| *a == EIATTR_REQNTID || *a == EIATTR_MAX_THREADS);
-        let max_threads = bound.and_then(|(_, v)| dims(v));
-        let note = bound
-            .filter(|(_, v)| v.len() >= 12 && max_threads.is_none())
-            .map(|_| "a thread bound whose product overflows u64: not shown".to_owned());
-        let registers = per_symbol(EIATTR_REGCOUNT, index)
-            .or_else(|| find(".text.").map(|s| u64::from(s.info >> 24)));
+        let text_info = find(".text.").map(|(_, s)| u64::from(s.info >> 24));
+        let static_shared = find(".nv.shared.").map_or(0, |(_, s)| s.size);
+        let registers = per_symbol(EIATTR_REGCOUNT, index).or(text_info);
         cubin.kernels.push(Kernel {
-            params: params.into_iter().map(|(_, p)| p).collect(),
-            param_bytes: value16(EIATTR_CBANK_PARAM_SIZE),
+            params: own.params,
+            param_bytes: own.param_bytes,
             registers,
-            max_registers: value16(EIATTR_MAXREG_COUNT).filter(|&n| n != 0xff),
-            static_shared: Some(find(".nv.shared.").map_or(0, |s| s.size)),
+            max_registers: own.max_registers,
+            static_shared: Some(static_shared),
             local: per_symbol(EIATTR_FRAME_SIZE, index),
-            max_threads,
-            name,
-            note,
+            max_threads: own.max_threads,
+            name: name.to_owned(),
+            note: own.note,
         });
     }
     cubin

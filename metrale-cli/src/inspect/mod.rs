@@ -72,6 +72,8 @@ pub fn run(path: &std::path::Path, offline: bool) -> Outcome {
     let _ = writeln!(text, "kind: {kind_text}");
     let mut code_json = Vec::new();
     let mut static_names: Vec<String> = Vec::new();
+    // The names in `static_names`, for a lookup that stays linear.
+    let mut seen: std::collections::HashSet<String> = std::collections::HashSet::new();
     for c in &code {
         let _ = writeln!(text);
         match c {
@@ -100,7 +102,7 @@ pub fn run(path: &std::path::Path, offline: bool) -> Outcome {
                 }
                 for k in kernels {
                     kernel_text(&mut text, k, true);
-                    if !static_names.contains(&k.name) {
+                    if seen.insert(k.name.clone()) {
                         static_names.push(k.name.clone());
                     }
                 }
@@ -143,7 +145,7 @@ pub fn run(path: &std::path::Path, offline: bool) -> Outcome {
                 let _ = writeln!(text, "  kernels: {}", cubin.kernels.len());
                 for k in &cubin.kernels {
                     kernel_text(&mut text, k, false);
-                    if !static_names.contains(&k.name) {
+                    if seen.insert(k.name.clone()) {
                         static_names.push(k.name.clone());
                     }
                 }

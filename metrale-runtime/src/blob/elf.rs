@@ -1,5 +1,7 @@
 //! The ELF64 cubin check: headers, sections, segments, names, symbol and
-//! relocation tables, all inside the blob; the arch a cubin is for.
+//! relocation tables, all inside the blob; the arch a cubin is for. Sections
+//! with bytes never overlap (refused), and each string table is scanned once,
+//! so the check is linear in the blob (sorting the section spans aside).
 
 use super::kind::{refuse, u16_at, u32_at, u64_at, BlobKind};
 use crate::error::{MetraleError, Result};
@@ -122,6 +124,25 @@ pub(super) fn check_elf(module: &str, blob: &[u8]) -> Result<ElfInfo> {
             return Err(bad(format_args!(
                 "section {i} ({size} bytes at offset {offset}) lies past the end of the blob of {len} bytes"
             )));
+        }
+    }
+    // Sections with bytes in the file never overlap in a cubin the toolchain
+    // writes; refusing overlaps keeps every later check linear in the blob
+    // (thousands of headers naming one table would have it read once each).
+    let mut spans: Vec<(u64, u64, u64)> = (0..shnum)
+        .filter_map(|i| {
+            let s = section(i);
+            (s.kind != SHT_NOBITS && s.size > 0).then(|| (s.offset, s.offset + s.size, i))
+        })
+        .collect();
+    spans.sort_unstable();
+    for pair in spans.windows(2) {
+        if let [(a_start, a_end, a), (b_start, b_end, b)] = *pair {
+            if b_start < a_end {
+                return Err(bad(format_args!(
+                    "sections {a} (bytes {a_start}..{a_end}) and {b} (bytes {b_start}..{b_end}) overlap"
+                )));
+            }
         }
     }
     for i in 0..phnum {
@@ -258,13 +279,18 @@ fn check_tables(
         }
         Ok(s.size / want)
     };
+    // Where each string table's names may start, scanned once per table
+    // however many symbol tables link to it.
+    let mut names_of: std::collections::HashMap<u64, u64> = std::collections::HashMap::new();
     for i in 0..shnum {
         let s = Shdr::read(blob, shoff, i);
         match s.kind {
             SHT_SYMTAB | SHT_DYNSYM => {
                 entries(i, s, SYM, "symbol table")?;
                 let strtab = linked(i, s, &[SHT_STRTAB], "string table")?;
-                let names = names_end(strtab.bytes(blob));
+                let names = *names_of
+                    .entry(s.link)
+                    .or_insert_with(|| names_end(strtab.bytes(blob)));
                 for (n, sym) in s.bytes(blob).chunks_exact(SYM as usize).enumerate() {
                     let name = u32_at(sym, 0).unwrap_or(0);
                     let shndx = u16_at(sym, 6).unwrap_or(0);

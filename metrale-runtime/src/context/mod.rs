@@ -47,6 +47,7 @@ pub(crate) use init::{device_attribute, device_handle, device_name, init_driver}
 pub use init::{device_count, DeviceLimits};
 pub(crate) use release::Generation;
 pub use version::Version;
+pub(crate) use waits::ContextWideWait;
 
 use crate::error::{cu, report_drop_failures, CallError, ErrorKind, Result};
 use init::read_limits;

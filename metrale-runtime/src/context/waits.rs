@@ -64,6 +64,15 @@ impl CudaContext {
         ContextWideFree(&self.context_wide_frees)
     }
 
+    /// [`enter_context_wide_free`](Self::enter_context_wide_free) for a wait
+    /// that outlives a borrow of the context (an unmap, a sleep, an IPC close:
+    /// held from the pending-wait check through the driver's last call that
+    /// waits for the context's work).
+    pub(crate) fn enter_context_wide_wait(self: &Arc<Self>) -> ContextWideWait {
+        self.context_wide_frees.fetch_add(1, Ordering::SeqCst);
+        ContextWideWait(Arc::clone(self))
+    }
+
     /// Before queueing a wait on a mapped word (already counted in
     /// `pending_waits`): wait until no context-wide free that may have missed
     /// the count is in flight (they wait only for work queued before them).
@@ -112,6 +121,16 @@ pub(crate) struct ContextWideFree<'a>(&'a AtomicUsize);
 impl Drop for ContextWideFree<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A context-wide wait in flight, owning its context (see
+/// `CudaContext::enter_context_wide_wait`).
+pub(crate) struct ContextWideWait(Arc<CudaContext>);
+
+impl Drop for ContextWideWait {
+    fn drop(&mut self) {
+        self.0.context_wide_frees.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

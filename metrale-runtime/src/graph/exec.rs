@@ -163,7 +163,12 @@ impl CudaGraphExec {
     /// # Safety
     /// Everything the graph's work touches (the buffers its kernels, copies and
     /// fills were captured or updated with, host memory of captured copies) must be
-    /// alive and valid until the replay finishes.
+    /// alive and valid until the replay finishes. That includes the NCCL
+    /// registrations and windows its collectives were captured through: a
+    /// `Registration` or `Window` borrows its buffer and communicator, so the
+    /// graph cannot hold it, and one dropped after the capture deregisters
+    /// what the captured collective may still use: keep each such guard alive
+    /// until the replays that use it have finished.
     ///
     /// # Errors
     /// [`ErrorKind::WrongDevice`]; `cuGraphLaunch`'s status.

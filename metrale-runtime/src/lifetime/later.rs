@@ -15,6 +15,10 @@ pub(crate) trait Deferred: Send {
     /// Whether what this job waits for may still be going (a capture in
     /// progress, an NCCL group open): another turn now would only hand it back.
     fn still_blocked(&self) -> bool;
+    /// What it releases, for the report of those still deferred at exit.
+    fn describe(&self) -> String {
+        "a deferred release".to_owned()
+    }
 }
 
 /// Something queued work may still touch, retired until that work is known to
@@ -219,6 +223,7 @@ pub(crate) fn retry_at_next_drain() {
 /// Defer `job`, and retry at once when nothing it waits for is going any more
 /// (it may have ended, and retried the list, meanwhile).
 pub(crate) fn defer(job: Box<dyn Deferred>) {
+    report_at_exit();
     let blocked = {
         let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
         list.push(job);
@@ -233,6 +238,7 @@ pub(crate) fn defer(job: Box<dyn Deferred>) {
 /// Defer `job` to the next [`drain`], without a turn now (what blocks it, a
 /// pending wait or this thread's state, is not over yet).
 pub(crate) fn defer_until_drain(job: Box<dyn Deferred>) {
+    report_at_exit();
     DEFERRED
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
@@ -267,6 +273,72 @@ pub(crate) fn retry_deferred() {
             return;
         }
     }
+}
+
+/// Have the releases still deferred when the process exits reported then
+/// (once per process, on the first deferral): at exit they are neither freed
+/// (the driver may be torn down already) nor silently dropped.
+fn report_at_exit() {
+    static REGISTERED: std::sync::Once = std::sync::Once::new();
+    REGISTERED.call_once(|| {
+        extern "C" {
+            fn atexit(f: extern "C" fn()) -> std::ffi::c_int;
+        }
+        // SAFETY: `atexit` of the C library this process runs on, handed a
+        // function of the C ABI that takes no argument and returns nothing;
+        // it only touches statics, never blocks (`try_lock`), and cannot
+        // unwind into C (a panic in an `extern "C"` fn aborts).
+        let registered = unsafe { atexit(report_deferred_at_exit) };
+        if registered != 0 {
+            let _ = std::io::Write::write_fmt(
+                &mut std::io::stderr(),
+                format_args!(
+                    "metrale: releases still deferred at exit cannot be reported (atexit \
+                     refused: {registered})\n"
+                ),
+            );
+        }
+    });
+}
+
+/// The exit report: one line naming what is still deferred (leaked), or
+/// nothing when the list is empty.
+extern "C" fn report_deferred_at_exit() {
+    use std::io::Write as _;
+    // Never block at exit: a thread still running may hold the lock.
+    let names: Vec<String> = match DEFERRED.try_lock() {
+        Ok(list) => list.iter().map(|j| j.describe()).collect(),
+        Err(std::sync::TryLockError::Poisoned(p)) => {
+            p.into_inner().iter().map(|j| j.describe()).collect()
+        }
+        Err(std::sync::TryLockError::WouldBlock) => {
+            let _ = writeln!(
+                std::io::stderr(),
+                "metrale: at exit, the deferred releases could not be counted (their list \
+                 was in use); any still deferred are leaked"
+            );
+            return;
+        }
+    };
+    if names.is_empty() {
+        return;
+    }
+    const SHOWN: usize = 8;
+    let mut shown = names
+        .iter()
+        .take(SHOWN)
+        .map(String::as_str)
+        .collect::<Vec<_>>()
+        .join("; ");
+    if names.len() > SHOWN {
+        shown.push_str(&format!("; and {} more", names.len() - SHOWN));
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "metrale: {} release(s) still deferred at exit, leaked (the work or wait they \
+         waited for never passed before the process ended): {shown}",
+        names.len()
+    );
 }
 
 /// How many releases are deferred (for tests and diagnostics).

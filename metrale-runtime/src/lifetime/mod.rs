@@ -58,7 +58,9 @@
 //!    and then by the graph and its executables; a graph holds what its replays
 //!    use (`graph/`: `keep`, `hold`, through [`HeldOutsideHostFns`]).
 //! 6. **Report, never silently leak, never panic, never block for ever.** A
-//!    release that cannot be ordered leaks with one line on stderr naming what.
+//!    release that cannot be ordered leaks with one line on stderr naming what;
+//!    releases still deferred when the process exits are named in one line
+//!    then (they are not run: the driver may be gone).
 //!
 //! # Where each rule is tested
 //! In `tests/fault/` (the stand-in driver), unless named otherwise:
@@ -107,7 +109,41 @@
 //!   `defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder`,
 //!   `held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node`;
 //! - 6, teardown and resets: `teardown.rs`
-//!   `teardown_resources_made_after_a_reset_are_freed`.
+//!   `teardown_resources_made_after_a_reset_are_freed`;
+//! - issue 40 (round 5), in `round5.rs` unless named otherwise: 1, a
+//!   communicator forgets only streams whose work finished: `tests/nccl/round5.rs`
+//!   `defect_deregistration_behind_a_collective_on_a_forgotten_stream`,
+//!   `held_finished_streams_are_still_forgotten`; a failed revoke is not a
+//!   revoke: `defect_a_failed_revoke_reads_as_revoked`; 6, every context-wide
+//!   wait is in flight from its check (`enter_context_wide_wait`):
+//!   `defect_unmap_races_a_wait_queued_after_its_check`,
+//!   `defect_range_drop_races_a_wait_queued_after_its_check`,
+//!   `defect_sleep_races_a_wait_queued_after_its_check`,
+//!   `defect_free_races_a_wait_queued_on_a_foreign_stream`; 3, a wait on a
+//!   mapped word is refused in a host function before it is counted (it would
+//!   wait out a free that waits for it):
+//!   `defect_a_host_function_waits_out_a_pinned_free_that_waits_for_it`,
+//!   `defect_a_host_function_waits_out_an_unmap_that_waits_for_it`; 2, a pending copy
+//!   dropped behind a wait is deferred:
+//!   `defect_pending_copy_dropped_behind_a_wait_this_thread_passes`,
+//!   `held_pending_copy_dropped_without_a_wait_frees_at_once`; 6, an NCCL
+//!   buffer's free waits for the device on a helper, bounded: `tests/nccl/round5.rs`
+//!   `defect_nccl_buffer_dropped_behind_a_collective_that_never_completes`,
+//!   `held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns`; 6, what is
+//!   still deferred at exit is reported once:
+//!   `defect_deferred_releases_at_exit_are_reported_once`,
+//!   `held_nothing_deferred_says_nothing_at_exit`; 5, registrations after a
+//!   shrink and under a graph that captured through them (the replay's
+//!   safety contract keeps them): `tests/nccl/round5.rs`
+//!   `held_registrations_used_after_shrink`,
+//!   `held_registration_dropped_while_a_graph_that_captured_through_it_lives`;
+//!   a hostile NVTX tool (unknown ids, a call back during its init, null
+//!   entries, writes after it): `tests/nvtx.rs`
+//!   `hostile::held_a_hostile_tool_is_contained`; (not a lifetime rule, listed
+//!   with the round) linear blob checks and `inspect`: `metrale-cli/tests/linear.rs`
+//!   `overlapping_symbol_tables_are_refused_at_once`,
+//!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
+//!   `inspect_of_many_kernels_and_sections_is_linear`.
 //!
 //! The same round's cuBLAS checks that are not lifetime rules sit beside them
 //! in `tests/blas/round5.rs`: `plans_reduce_in_the_compute_type_unless_told_otherwise`,

@@ -49,9 +49,11 @@ pub(crate) enum Kind {
     /// after `cuCtxSynchronize` (NCCL may unmap it with `cuMemUnmap`, which is
     /// not promised to wait for the device's work), so never while a capture
     /// is in progress anywhere in the process (the synchronisation would end
-    /// it) nor while an NCCL group is open.
+    /// it) nor while an NCCL group is open. The wait is bounded by the
+    /// duration (the buffer's drop timeout): it runs on a helper thread, which
+    /// the dropping thread waits for at most that long.
     #[cfg(feature = "nccl")]
-    Nccl,
+    Nccl(std::time::Duration),
 }
 
 /// An allocation whose owner went: freed as soon as nothing can use it.
@@ -103,7 +105,7 @@ impl FreeJob {
             (Kind::Device, true) => "stream-ordered buffer",
             (Kind::Device, false) => "device buffer",
             #[cfg(feature = "nccl")]
-            (Kind::Nccl, _) => "NCCL buffer",
+            (Kind::Nccl(_), _) => "NCCL buffer",
         };
         format!(
             "freeing {kind} {:#x} on device {}",
@@ -135,7 +137,7 @@ impl FreeJob {
             return Some(self);
         }
         #[cfg(feature = "nccl")]
-        if self.kind == Kind::Nccl && crate::lifetime::captures_in_progress() {
+        if matches!(self.kind, Kind::Nccl(_)) && crate::lifetime::captures_in_progress() {
             // Its free synchronises the context: after the captures.
             return Some(self);
         }
@@ -244,6 +246,13 @@ impl FreeJob {
         // counted meanwhile is queued after it, never under it.
         let ctx = Arc::clone(&self.ctx);
         let _in_flight = ctx.enter_context_wide_free();
+        // The same on the context of every foreign stream, whose synchronize
+        // below would wait behind a wait on a mapped word queued after the
+        // check (nothing is allocated when there is none).
+        let _foreign_in_flight: Vec<crate::context::ContextWideWait> = foreign
+            .iter()
+            .map(|f| f.context().enter_context_wide_wait())
+            .collect();
         if self.ctx.pending_waits() > 0 || foreign.iter().any(|f| f.context().pending_waits() > 0) {
             // `cuMemFree` waits for the device's work, which a wait on a mapped
             // word nobody writes never ends: after those waits pass, then (the
@@ -274,13 +283,13 @@ impl FreeJob {
             }
         }
         let (ptr, kind) = (self.ptr, self.kind);
+        #[cfg(feature = "nccl")]
+        if let Kind::Nccl(bound) = kind {
+            free_nccl_bounded(&self.ctx, self.made, ptr, bound, &what);
+            return None;
+        }
         self.ctx
             .release_with(self.made, format_args!("{what}"), |d, failures| {
-                #[cfg(feature = "nccl")]
-                if kind == Kind::Nccl {
-                    free_nccl(d, ptr, failures);
-                    return;
-                }
                 let freed = if kind == Kind::Host {
                     // SAFETY: a pinned allocation of this context handed over by
                     // its dropped owner, freed once, here; `cuMemFreeHost` waits
@@ -371,6 +380,47 @@ pub(crate) fn release(
     .release();
 }
 
+/// [`free_nccl`] on a helper thread (it waits for the device's work, which a
+/// collective whose peer died never ends), waited for at most `bound`; past
+/// it the helper finishes alone (one line on stderr says so), so a Drop never
+/// blocks for ever.
+#[cfg(feature = "nccl")]
+fn free_nccl_bounded(
+    ctx: &Arc<CudaContext>,
+    made: Generation,
+    ptr: CUdeviceptr,
+    bound: std::time::Duration,
+    what: &str,
+) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let helper_ctx = Arc::clone(ctx);
+    let helper_what = what.to_owned();
+    let spawned = std::thread::Builder::new()
+        .name("metrale-nccl-free".to_owned())
+        .spawn(move || {
+            helper_ctx.release_with(made, format_args!("{helper_what}"), |d, failures| {
+                free_nccl(d, ptr, failures);
+            });
+            let _ = tx.send(());
+        });
+    match spawned {
+        Err(e) => report_line(format_args!(
+            "{what}: leaked: no helper thread for its free could be started ({e}), and on \
+             this thread its wait for the device's work could block without bound"
+        )),
+        Ok(_) => {
+            if rx.recv_timeout(bound).is_err() {
+                report_line(format_args!(
+                    "{what}: its free waits for the device's work (cuCtxSynchronize before \
+                     ncclMemFree), which had not finished after {bound:?} (its drop timeout); \
+                     left to a helper thread that frees it when that work ends (a collective \
+                     whose peer died never does: abort its communicator)"
+                ));
+            }
+        }
+    }
+}
+
 /// `ncclMemFree` of `ptr` (the context current) after the context's work.
 #[cfg(feature = "nccl")]
 fn free_nccl(
@@ -424,10 +474,11 @@ pub(crate) fn release_nccl(
     ctx: &Arc<CudaContext>,
     made: Generation,
     uses: &mut Uses,
+    bound: std::time::Duration,
 ) {
     FreeJob {
         ptr,
-        kind: Kind::Nccl,
+        kind: Kind::Nccl(bound),
         ctx: Arc::clone(ctx),
         made,
         uses: std::mem::replace(uses, Uses::new(None)),
@@ -487,6 +538,10 @@ impl lifetime::Deferred for FreeJob {
 
     fn still_blocked(&self) -> bool {
         crate::lifetime::captures_in_progress() || nccl_groups_open()
+    }
+
+    fn describe(&self) -> String {
+        self.what()
     }
 }
 

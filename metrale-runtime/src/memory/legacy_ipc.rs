@@ -429,12 +429,17 @@ impl<T: DeviceRepr> Drop for IpcBuffer<T> {
         // NCCL group open on another thread is waited out; what still blocks the
         // wait leaks the buffer).
         crate::lifetime::wait_out_nccl_groups();
-        if let Err(e) = super::vmm::wait_for_context(&self.ctx, Some(&self.uses)) {
-            report_line(format_args!(
-                "{what}: leaked (left open), its uses could not be waited for: {e}"
-            ));
-            return;
-        }
+        // In flight through the close (a pool pointer's free waits for the
+        // legacy stream): a wait counted meanwhile is queued after it.
+        let _in_flight = match super::vmm::wait_for_context(&self.ctx, Some(&self.uses)) {
+            Ok(in_flight) => in_flight,
+            Err(e) => {
+                report_line(format_args!(
+                    "{what}: leaked (left open), its uses could not be waited for: {e}"
+                ));
+                return;
+            }
+        };
         let (ptr, from_pool) = (self.ptr, self.pool.is_some());
         self.ctx
             .release_with(self.made, format_args!("{what}"), |d, failures| {

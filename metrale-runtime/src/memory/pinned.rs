@@ -337,9 +337,70 @@ impl<T: DevicePod> PendingCopy<T> {
 
 impl<T: DevicePod> Drop for PendingCopy<T> {
     fn drop(&mut self) {
-        if let Err(e) = self.wait_copy() {
+        let Some(done) = self.done.take() else {
+            return;
+        };
+        if super::free::host_free_must_wait(self.stream.context())
+            && !matches!(self.stream.event_done(done.raw()), Ok(true))
+        {
+            // The copy may sit behind a GPU-side wait on a mapped word that
+            // only the host passes (this thread, maybe, later), or this thread
+            // may not wait here (a host function, a capture): waiting could
+            // block for ever. The lifetime room keeps the buffer and the wait
+            // until a drain finds the copy done.
+            crate::lifetime::defer_until_drain(Box::new(CopyRelease {
+                _buffer: self.buffer.take(),
+                stream: self.stream.clone(),
+                done: Some(done),
+            }));
+            return;
+        }
+        if let Err(e) = self.stream.wait_done(done) {
             report_line(format_args!("dropping a pending copy: {e}"));
         }
+    }
+}
+
+/// A dropped [`PendingCopy`] whose copy could not be waited for then: its
+/// pinned buffer, kept until the copy is done (then freed, itself deferred
+/// when it must be).
+struct CopyRelease<T: DevicePod> {
+    /// Held for its Drop (the free), which runs once the copy is done.
+    _buffer: Option<PinnedBuffer<T>>,
+    stream: CudaStream,
+    done: Option<DoneEvent>,
+}
+
+// SAFETY: as for `PendingCopy`: the buffer is Send; the event is an opaque
+// handle of the stream (which keeps it alive), waited on from any thread.
+unsafe impl<T: DevicePod> Send for CopyRelease<T> {}
+
+impl<T: DevicePod> crate::lifetime::Deferred for CopyRelease<T> {
+    fn retry(mut self: Box<Self>) -> Option<Box<dyn crate::lifetime::Deferred>> {
+        let done = self.done.take()?;
+        if super::free::host_free_must_wait(self.stream.context())
+            && !matches!(self.stream.event_done(done.raw()), Ok(true))
+        {
+            self.done = Some(done);
+            crate::lifetime::retry_at_next_drain();
+            return Some(self);
+        }
+        if let Err(e) = self.stream.wait_done(done) {
+            report_line(format_args!("a dropped pending copy: {e}"));
+        }
+        // The buffer goes here, after its copy.
+        None
+    }
+
+    fn still_blocked(&self) -> bool {
+        self.stream.context().pending_waits() > 0
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "a dropped pending copy's pinned buffer on device {}",
+            self.stream.ordinal()
+        )
     }
 }
 

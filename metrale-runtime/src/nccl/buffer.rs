@@ -9,7 +9,10 @@
 //!   (`memory/free.rs`): after the work of every stream that may use it (the
 //!   device's work is waited for, and the streams of other devices a safe
 //!   operation used it on), never while a capture is in progress or an NCCL
-//!   group is open (then deferred, and retried when they end).
+//!   group is open (then deferred, and retried when they end). The wait for
+//!   the device's work runs on a helper thread that the Drop waits for at
+//!   most its drop timeout ([`NcclBuffer::set_drop_timeout`]): a collective
+//!   whose peer died never ends, and Drop never blocks for ever.
 //! - A registration or window of it borrows it ([`Registration`](super::Registration),
 //!   [`Window`](super::Window)), so it cannot be dropped while registered.
 
@@ -17,6 +20,7 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::ops::RangeBounds;
 use std::sync::Arc;
+use std::time::Duration;
 
 use metrale_cuda_sys::CUdeviceptr;
 
@@ -56,6 +60,8 @@ pub struct NcclBuffer<T: DeviceRepr> {
     ctx: Arc<CudaContext>,
     made: Generation,
     uses: Uses,
+    /// How long its Drop waits for the device's work before `ncclMemFree`.
+    drop_timeout: Duration,
     _elem: PhantomData<T>,
 }
 
@@ -119,6 +125,7 @@ impl<T: DeviceRepr> NcclBuffer<T> {
             ctx: Arc::clone(ctx),
             made: ctx.generation(),
             uses: Uses::new(None),
+            drop_timeout: super::CommConfig::DEFAULT_DROP_TIMEOUT,
             _elem: PhantomData,
         };
         if !ptr.is_multiple_of(std::mem::align_of::<T>() as u64) {
@@ -128,6 +135,16 @@ impl<T: DeviceRepr> NcclBuffer<T> {
             )));
         }
         Ok(buf)
+    }
+
+    /// Bound the wait of its Drop (default
+    /// [`CommConfig::DEFAULT_DROP_TIMEOUT`](super::CommConfig::DEFAULT_DROP_TIMEOUT),
+    /// 10 s). `ncclMemFree` comes after the device's work (`cuCtxSynchronize`),
+    /// which a collective whose peer died never ends: the Drop waits for it on
+    /// a helper thread at most this long, then leaves the free to that thread
+    /// (one line on stderr), so it never blocks for ever.
+    pub fn set_drop_timeout(&mut self, timeout: Duration) {
+        self.drop_timeout = timeout;
     }
 
     /// Number of elements.
@@ -213,7 +230,13 @@ impl<T: DeviceRepr> Drop for NcclBuffer<T> {
         if self.ptr == 0 {
             return;
         }
-        release_nccl(self.ptr, &self.ctx, self.made, &mut self.uses);
+        release_nccl(
+            self.ptr,
+            &self.ctx,
+            self.made,
+            &mut self.uses,
+            self.drop_timeout,
+        );
     }
 }
 

@@ -15,6 +15,7 @@ use crate::error::Result;
 use crate::stream::CudaStream;
 
 use super::error::{self, call_error, into_error, missing, refused, CommInfo, NcclError};
+use super::ledger::{finished_and_unheld, KEPT_STREAMS};
 use super::state::{in_group, is_listed, DeferredAbort};
 use super::teardown::{
     abort_bounded, bound_deadline, bound_deadline_at, on_helper, settle, DropJob, Handle, Helped,
@@ -121,10 +122,6 @@ impl fmt::Debug for Communicator {
             .finish_non_exhaustive()
     }
 }
-
-/// How many streams a communicator keeps before it lets go of those nobody
-/// else holds.
-const KEPT_STREAMS: usize = 8;
 
 impl Communicator {
     /// This communicator's turn on the lock it shares with a parent or child
@@ -410,9 +407,12 @@ impl Communicator {
             if streams.len() >= KEPT_STREAMS && !in_group() {
                 // (Not inside a group: its queued work reaches these streams
                 // only at the group's end, so none may be destroyed before.)
-                // Streams only this list still holds: their owners are done
-                // with them, so keep them from piling up (a new stream per step).
-                streams.retain(|s| !s.is_last_handle());
+                // Streams only this list still holds and whose work has
+                // finished: nothing queued there can use a registration any
+                // more, so keep them from piling up (a new stream per step).
+                // One still busy (or whose state cannot be read) stays: a
+                // deregistration waits for it.
+                streams.retain(|s| !finished_and_unheld(s));
             }
             streams.push(stream.clone());
         }

@@ -68,7 +68,9 @@ impl Communicator {
     /// stops its in-flight work, on the device too (work a graph replay queued
     /// included, which no host-side check reaches), and it refuses new work.
     /// The ranks that stay then [`shrink`](Self::shrink) it; Drop aborts it.
-    /// Revoking twice does nothing.
+    /// Revoking twice does nothing; a revoke NCCL failed leaves the
+    /// communicator not revoked ([`is_revoked`](Self::is_revoked) false), and
+    /// the next revoke calls NCCL again.
     ///
     /// Bounded like [`abort`](Self::abort): NCCL's call runs on a helper
     /// thread, waited for at most the drop timeout plus 200 ms; past that the
@@ -102,8 +104,10 @@ impl Communicator {
             .lib()
             .ncclCommRevoke()
             .map_err(|m| missing(m, Some(self.info())))?;
-        // From here on no collective is queued on it.
-        self.ledger.revoked.set(true);
+        // Marked revoked only once NCCL took the revoke (below): a failed
+        // call leaves it as it was, and a second revoke calls NCCL again. No
+        // collective can be queued on it meanwhile: this thread is in here,
+        // and the communicator is not `Sync`.
         let (lib, info) = (self.lib(), self.info());
         let handle = Handle(self.raw_handle());
         let ctx: Arc<CudaContext> = Arc::clone(self.context());
@@ -135,9 +139,15 @@ impl Communicator {
         };
         match on_helper(wait_until, job, late) {
             Helped::Done((Ok(status), _)) if status == ncclResult_t::ncclInProgress => {
+                // NCCL took it and is stopping the work: revoked from here
+                // on, whatever the polling says.
+                self.ledger.revoked.set(true);
                 self.settle_revoke(wait_until)
             }
-            Helped::Done((Ok(status), _)) if status.is_success() => Ok(()),
+            Helped::Done((Ok(status), _)) if status.is_success() => {
+                self.ledger.revoked.set(true);
+                Ok(())
+            }
             Helped::Done((Ok(status), _)) => Err(self.failed(CALL, status)),
             Helped::Done((Err(e), _)) => Err(e),
             Helped::Running => {

@@ -535,10 +535,10 @@ fn table_entry_sizes_are_checked() {
         &format!("section {r} (RELA relocations) has sh_entsize 16, ELF64 entries are 24 bytes"),
     );
     refused_after(
-        |b| put64(b, rel.header + 0x20, rel.size as u64 + 8),
+        |b| put64(b, rel.header + 0x20, rel.size as u64 - 8),
         &format!(
             "section {r} (RELA relocations) is {} bytes, not a whole number of 24-byte entries",
-            rel.size + 8
+            rel.size - 8
         ),
     );
     // A REL table keeps RELA's 24-byte entries.

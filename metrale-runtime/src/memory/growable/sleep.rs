@@ -153,9 +153,12 @@ impl<T: DeviceRepr> GrowableBuffer<T> {
         // Every use first (work on any stream may still write the memory), then
         // the save (each piece unmapped once its copy has completed), then the
         // unmaps of what is left.
-        if let Err(error) = self.range.wait_for_uses(Some(&self.uses)) {
-            return Err(sleep_error(error, SleepState::Awake(self)));
-        }
+        // In flight until the sleep is over: a wait on a mapped word counted
+        // meanwhile is queued after it, never under the save's waits.
+        let _in_flight = match self.range.wait_for_uses(Some(&self.uses)) {
+            Ok(in_flight) => in_flight,
+            Err(error) => return Err(sleep_error(error, SleepState::Awake(self))),
+        };
         let pieces: Vec<(usize, usize)> = self.range.mappings().collect();
         let (saved, failed) = match save {
             Some((stream, host)) => match self.save_and_release(stream, host, &pieces) {

@@ -236,6 +236,12 @@ impl CudaStream {
             // kernel is (see the module docs).
             return self.call_unbound(what, queue);
         }
+        if crate::lifetime::in_host_function() {
+            // Refused before the count: waiting out a context-wide free in
+            // flight below would spin for ever on a host function that free
+            // waits for (the driver refuses the call there anyway).
+            return Err(CallError::InHostFunction.about(self.subject(what)));
+        }
         let section = self.section();
         let capturing = self
             .capturing_now(&section)

@@ -5,7 +5,7 @@ use std::sync::{Arc, PoisonError};
 
 use super::PhysicalMemory;
 use super::VirtualRange;
-use crate::context::CudaContext;
+use crate::context::{ContextWideWait, CudaContext};
 use crate::error::{cu, invalid_arg, report_line, MetraleError, Result};
 use crate::memory::Uses;
 
@@ -25,12 +25,14 @@ impl VirtualRange {
                 "unmapping: no mapping starts at offset {offset}"
             ))));
         };
-        self.wait_for_uses(None)?;
+        let _in_flight = self.wait_for_uses(None)?;
         self.unmap_at(pos)
     }
 
-    /// Wait for every use of the range's memory (see [`wait_for_context`]).
-    pub(in crate::memory) fn wait_for_uses(&self, uses: Option<&Uses>) -> Result<()> {
+    /// Wait for every use of the range's memory (see [`wait_for_context`]);
+    /// the wait stays in flight while the guard lives (hold it through the
+    /// unmaps).
+    pub(in crate::memory) fn wait_for_uses(&self, uses: Option<&Uses>) -> Result<ContextWideWait> {
         wait_for_context(&self.ctx, uses).map_err(|e| match e.kind() {
             crate::error::ErrorKind::InvalidArgument(text) => {
                 invalid_arg(self.subject(format_args!("{text}")))
@@ -81,7 +83,17 @@ impl VirtualRange {
 /// its capture), and while `ctx` (or the context of a foreign stream) has GPU-side
 /// waits pending ([`CudaContext::pending_waits`]): a wait on a word nobody
 /// writes would make this block for ever.
-pub(in crate::memory) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>) -> Result<()> {
+///
+/// Every context involved counts this wait in flight from its check on
+/// (`enter_context_wide_wait`, the count the pinned and `cuMemFree` frees
+/// keep): a wait on a mapped word another thread counts after the check is
+/// queued only once this is over, so it can never block it. The returned
+/// guard keeps the own context's count until the caller's last driver call
+/// that may wait for the context's work (the unmap, the close) is done.
+pub(in crate::memory) fn wait_for_context(
+    ctx: &Arc<CudaContext>,
+    uses: Option<&Uses>,
+) -> Result<ContextWideWait> {
     if crate::lifetime::capturing_on_this_thread() {
         return Err(invalid_arg(
             "waiting for the work that uses the memory while this thread captures a graph (the wait would invalidate the capture)",
@@ -94,6 +106,7 @@ pub(in crate::memory) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>
              when it ends (retry after the group)"
         )));
     }
+    let in_flight = ctx.enter_context_wide_wait();
     ctx.refuse_with_pending_waits(&waiting)?;
     let abandoned = |e: &MetraleError| e.status().is_some_and(crate::lifetime::work_abandoned);
     if let Some(uses) = uses {
@@ -103,6 +116,12 @@ pub(in crate::memory) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
                 .clone();
+            // In flight on every foreign context too, from its check through
+            // its stream's synchronize.
+            let _foreign_in_flight: Vec<ContextWideWait> = foreign
+                .iter()
+                .map(|f| f.context().enter_context_wide_wait())
+                .collect();
             for f in &foreign {
                 f.context().refuse_with_pending_waits(&waiting)?;
             }
@@ -117,7 +136,7 @@ pub(in crate::memory) fn wait_for_context(ctx: &CudaContext, uses: Option<&Uses>
     }
     match ctx.synchronize() {
         Err(e) if !abandoned(&e) => Err(e),
-        _ => Ok(()),
+        _ => Ok(in_flight),
     }
 }
 
@@ -139,7 +158,12 @@ impl VirtualRange {
             // another thread's group is waited out; what still blocks the wait
             // (this thread's group, pending mapped waits) leaks it below.
             crate::lifetime::wait_out_nccl_groups();
-            if let Err(e) = self.wait_for_uses(uses).and_then(|()| self.unmap_all()) {
+            let unmapped = self.wait_for_uses(uses).and_then(|in_flight| {
+                let unmapped = self.unmap_all();
+                drop(in_flight);
+                unmapped
+            });
+            if let Err(e) = unmapped {
                 report_line(format_args!(
                     "{what}: leaked, {} mapping(s) could not be unmapped: {e}",
                     self.mappings.len()
