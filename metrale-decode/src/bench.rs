@@ -201,6 +201,18 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
         ceilings.floor_gbps()
     );
     let bmax = opts.batches.iter().copied().max().unwrap_or(1);
+    let total =
+        (configs.len() * opts.contexts.len() * opts.modes.len() * opts.batches.len()) as u64;
+    let bar = if opts.progress {
+        indicatif::ProgressBar::new(total)
+    } else {
+        indicatif::ProgressBar::hidden()
+    };
+    if let Ok(style) =
+        indicatif::ProgressStyle::with_template("{msg:40} [{bar:30}] {pos}/{len} rows {elapsed}")
+    {
+        bar.set_style(style.progress_chars("=> "));
+    }
     let mut rows = Vec::new();
     let mut memory = Vec::new();
     for cfg in configs {
@@ -210,6 +222,7 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
             Some(dir) => Source::Files(dir.clone()),
             None => Source::Random(opts.seed),
         };
+        bar.set_message(format!("{}: weights, kernels, cuBLASLt", cfg.name));
         let engine = Engine::new(0, cfg.clone(), &source, opts.progress)?;
         eprintln!(
             "# {}: {:.3} B params read per step, weights ready in {:.1} s",
@@ -218,11 +231,13 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
             t0.elapsed().as_secs_f64()
         );
         for &context in &opts.contexts {
+            bar.set_message(format!("{} C={context}: caches, plans (tuning)", cfg.name));
             let arena = Session::arena(&engine, bmax, context, &opts.batches)?;
             let mut sess = Session::new(&engine, &arena, bmax, context, &opts.batches, opts.seed)?;
             let tokens = start_tokens(&cfg, bmax, opts.seed);
             let mut peak = used(&host)?;
             for &mode in &opts.modes {
+                bar.set_message(format!("{} C={context} {mode}: capture, warm-up", cfg.name));
                 let (graphs, capture_ms) = match mode {
                     Mode::Graph => {
                         let t = Instant::now();
@@ -283,7 +298,8 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
                         capture_ms,
                         profile,
                     };
-                    print_row(&row, &ceilings, None, rows.is_empty());
+                    bar.suspend(|| print_row(&row, &ceilings, None, rows.is_empty()));
+                    bar.inc(1);
                     rows.push(row);
                 }
                 drop(graphs);
@@ -298,6 +314,7 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
             });
         }
     }
+    bar.finish_and_clear();
     Ok(Report {
         device,
         driver,
