@@ -87,6 +87,8 @@ pub struct Row {
     pub capture_ms: Option<f64>,
     /// Per operation: (name, µs per step, GB/s), from one profiled step.
     pub profile: Vec<(String, f64, f64)>,
+    /// Which implementation each GEMM of the row's bucket uses.
+    pub gemms: String,
 }
 
 impl Row {
@@ -297,6 +299,7 @@ pub fn run(opts: &BenchOptions) -> Result<Report> {
                         bytes_per_step: cfg.step_bytes(batch, context),
                         capture_ms,
                         profile,
+                        gemms: sess.plans(batch).map(|p| p.describe()).unwrap_or_default(),
                     };
                     bar.suspend(|| print_row(&row, &ceilings, None, rows.is_empty()));
                     bar.inc(1);
@@ -586,8 +589,8 @@ pub fn print_report(report: &Report, torch: Option<&TorchRows>) {
     }
     for r in report.rows.iter().filter(|r| !r.profile.is_empty()) {
         println!(
-            "\n# profile {} B={} C={} (one eager step queued behind a wait; µs per step, GB/s)",
-            r.model, r.batch, r.context
+            "\n# profile {} B={} C={} (one eager step queued behind a wait; µs per step, GB/s); {}",
+            r.model, r.batch, r.context, r.gemms
         );
         for (op, us, gbps) in &r.profile {
             println!("  {op:10} {us:>9.1} µs {gbps:>7.0} GB/s");
@@ -609,7 +612,7 @@ pub fn to_json(report: &Report, torch: Option<&TorchRows>) -> String {
                 "tokens_per_s": r.tokens_per_s(), "bytes_per_step": r.bytes_per_step,
                 "achieved_gbps": r.achieved_gbps(), "floor_ms_measured_bw": floor_ms,
                 "fraction_of_measured_floor": floor_ms / r.ms_per_step,
-                "capture_ms": r.capture_ms,
+                "capture_ms": r.capture_ms, "gemms": r.gemms,
                 "torch_ms_per_step": torch.and_then(|t| t.ms(r)),
                 "profile": r.profile.iter().map(|(o, us, g)| json!([o, us, g])).collect::<Vec<_>>(),
             })

@@ -494,3 +494,87 @@ extern "C" __global__ void spin(unsigned long long ns) {
         asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
     } while (now - start < ns);
 }
+
+// ---------------------------------------------------------------------------
+// Batch-1 GEMV, the alternative to cuBLASLt that sessions time per GEMM: one
+// warp per output row, the input vector in shared memory, the weight rows
+// streamed 16 bytes per lane with four loads in flight. y = W x with W
+// [N, K] row-major (K a multiple of 8, at most GEMV_MAX_K).
+//   gemv_store:    y[n] = bf16(W[n] . x)
+//   gemv_residual: y[n] = bf16(y[n] + W[n] . x)          (beta 1: the residual)
+//   gemv_silu:     y[n] = bf16(silu(g) * u), g = bf16(W[n] . x), u = bf16(W[N + n] . x)
+//                  (W is [2N, K]: gate rows, then up rows; the SiLU kernel fused)
+
+#define GEMV_WARPS 8
+#define GEMV_MAX_K 16384
+#define GEMV_U 4
+
+__device__ __forceinline__ float dot8(const uint4 w, const uint4 x) {
+    float a[8], b[8];
+    unpack8(w, a);
+    unpack8(x, b);
+    float s = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += a[e] * b[e];
+    return s;
+}
+
+template <int MODE>
+__device__ void gemv_1(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
+                       int N, int K) {
+    __shared__ uint4 xs[GEMV_MAX_K / 8];
+    const int k8 = K >> 3;
+    for (int i = threadIdx.x; i < k8; i += blockDim.x) xs[i] = ((const uint4*)x)[i];
+    __syncthreads();
+    const int lane = threadIdx.x & 31;
+    const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
+    if (row >= N) return;
+    const uint4* w0 = (const uint4*)(W + (size_t)row * K);
+    const uint4* w1 = (const uint4*)(W + ((size_t)row + N) * K);
+    float acc0 = 0.0f, acc1 = 0.0f;
+    for (int i = lane; i < k8; i += 32 * GEMV_U) {
+        uint4 a[GEMV_U], b[GEMV_U];
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int j = i + u * 32;
+            a[u] = j < k8 ? __ldcs(w0 + j) : make_uint4(0, 0, 0, 0);
+            if (MODE == 2) b[u] = j < k8 ? __ldcs(w1 + j) : make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < GEMV_U; ++u) {
+            const int j = i + u * 32;
+            if (j < k8) {
+                const uint4 xv = xs[j];
+                acc0 += dot8(a[u], xv);
+                if (MODE == 2) acc1 += dot8(b[u], xv);
+            }
+        }
+    }
+    acc0 = warp_sum(acc0);
+    if (MODE == 2) acc1 = warp_sum(acc1);
+    if (lane == 0) {
+        if (MODE == 0) {
+            y[row] = f2bf(acc0);
+        } else if (MODE == 1) {
+            y[row] = f2bf(bf2f(y[row]) + acc0);
+        } else {
+            const float g = bf2f(f2bf(acc0)), u = bf2f(f2bf(acc1));
+            y[row] = f2bf(g / (1.0f + __expf(-g)) * u);
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_store(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, int N, int K) {
+    gemv_1<0>(W, x, y, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_residual(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, int N, int K) {
+    gemv_1<1>(W, x, y, N, K);
+}
+
+extern "C" __global__ void __launch_bounds__(GEMV_WARPS * 32)
+    gemv_silu(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y, int N, int K) {
+    gemv_1<2>(W, x, y, N, K);
+}

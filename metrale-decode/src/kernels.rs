@@ -72,6 +72,12 @@ pub struct Kernels {
     pub read_sum: CudaFunction,
     /// `spin(unsigned long long ns)`
     pub spin: CudaFunction,
+    /// `gemv_store(const bf16* W, const bf16* x, bf16* y, int N, int K)`
+    pub gemv_store: CudaFunction,
+    /// `gemv_residual(const bf16* W, const bf16* x, bf16* y, int N, int K)`
+    pub gemv_residual: CudaFunction,
+    /// `gemv_silu(const bf16* W, const bf16* x, bf16* y, int N, int K)`
+    pub gemv_silu: CudaFunction,
 }
 
 impl Kernels {
@@ -96,11 +102,19 @@ impl Kernels {
             fill_normal: f("fill_normal")?,
             read_sum: f("read_sum")?,
             spin: f("spin")?,
+            gemv_store: f("gemv_store")?,
+            gemv_residual: f("gemv_residual")?,
+            gemv_silu: f("gemv_silu")?,
             registry,
             compiled,
         })
     }
 }
+
+/// The longest input a GEMV takes (`GEMV_MAX_K`: the vector sits in shared memory).
+pub const GEMV_MAX_K: usize = 16384;
+/// Rows per GEMV block (`GEMV_WARPS`: one warp per row).
+pub const GEMV_ROWS: usize = 8;
 
 /// Threads of one attention block (`ATTN_THREADS` in the source).
 pub const ATTN_THREADS: u32 = 128;

@@ -16,13 +16,13 @@ use metrale_runtime::blas::{BlasLt, MatmulDesc, MatmulExtras, MatmulPlan, Transp
 use metrale_runtime::half::bf16;
 use metrale_runtime::nvtx::{self, EventAttributes};
 use metrale_runtime::{
-    memory_info, CaptureArena, CudaEvent, CudaHost, CudaStream, DeviceSliceMut, GraphBuckets,
-    LaunchConfig,
+    memory_info, CaptureArena, CudaEvent, CudaHost, CudaStream, DeviceBuffer, DeviceSliceMut,
+    GraphBuckets, LaunchConfig,
 };
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::kernels::{Kernels, Split, ATTN_THREADS};
+use crate::kernels::{Kernels, Split, ATTN_THREADS, GEMV_ROWS};
 use crate::weights::Weights;
 
 /// A model on one GPU.
@@ -90,29 +90,61 @@ impl Engine {
     }
 }
 
-/// The GEMMs of one batch size: `y = x W^T` as cuBLASLt sees it, column-major
-/// D (out x B) = op(A) B with A = W stored (in x out), transposed.
+/// How one GEMM of a step runs.
+#[derive(Debug, Clone)]
+pub enum Gemm {
+    /// A cuBLASLt plan: `y = x W^T` as cuBLASLt sees it, column-major D (out x
+    /// B) = op(A) B with A = W stored (in x out), transposed.
+    Lt(MatmulPlan),
+    /// The engine's batch-1 GEMV kernel (`gemv_*` in `kernels.cu`); for the
+    /// gate|up GEMM it also applies SiLU(gate) * up.
+    Gemv,
+}
+
+impl Gemm {
+    /// `lt` (cuBLASLt, with the heuristic's rank of its algorithm) or `gemv`.
+    pub fn describe(&self) -> &'static str {
+        match self {
+            Gemm::Lt(_) => "cublasLt",
+            Gemm::Gemv => "gemv",
+        }
+    }
+}
+
+/// The GEMMs of one batch size.
 #[derive(Debug, Clone)]
 pub struct Plans {
     /// h [B, H] to qkv.
-    pub qkv: MatmulPlan,
+    pub qkv: Gemm,
     /// o [B, Hq D] to x, accumulated (beta 1: the residual).
-    pub o: MatmulPlan,
-    /// h to gate|up.
-    pub gate_up: MatmulPlan,
+    pub o: Gemm,
+    /// h to gate|up (or, with the GEMV, straight to act).
+    pub gate_up: Gemm,
     /// act [B, I] to x, accumulated.
-    pub down: MatmulPlan,
+    pub down: Gemm,
     /// h to logits.
-    pub lm_head: MatmulPlan,
+    pub lm_head: Gemm,
 }
 
 impl Plans {
+    /// `qkv=gemv o=cublasLt ...`: which implementation each GEMM uses.
+    pub fn describe(&self) -> String {
+        format!(
+            "qkv={} o={} gate_up={} down={} lm_head={}",
+            self.qkv.describe(),
+            self.o.describe(),
+            self.gate_up.describe(),
+            self.down.describe(),
+            self.lm_head.describe()
+        )
+    }
+
     /// The plans of batch `b` (cached by the handle: equal problems share one).
     pub fn new(blas: &BlasLt, cfg: &Config, b: usize) -> Result<Plans> {
-        let plan = |out: usize, inp: usize| -> Result<MatmulPlan> {
+        let plan = |out: usize, inp: usize| -> Result<Gemm> {
             let desc =
                 MatmulDesc::new::<bf16, bf16, bf16, bf16>(out, b, inp).transpose_a(Transpose::Yes);
-            blas.plan(&desc).map_err(Error::from)
+            Ok(Gemm::Lt(blas.plan(&desc)?))
         };
         let h = cfg.hidden;
         Ok(Plans {
@@ -149,20 +181,34 @@ pub struct Session<'a> {
     pub capacity: usize,
     tokens: DeviceSliceMut<'a, i64>,
     pos: DeviceSliceMut<'a, i64>,
-    x: DeviceSliceMut<'a, bf16>,
-    h: DeviceSliceMut<'a, bf16>,
-    qkv: DeviceSliceMut<'a, bf16>,
-    q: DeviceSliceMut<'a, bf16>,
-    o: DeviceSliceMut<'a, bf16>,
-    gu: DeviceSliceMut<'a, bf16>,
-    act: DeviceSliceMut<'a, bf16>,
-    logits: DeviceSliceMut<'a, bf16>,
+    acts: Acts<'a>,
     part_o: DeviceSliceMut<'a, f32>,
     part_ml: DeviceSliceMut<'a, f32>,
     cos: DeviceSliceMut<'a, bf16>,
     sin: DeviceSliceMut<'a, bf16>,
     kv: Vec<(DeviceSliceMut<'a, bf16>, DeviceSliceMut<'a, bf16>)>,
     buckets: Vec<Bucket>,
+}
+
+/// A step's activations, [B, ...] rows of bf16.
+#[derive(Debug)]
+struct Acts<'a> {
+    /// The residual stream [B, H].
+    x: DeviceSliceMut<'a, bf16>,
+    /// A normed input [B, H].
+    h: DeviceSliceMut<'a, bf16>,
+    /// [B, (Hq + 2 Hkv) D].
+    qkv: DeviceSliceMut<'a, bf16>,
+    /// Rotated queries [B, Hq, D].
+    q: DeviceSliceMut<'a, bf16>,
+    /// Attention output [B, Hq D].
+    o: DeviceSliceMut<'a, bf16>,
+    /// Gate and up [B, 2 I].
+    gu: DeviceSliceMut<'a, bf16>,
+    /// SiLU(gate) * up [B, I].
+    act: DeviceSliceMut<'a, bf16>,
+    /// [B, V].
+    logits: DeviceSliceMut<'a, bf16>,
 }
 
 /// The views a session takes, in order: (bytes of one element, elements).
@@ -280,14 +326,16 @@ impl<'a> Session<'a> {
             capacity,
             tokens: arena.take(max_batch)?,
             pos: arena.take(1)?,
-            x: arena.take(max_batch * cfg.hidden)?,
-            h: arena.take(max_batch * cfg.hidden)?,
-            qkv: arena.take(max_batch * cfg.qkv_rows())?,
-            q: arena.take(max_batch * cfg.heads * d)?,
-            o: arena.take(max_batch * cfg.heads * d)?,
-            gu: arena.take(max_batch * 2 * cfg.ffn)?,
-            act: arena.take(max_batch * cfg.ffn)?,
-            logits: arena.take(max_batch * cfg.vocab)?,
+            acts: Acts {
+                x: arena.take(max_batch * cfg.hidden)?,
+                h: arena.take(max_batch * cfg.hidden)?,
+                qkv: arena.take(max_batch * cfg.qkv_rows())?,
+                q: arena.take(max_batch * cfg.heads * d)?,
+                o: arena.take(max_batch * cfg.heads * d)?,
+                gu: arena.take(max_batch * 2 * cfg.ffn)?,
+                act: arena.take(max_batch * cfg.ffn)?,
+                logits: arena.take(max_batch * cfg.vocab)?,
+            },
             part_o: arena.take(parts * d)?,
             part_ml: arena.take(parts * 2)?,
             cos: arena.take(capacity * d)?,
@@ -327,7 +375,7 @@ impl<'a> Session<'a> {
         let (cfg, w, s) = (&e.cfg, &e.weights, &e.stream);
         let mut plans = Plans::new(&e.blas, cfg, b)?;
         // Inputs of random values, not whatever the arena held (zeros run faster).
-        for (i, v) in [&mut self.h, &mut self.o, &mut self.act]
+        for (i, v) in [&mut self.acts.h, &mut self.acts.o, &mut self.acts.act]
             .into_iter()
             .enumerate()
         {
@@ -344,75 +392,49 @@ impl<'a> Session<'a> {
         for (op, out, inp) in shapes {
             let desc =
                 MatmulDesc::new::<bf16, bf16, bf16, bf16>(out, b, inp).transpose_a(Transpose::Yes);
-            let candidates = e.blas.plan_candidates(&desc, 8)?;
-            let mut best: Option<(f32, MatmulPlan)> = None;
-            for plan in candidates {
+            let mut candidates: Vec<Gemm> = e
+                .blas
+                .plan_candidates(&desc, 8)?
+                .into_iter()
+                .map(Gemm::Lt)
+                .collect();
+            if b == 1 && inp <= crate::kernels::GEMV_MAX_K {
+                candidates.push(Gemm::Gemv);
+            }
+            let silu = silu_config(cfg, b)?;
+            let mut best: Option<(f32, Gemm)> = None;
+            for g in candidates {
                 let run = |sess: &mut Session<'a>| -> metrale_runtime::Result<()> {
-                    let none = MatmulExtras::new;
-                    match op {
-                        Op::Qkv => {
-                            for lw in &w.layers {
-                                plan.matmul_in_place(
+                    let k = &e.kernels;
+                    let a = &mut sess.acts;
+                    // Residual GEMMs run with beta 1 as in a step: x drifts, and
+                    // every step writes x first (from the embedding).
+                    for lw in &w.layers {
+                        match op {
+                            Op::Qkv => {
+                                run_gemm(s, k, &g, &lw.wqkv, &a.h, &mut a.qkv, out, inp, false)?
+                            }
+                            Op::O => run_gemm(s, k, &g, &lw.wo, &a.o, &mut a.x, out, inp, true)?,
+                            Op::GateUp => {
+                                run_gate_up(s, k, &g, &lw.w_gate_up, a, cfg.ffn, inp, silu)?
+                            }
+                            Op::Down => {
+                                run_gemm(s, k, &g, &lw.w_down, &a.act, &mut a.x, out, inp, true)?
+                            }
+                            _ => {
+                                return run_gemm(
                                     s,
-                                    1.0,
-                                    &lw.wqkv,
-                                    &sess.h,
-                                    0.0,
-                                    &mut sess.qkv,
-                                    none(),
-                                )?;
+                                    k,
+                                    &g,
+                                    w.lm_head(),
+                                    &a.h,
+                                    &mut a.logits,
+                                    out,
+                                    inp,
+                                    false,
+                                )
                             }
                         }
-                        // Residual GEMMs with beta 0: x is overwritten (every step
-                        // writes x first, from the embedding).
-                        Op::O => {
-                            for lw in &w.layers {
-                                plan.matmul_in_place(
-                                    s,
-                                    1.0,
-                                    &lw.wo,
-                                    &sess.o,
-                                    0.0,
-                                    &mut sess.x,
-                                    none(),
-                                )?;
-                            }
-                        }
-                        Op::GateUp => {
-                            for lw in &w.layers {
-                                plan.matmul_in_place(
-                                    s,
-                                    1.0,
-                                    &lw.w_gate_up,
-                                    &sess.h,
-                                    0.0,
-                                    &mut sess.gu,
-                                    none(),
-                                )?;
-                            }
-                        }
-                        Op::Down => {
-                            for lw in &w.layers {
-                                plan.matmul_in_place(
-                                    s,
-                                    1.0,
-                                    &lw.w_down,
-                                    &sess.act,
-                                    0.0,
-                                    &mut sess.x,
-                                    none(),
-                                )?;
-                            }
-                        }
-                        _ => plan.matmul_in_place(
-                            s,
-                            1.0,
-                            w.lm_head(),
-                            &sess.h,
-                            0.0,
-                            &mut sess.logits,
-                            none(),
-                        )?,
                     }
                     Ok(())
                 };
@@ -429,16 +451,16 @@ impl<'a> Session<'a> {
                 t1.synchronize()?;
                 let ms = t0.elapsed_ms(&t1)?;
                 if best.as_ref().is_none_or(|(b, _)| ms < *b) {
-                    best = Some((ms, plan));
+                    best = Some((ms, g));
                 }
             }
-            if let Some((_, plan)) = best {
+            if let Some((_, g)) = best {
                 match op {
-                    Op::Qkv => plans.qkv = plan,
-                    Op::O => plans.o = plan,
-                    Op::GateUp => plans.gate_up = plan,
-                    Op::Down => plans.down = plan,
-                    _ => plans.lm_head = plan,
+                    Op::Qkv => plans.qkv = g,
+                    Op::O => plans.o = g,
+                    Op::GateUp => plans.gate_up = g,
+                    Op::Down => plans.down = g,
+                    _ => plans.lm_head = g,
                 }
             }
         }
@@ -448,6 +470,14 @@ impl<'a> Session<'a> {
     /// The bucket sizes, ascending.
     pub fn bucket_sizes(&self) -> Vec<usize> {
         self.buckets.iter().map(|b| b.batch).collect()
+    }
+
+    /// The GEMMs of bucket `batch` (after tuning).
+    pub fn plans(&self, batch: usize) -> Option<&Plans> {
+        self.buckets
+            .iter()
+            .find(|b| b.batch == batch)
+            .map(|b| &b.plans)
     }
 
     /// The attention split of bucket `batch`.
@@ -516,7 +546,7 @@ impl<'a> Session<'a> {
         Ok(self
             .engine
             .stream
-            .to_vec(&self.logits.slice(..batch.min(self.max_batch) * v)?)?)
+            .to_vec(&self.acts.logits.slice(..batch.min(self.max_batch) * v)?)?)
     }
 
     /// One decode step of bucket `batch` on the engine's stream: embedding
@@ -569,7 +599,7 @@ impl<'a> Session<'a> {
             self.capacity as i32,
         );
         let scale = 1.0 / (cfg.head_dim as f32).sqrt();
-        let none = MatmulExtras::new;
+        let (nqkv, nq) = (cfg.qkv_rows(), cfg.heads * cfg.head_dim);
         // Every launch below relies on this: the kernel's C signature is the one
         // its field in `Kernels` documents; each pointer is a session view or a
         // weight sized for the session's max batch, capacity and the model, and
@@ -583,8 +613,8 @@ impl<'a> Session<'a> {
                     &self.tokens,
                     &w.embed,
                     &w.layers[0].attn_norm,
-                    &mut self.x,
-                    &mut self.h,
+                    &mut self.acts.x,
+                    &mut self.acts.h,
                     hid,
                     eps,
                     cfg.vocab as i32,
@@ -601,14 +631,23 @@ impl<'a> Session<'a> {
                     s.launch(
                         &k.rmsnorm,
                         bk.rows,
-                        (&self.x, &lw.attn_norm, &mut self.h, hid, eps),
+                        (&self.acts.x, &lw.attn_norm, &mut self.acts.h, hid, eps),
                     )?
                 };
                 probe.after(s, Op::AttnNorm)?;
             }
-            bk.plans
-                .qkv
-                .matmul_in_place(s, 1.0, &lw.wqkv, &self.h, 0.0, &mut self.qkv, none())?;
+            let a = &mut self.acts;
+            run_gemm(
+                s,
+                k,
+                &bk.plans.qkv,
+                &lw.wqkv,
+                &a.h,
+                &mut a.qkv,
+                nqkv,
+                cfg.hidden,
+                false,
+            )?;
             probe.after(s, Op::Qkv)?;
             let (kc, vc) = &mut self.kv[l];
             // SAFETY: as above; slot pos of each cache row is written.
@@ -617,11 +656,11 @@ impl<'a> Session<'a> {
                     &k.rope_append,
                     bk.rows,
                     (
-                        &self.qkv,
+                        &self.acts.qkv,
                         &self.pos,
                         &self.cos,
                         &self.sin,
-                        &mut self.q,
+                        &mut self.acts.q,
                         &mut *kc,
                         &mut *vc,
                         hq,
@@ -635,7 +674,7 @@ impl<'a> Session<'a> {
                     &k.attention,
                     bk.attention,
                     (
-                        &self.q,
+                        &self.acts.q,
                         &*kc,
                         &*vc,
                         &self.pos,
@@ -654,53 +693,57 @@ impl<'a> Session<'a> {
                     (
                         &self.part_o,
                         &self.part_ml,
-                        &mut self.o,
+                        &mut self.acts.o,
                         bk.split.nsplit as i32,
                         d,
                     ),
                 )?;
                 probe.after(s, Op::Combine)?;
             }
-            bk.plans
-                .o
-                .matmul_in_place(s, 1.0, &lw.wo, &self.o, 1.0, &mut self.x, none())?;
+            let a = &mut self.acts;
+            run_gemm(
+                s,
+                k,
+                &bk.plans.o,
+                &lw.wo,
+                &a.o,
+                &mut a.x,
+                cfg.hidden,
+                nq,
+                true,
+            )?;
             probe.after(s, Op::O)?;
             // SAFETY: as above.
             unsafe {
                 s.launch(
                     &k.rmsnorm,
                     bk.rows,
-                    (&self.x, &lw.ffn_norm, &mut self.h, hid, eps),
+                    (&self.acts.x, &lw.ffn_norm, &mut self.acts.h, hid, eps),
                 )?
             };
             probe.after(s, Op::FfnNorm)?;
-            bk.plans.gate_up.matmul_in_place(
+            run_gate_up(
                 s,
-                1.0,
+                k,
+                &bk.plans.gate_up,
                 &lw.w_gate_up,
-                &self.h,
-                0.0,
-                &mut self.gu,
-                none(),
+                &mut self.acts,
+                cfg.ffn,
+                cfg.hidden,
+                bk.silu,
             )?;
             probe.after(s, Op::GateUp)?;
-            // SAFETY: as above.
-            unsafe {
-                s.launch(
-                    &k.silu_mul,
-                    bk.silu,
-                    (&self.gu, &mut self.act, cfg.ffn as i32),
-                )?
-            };
-            probe.after(s, Op::Silu)?;
-            bk.plans.down.matmul_in_place(
+            let a = &mut self.acts;
+            run_gemm(
                 s,
-                1.0,
+                k,
+                &bk.plans.down,
                 &lw.w_down,
-                &self.act,
-                1.0,
-                &mut self.x,
-                none(),
+                &a.act,
+                &mut a.x,
+                cfg.hidden,
+                cfg.ffn,
+                true,
             )?;
             probe.after(s, Op::Down)?;
         }
@@ -709,18 +752,21 @@ impl<'a> Session<'a> {
             s.launch(
                 &k.rmsnorm,
                 bk.rows,
-                (&self.x, &w.final_norm, &mut self.h, hid, eps),
+                (&self.acts.x, &w.final_norm, &mut self.acts.h, hid, eps),
             )?
         };
         probe.after(s, Op::FinalNorm)?;
-        bk.plans.lm_head.matmul_in_place(
+        let a = &mut self.acts;
+        run_gemm(
             s,
-            1.0,
+            k,
+            &bk.plans.lm_head,
             w.lm_head(),
-            &self.h,
-            0.0,
-            &mut self.logits,
-            none(),
+            &a.h,
+            &mut a.logits,
+            cfg.vocab,
+            cfg.hidden,
+            false,
         )?;
         probe.after(s, Op::LmHead)?;
         // SAFETY: as above; one thread of row 0 advances pos after every reader.
@@ -729,7 +775,7 @@ impl<'a> Session<'a> {
                 &k.argmax,
                 bk.argmax,
                 (
-                    &self.logits,
+                    &self.acts.logits,
                     &mut self.tokens,
                     &mut self.pos,
                     cfg.vocab as i32,
@@ -822,6 +868,91 @@ impl Probe for NoProbe {
     }
 }
 
+/// `y = x W^T` for the first rows of x (`y += ...` when `residual`), W
+/// [n, k], with the GEMM `g` chose.
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn run_gemm(
+    s: &CudaStream,
+    kernels: &Kernels,
+    g: &Gemm,
+    w: &DeviceBuffer<bf16>,
+    x: &DeviceSliceMut<'_, bf16>,
+    y: &mut DeviceSliceMut<'_, bf16>,
+    n: usize,
+    k: usize,
+    residual: bool,
+) -> metrale_runtime::Result<()> {
+    match g {
+        Gemm::Lt(p) => {
+            let beta = if residual { 1.0 } else { 0.0 };
+            p.matmul_in_place(s, 1.0, w, x, beta, y, MatmulExtras::new())
+        }
+        Gemm::Gemv => {
+            let f = if residual {
+                &kernels.gemv_residual
+            } else {
+                &kernels.gemv_store
+            };
+            let cfg = LaunchConfig::new(
+                (n.div_ceil(GEMV_ROWS) as u32, 1, 1),
+                (32 * GEMV_ROWS as u32, 1, 1),
+                0,
+            )?;
+            // SAFETY: gemv_*(const bf16* W, const bf16* x, bf16* y, int N, int K)
+            // reads W [N, K] and x [K], writes y [N]: W is n x k, x holds at
+            // least k elements and y at least n (row 0 of a batch of one).
+            unsafe { s.launch(f, cfg, (w, x, y, n as i32, k as i32)) }
+        }
+    }
+}
+
+/// gate|up then SiLU(gate) * up into `a.act`: one GEMV, or a GEMM into `a.gu`
+/// and the `silu_mul` kernel (`silu`: its shape for the batch).
+#[allow(clippy::too_many_arguments)]
+#[inline]
+fn run_gate_up(
+    s: &CudaStream,
+    kernels: &Kernels,
+    g: &Gemm,
+    w: &DeviceBuffer<bf16>,
+    a: &mut Acts<'_>,
+    ffn: usize,
+    hidden: usize,
+    silu: LaunchConfig,
+) -> metrale_runtime::Result<()> {
+    match g {
+        Gemm::Gemv => {
+            let cfg = LaunchConfig::new(
+                (ffn.div_ceil(GEMV_ROWS) as u32, 1, 1),
+                (32 * GEMV_ROWS as u32, 1, 1),
+                0,
+            )?;
+            // SAFETY: gemv_silu reads W [2N, K] and x [K], writes y [N]: the
+            // gate|up weight is 2 ffn x hidden, h holds hidden, act ffn.
+            unsafe {
+                s.launch(
+                    &kernels.gemv_silu,
+                    cfg,
+                    (w, &a.h, &mut a.act, ffn as i32, hidden as i32),
+                )
+            }
+        }
+        Gemm::Lt(p) => {
+            p.matmul_in_place(s, 1.0, w, &a.h, 0.0, &mut a.gu, MatmulExtras::new())?;
+            // SAFETY: silu_mul(const bf16* gu, bf16* act, int I) over the
+            // batch's rows of gu [B, 2I] and act [B, I].
+            unsafe { s.launch(&kernels.silu_mul, silu, (&a.gu, &mut a.act, ffn as i32)) }
+        }
+    }
+}
+
+/// The `silu_mul` shape of a batch.
+fn silu_config(cfg: &Config, b: usize) -> metrale_runtime::Result<LaunchConfig> {
+    let i8 = (cfg.ffn / 8) as u32;
+    LaunchConfig::new((i8.div_ceil(256), b as u32, 1), (256, 1, 1), 0)
+}
+
 /// bf16 values from their bits.
 fn bits(v: &[u16]) -> Vec<bf16> {
     v.iter().map(|&b| bf16::from_bits(b)).collect()
@@ -842,7 +973,6 @@ fn bucket(engine: &Engine, b: usize, capacity: usize) -> Result<Bucket> {
     let split = Split::choose(b, cfg.kv_heads, capacity, engine.sms);
     let b32 =
         u32::try_from(b).map_err(|_| Error::Invalid(format!("batch {b} does not fit 32 bits")))?;
-    let i8 = (cfg.ffn / 8) as u32;
     Ok(Bucket {
         batch: b,
         split,
@@ -859,6 +989,6 @@ fn bucket(engine: &Engine, b: usize, capacity: usize) -> Result<Bucket> {
             (cfg.head_dim as u32, 1, 1),
             0,
         )?,
-        silu: LaunchConfig::new((i8.div_ceil(256), b32, 1), (256, 1, 1), 0)?,
+        silu: silu_config(cfg, b)?,
     })
 }
