@@ -124,6 +124,7 @@ fn main() -> ExitCode {
             .chain(batch::children())
             .chain(review3::children())
             .chain(review5::children())
+            .chain(arena::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -25,11 +25,13 @@
 //!
 //! `mod.rs` owns [`CudaContext`] and [`context`]; `init.rs` the driver's
 //! initialisation and device facts; `release.rs` generations and the release rule;
-//! `waits.rs` the pending waits on mapped words; `guard.rs` [`ContextGuard`].
+//! `waits.rs` the pending waits on mapped words; `guard.rs` [`ContextGuard`];
+//! `user_object.rs` a graph's hold on a value through a CUDA user object.
 
 mod guard;
 mod init;
 mod release;
+mod user_object;
 mod waits;
 
 use std::collections::HashMap;
