@@ -170,10 +170,16 @@ impl CudaGraphExec {
     /// # Safety
     /// Everything the graph's work touches (the buffers its kernels, copies and
     /// fills were captured or updated with, host memory of captured copies) must be
-    /// alive and valid until the replay finishes.
+    /// alive and valid until the replay finishes. What metrale holds for the
+    /// replay (host functions, a capture arena) it keeps alive itself: through
+    /// user objects the driver holds for the replay in flight (one
+    /// `cuGraphLaunch`), or on drivers without them a host function queued
+    /// after the replay.
     ///
     /// # Errors
-    /// [`ErrorKind::WrongDevice`]; `cuGraphLaunch`'s status.
+    /// [`ErrorKind::WrongDevice`]; `InvalidArgument` on a stream being
+    /// captured when the graph holds anything for its replays; `cuGraphLaunch`'s
+    /// status.
     #[inline]
     pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
