@@ -34,8 +34,10 @@
  *    capturing stream it becomes a graph node instead; replaying an executable
  *    graph records each kernel node as a launch;
  *  - user objects: a graph (also one being captured) and each executable graph
- *    made from it hold references; the destructor runs, under the lock, when
- *    the last goes (fakecuda_user_objects counts the live ones).
+ *    made from it hold references (an update replaces the executable's with
+ *    the new graph's), and so does a replay that waits behind jobs of its
+ *    stream until they ran; the destructor runs, under the lock, when the last
+ *    goes (fakecuda_user_objects counts the live ones).
  *
  * Failure control (through the fakecuda_* exports): make a named call return a
  * status from its Nth call on, for K calls or for ever; switch to "shut down",
