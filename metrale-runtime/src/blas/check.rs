@@ -155,8 +155,8 @@ pub(crate) fn check(
         ));
     }
     for (i, o) in ops.iter().enumerate() {
-        let op = format!("operand {}", OPERANDS[i]);
         let l = p.layouts[i];
+        // The operand's name is only written on a refusal (this runs per call).
         check_operand(
             ctx,
             o,
@@ -164,7 +164,12 @@ pub(crate) fn check(
             l.required_len().unwrap_or(u64::MAX),
             p.alignment,
         )
-        .map_err(|r| refuse(&op, format!("{r} (layout {l})")))?;
+        .map_err(|r| {
+            refuse(
+                &format!("operand {}", OPERANDS[i]),
+                format!("{r} (layout {l})"),
+            )
+        })?;
     }
     let [a, b, c, d] = *ops;
     let d_len = p.layouts[3].required_len().unwrap_or(u64::MAX);
@@ -222,15 +227,16 @@ pub(crate) fn check(
         p.c_scale.then_some(1),
         p.d_scale.then_some(1),
     ];
+    // The scale's name is only written on a refusal (this runs per call).
+    let what = |i: usize| format!("{}'s scale", OPERANDS[i]);
     for i in 0..4 {
-        let what = format!("{}'s scale", OPERANDS[i]);
         match (wanted[i], extras.scales[i]) {
             (Some(len), Some(o)) => {
-                check_operand(ctx, &o, DataType::F32, len, 4).map_err(|r| refuse(&what, r))?
+                check_operand(ctx, &o, DataType::F32, len, 4).map_err(|r| refuse(&what(i), r))?
             }
             (Some(len), None) => {
                 return Err(refuse(
-                    &what,
+                    &what(i),
                     format!(
                         "the plan scales {} and needs {len} f32 on the device",
                         OPERANDS[i]
@@ -239,7 +245,7 @@ pub(crate) fn check(
             }
             (None, Some(_)) => {
                 return Err(refuse(
-                    &what,
+                    &what(i),
                     if i == 3 && !p.types[3].is_fp8() {
                         format!(
                             "a D scale is only for an FP8 output, and D is {}",
