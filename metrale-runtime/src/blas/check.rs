@@ -157,13 +157,7 @@ pub(crate) fn check(
     for (i, o) in ops.iter().enumerate() {
         let l = p.layouts[i];
         // The operand's name is only written on a refusal (this runs per call).
-        check_operand(
-            ctx,
-            o,
-            p.types[i],
-            l.required_len().unwrap_or(u64::MAX),
-            p.alignment,
-        )
+        check_operand(ctx, o, p.types[i], p.lens[i], p.alignment)
         .map_err(|r| {
             refuse(
                 &format!("operand {}", OPERANDS[i]),
@@ -172,9 +166,9 @@ pub(crate) fn check(
         })?;
     }
     let [a, b, c, d] = *ops;
-    let d_len = p.layouts[3].required_len().unwrap_or(u64::MAX);
+    let d_len = p.lens[3];
     for (i, o) in [a, b].iter().enumerate() {
-        let len = p.layouts[i].required_len().unwrap_or(u64::MAX);
+        let len = p.lens[i];
         if overlaps(o, len, &d, d_len) {
             return Err(refuse(
                 "operand D",
@@ -189,7 +183,7 @@ pub(crate) fn check(
             ));
         }
     }
-    let c_len = p.layouts[2].required_len().unwrap_or(u64::MAX);
+    let c_len = p.lens[2];
     if overlaps(&c, c_len, &d, d_len) && !(c.ptr == d.ptr && p.layouts[2] == p.layouts[3]) {
         return Err(refuse(
             "operand D",

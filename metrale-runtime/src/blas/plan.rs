@@ -76,6 +76,9 @@ pub struct Problem {
     pub(crate) workspace_limit: Option<usize>,
     pub(crate) alignment: usize,
     pub(crate) reduction: Reduction,
+    /// The elements each operand's layout needs (`required_len`, checked to
+    /// fit when the problem was made): computed once, read by every call.
+    pub(crate) lens: [u64; 4],
 }
 
 /// The operands' names, in the order of [`Problem::layouts`].
@@ -352,6 +355,7 @@ impl MatmulDesc {
             workspace_limit: self.workspace_limit,
             alignment: a,
             reduction: self.reduction,
+            lens: layouts.map(|l| l.required_len().unwrap_or(u64::MAX)),
         })
     }
 
