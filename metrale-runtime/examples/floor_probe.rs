@@ -21,7 +21,8 @@
 //! update `raw_node`, `node` (`set_kernel_params`); with feature `nccl`, the
 //! 8-byte all-reduce `raw_nccl`, `nccl` (`all_reduce_in_place`); with feature
 //! `cublas`, a planned 16^3 f32 GEMM `raw_matmul` (`cublasLtMatmul` with the
-//! plan's algorithm, own descriptors), `matmul` (`MatmulPlan::matmul`); `none`
+//! plan's algorithm, own descriptors), `matmul` (`MatmulPlan::matmul`), a 16^3
+//! f32 `raw_gemm` (`cublasGemmEx`, own handle), `gemm` (`Blas::gemm_ex`); `none`
 //! (setup only). Without `METRALE_LIBCUDA_PATH` (`METRALE_LIBNCCL_PATH`,
 //! `METRALE_LIBCUBLASLT_PATH`) it loads the stand-in driver (NCCL, cuBLASLt).
 
@@ -43,6 +44,12 @@ fn main() -> metrale_runtime::Result<()> {
         std::env::set_var(
             "METRALE_LIBNCCL_PATH",
             metrale_fakecuda::nccl_library_path(),
+        );
+    }
+    if std::env::var_os("METRALE_LIBCUBLAS_PATH").is_none() {
+        std::env::set_var(
+            "METRALE_LIBCUBLAS_PATH",
+            metrale_fakecuda::blas_library_path(),
         );
     }
     if std::env::var_os("METRALE_LIBCUBLASLT_PATH").is_none() {
@@ -146,6 +153,8 @@ fn main() -> metrale_runtime::Result<()> {
         "raw_nccl" | "nccl" => nccl(mode, n, s)?,
         #[cfg(feature = "cublas")]
         "raw_matmul" | "matmul" => matmul(mode, n, s)?,
+        #[cfg(feature = "cublas")]
+        "raw_gemm" | "gemm" => gemm(mode, n, s)?,
         "sizes" => println!(
             "TensorMap {} bytes, Result<TensorMap> {} bytes",
             std::mem::size_of::<TensorMap<'_, f32>>(),
@@ -334,6 +343,87 @@ fn matmul(mode: &str, n: usize, s: &CudaStream) -> metrale_runtime::Result<()> {
         } else {
             black_box(
                 plan.matmul(s, black_box(1.0), &a, &b, black_box(0.0), &c, &mut d)
+                    .is_ok(),
+            );
+        }
+    }
+    s.synchronize()
+}
+
+/// A 16^3 f32 GEMM, `n` times: `Blas::gemm_ex`, or a raw `cublasGemmEx` on a
+/// handle of its own on the same stream.
+#[cfg(feature = "cublas")]
+fn gemm(mode: &str, n: usize, s: &CudaStream) -> metrale_runtime::Result<()> {
+    use metrale_runtime::blas::{Blas, ComputeType, GemmShape};
+    use metrale_runtime::sys::cublas::{
+        self as raw, cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t,
+    };
+    const M: usize = 16;
+    let plain = Blas::new(s)?;
+    let shape = GemmShape::new(M as u32, M as u32, M as u32);
+    let a = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let b = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let mut c = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let Ok(lib) = raw::cublas() else {
+        return Ok(());
+    };
+    let (Ok(create), Ok(set_stream), Ok(f)) = (
+        lib.cublasCreate_v2(),
+        lib.cublasSetStream_v2(),
+        lib.cublasGemmEx(),
+    ) else {
+        return Ok(());
+    };
+    let mut h = std::ptr::null_mut();
+    // SAFETY: writes one handle, then points it at a live stream.
+    unsafe {
+        black_box(create(&mut h));
+        black_box(set_stream(h, s.raw().cast()));
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let p = |x: u64| x as usize as *mut c_void;
+    // Once before counting: the stream's workspace is made by the first call.
+    plain.gemm_ex(s, &shape, 1.0, &a, &b, 0.0, &mut c, ComputeType::F32)?;
+    let m = M as i32;
+    for _ in 0..n {
+        if mode == "raw_gemm" {
+            // SAFETY: 16x16 f32 buffers, a live handle on this stream.
+            black_box(unsafe {
+                f(
+                    h,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    m,
+                    m,
+                    std::ptr::from_ref(&alpha).cast(),
+                    p(a.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    p(b.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    std::ptr::from_ref(&beta).cast(),
+                    p(c.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            });
+        } else {
+            black_box(
+                plain
+                    .gemm_ex(
+                        s,
+                        &shape,
+                        black_box(1.0),
+                        &a,
+                        &b,
+                        0.0,
+                        &mut c,
+                        ComputeType::F32,
+                    )
                     .is_ok(),
             );
         }

@@ -157,8 +157,7 @@ pub(crate) fn check(
     for (i, o) in ops.iter().enumerate() {
         let l = p.layouts[i];
         // The operand's name is only written on a refusal (this runs per call).
-        check_operand(ctx, o, p.types[i], p.lens[i], p.alignment)
-        .map_err(|r| {
+        check_operand(ctx, o, p.types[i], p.lens[i], p.alignment).map_err(|r| {
             refuse(
                 &format!("operand {}", OPERANDS[i]),
                 format!("{r} (layout {l})"),

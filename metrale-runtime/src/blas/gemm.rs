@@ -433,7 +433,7 @@ impl Blas {
     ) -> Result<()> {
         let inner = &*self.inner;
         let p = shape
-            .problem([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
+            .problem_cached([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
             .map_err(|r| refused(call, self.subject(), r))?;
         if !shape.fits_the_api() {
             return Err(refused(
