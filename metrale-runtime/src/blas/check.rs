@@ -62,6 +62,9 @@ impl<'a> Operand<'a> {
 pub struct MatmulExtras<'a> {
     pub(crate) bias: Option<Operand<'a>>,
     pub(crate) scales: [Option<Operand<'a>>; 4],
+    /// Whether any extra was given (so a call without any skips them in one
+    /// test).
+    pub(crate) any: bool,
 }
 
 impl<'a> MatmulExtras<'a> {
@@ -72,6 +75,9 @@ impl<'a> MatmulExtras<'a> {
 
     /// Note a use on `stream` of every extra given (after [`check`]).
     pub(crate) fn note_uses(&self, stream: &CudaStream) -> Result<()> {
+        if !self.any {
+            return Ok(());
+        }
         for o in self.bias.iter().chain(self.scales.iter().flatten()) {
             o.note_use(stream)?;
         }
@@ -82,6 +88,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn bias<T: BlasElement>(mut self, bias: &'a impl DeviceMemory<T>) -> MatmulExtras<'a> {
         self.bias = Some(Operand::of(bias));
+        self.any = true;
         self
     }
 
@@ -89,6 +96,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn a_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[0] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -96,6 +104,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn b_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[1] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -103,6 +112,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn c_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[2] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -110,6 +120,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn d_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[3] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 }
@@ -189,6 +200,19 @@ pub(crate) fn check(
             "D overlaps C without being C (the same address and layout)".into(),
         ));
     }
+    if p.extras || extras.any {
+        check_extras(p, ctx, extras, &refuse)?;
+    }
+    Ok(())
+}
+
+/// The bias and FP8 scales of a call against those its problem asks for.
+fn check_extras(
+    p: &Problem,
+    ctx: &Arc<CudaContext>,
+    extras: &MatmulExtras<'_>,
+    refuse: &impl Fn(&str, String) -> crate::error::MetraleError,
+) -> Result<()> {
     // The epilogue's bias.
     match (p.bias_len(), extras.bias) {
         (Some(len), Some(o)) => {
