@@ -5,8 +5,8 @@
 //! difference is the instructions of one call (the setup cancels out):
 //!
 //! ```text
-//! cargo build --release --features nccl --example floor_probe
-//! for m in raw_replace replace set; do
+//! cargo build --release --features nccl,cublas --example floor_probe
+//! for m in raw_replace replace set raw_matmul matmul raw_gemm gemm; do
 //!   for n in 1000 2000; do
 //!     valgrind --tool=callgrind --callgrind-out-file=/dev/null \
 //!       target/release/examples/floor_probe $m $n 2>&1 | grep refs
