@@ -242,6 +242,12 @@ impl CudaGraphExec {
     /// topology (typically a new capture of the same step with other arguments):
     /// `cuGraphExecUpdate_v2`.
     ///
+    /// What `graph` holds for its replays is held by the executable from then
+    /// on: the driver replaces the user-object references it held for the
+    /// executable with `graph`'s (replays in flight keep the old ones until
+    /// they have run); what rides with host functions (drivers without user
+    /// objects) is added to what the executable already holds.
+    ///
     /// # Errors
     /// [`ErrorKind::GraphUpdate`] with the driver's reason in words (topology
     /// changed, a kernel's function changed, ...) and the node it blamed;
