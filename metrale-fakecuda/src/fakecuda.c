@@ -34,8 +34,10 @@
  *    capturing stream it becomes a graph node instead; replaying an executable
  *    graph records each kernel node as a launch;
  *  - user objects: a graph (also one being captured) and each executable graph
- *    made from it hold references; the destructor runs, under the lock, when
- *    the last goes (fakecuda_user_objects counts the live ones).
+ *    made from it hold references (an update replaces the executable's with
+ *    the new graph's), and so does a replay that waits behind jobs of its
+ *    stream until they ran; the destructor runs, under the lock, when the last
+ *    goes (fakecuda_user_objects counts the live ones).
  *
  * Failure control (through the fakecuda_* exports): make a named call return a
  * status from its Nth call on, for K calls or for ever; switch to "shut down",
@@ -446,7 +448,7 @@ struct event {
     int cap_ntails;
 };
 enum { NODE_KERNEL = 0, NODE_HOST = 3, NODE_EMPTY = 5, NODE_MEM_OP = 12, NODE_CONDITIONAL = 13 };
-enum { JOB_HOST = 1, JOB_WAIT_VALUE, JOB_WRITE_VALUE, JOB_WAIT_JOB, JOB_CALLBACK };
+enum { JOB_HOST = 1, JOB_WAIT_VALUE, JOB_WRITE_VALUE, JOB_WAIT_JOB, JOB_CALLBACK, JOB_UOBJ_RELEASE };
 struct job {
     int type;
     void (*fn)(void *);
@@ -475,9 +477,10 @@ struct node {
 #define MAX_EDGES 512
 #define MAX_GRAPH_UOBJS 16
 /* A user object: a pointer and its destructor, run when the last reference
- * (the creator's, a graph's, an executable graph's) goes. Destructors run
- * under the lock, on the releasing thread (CUDA runs them on a thread of its
- * own; CU_USER_OBJECT_NO_DESTRUCTOR_SYNC is required either way): they must
+ * (the creator's, a graph's, an executable graph's, a replay's in flight)
+ * goes. Destructors run under the lock, on the releasing thread (a stream's
+ * worker for a replay's references; CUDA runs them on a thread of its own;
+ * CU_USER_OBJECT_NO_DESTRUCTOR_SYNC is required either way): they must
  * not call back into the driver. */
 struct uobj {
     int magic;
@@ -494,6 +497,16 @@ static void uobj_release(struct uobj *u, long n) {
     if (u->destroy) u->destroy(u->ptr);
     free(u);
     uobjs_live--;
+}
+/* References a replay in flight holds: the executable's user objects and
+ * the count held on each (freed with the list). */
+struct uobj_ref {
+    struct uobj *u;
+    unsigned refs;
+};
+static void release_uobj_list(struct uobj_ref *list, int n) {
+    for (int i = 0; i < n; i++) uobj_release(list[i].u, list[i].refs);
+    free(list);
 }
 struct graph {
     struct ctx *ctx;
@@ -580,6 +593,11 @@ static void *worker_main(void *arg) {
             break;
         case JOB_WAIT_JOB:
             while (j->on->done < j->ticket) pthread_cond_wait(&progress, &lock);
+            break;
+        case JOB_UOBJ_RELEASE:
+            /* A replay has run: the references it held go (data: a copy of
+             * its executable's user objects and counts, `value` of them). */
+            release_uobj_list(j->data, (int)j->value);
             break;
         }
         st->head = j->next;
@@ -3098,6 +3116,24 @@ static CUresult do_graph_launch(void *exec, void *stream) {
             if (r) return r;
         }
     }
+    /* A replay that waits behind jobs of the stream (its own host nodes, or
+     * host functions queued before it) is in flight until they ran: it holds
+     * the executable's user objects until then, as CUDA's launches do. */
+    struct stream *st = job_stream(stream);
+    if (e->g->nuobj && st->head) {
+        struct uobj_ref *held = malloc(sizeof *held * (size_t)e->g->nuobj);
+        if (!held) return OUT_OF_MEMORY;
+        for (int i = 0; i < e->g->nuobj; i++) {
+            held[i] = (struct uobj_ref){e->g->uobj[i], e->g->uobj_refs[i]};
+            e->g->uobj[i]->refs += e->g->uobj_refs[i];
+        }
+        struct job release = {.type = JOB_UOBJ_RELEASE, .data = held, .value = (unsigned long long)e->g->nuobj};
+        r = enqueue(stream, &release);
+        if (r) {
+            release_uobj_list(held, e->g->nuobj);
+            return r;
+        }
+    }
     return SUCCESS;
 }
 EXPORT CUresult cuGraphLaunch(void *exec, void *stream) { LOCKED(do_graph_launch(exec, stream)); }
@@ -3142,6 +3178,16 @@ static CUresult do_exec_update(void *exec, void *graph, struct update_info *info
         *e->g->nodes[i] = *g->nodes[i];
         e->g->nodes[i]->body = NULL;
     }
+    /* The new graph's user-object references are cloned and replace the
+     * executable's (replays in flight keep their own until they ran). The
+     * new ones are taken first, so an object in both never reaches zero. */
+    for (int i = 0; i < g->nuobj; i++) g->uobj[i]->refs += g->uobj_refs[i];
+    for (int i = 0; i < e->g->nuobj; i++) uobj_release(e->g->uobj[i], e->g->uobj_refs[i]);
+    for (int i = 0; i < g->nuobj; i++) {
+        e->g->uobj[i] = g->uobj[i];
+        e->g->uobj_refs[i] = g->uobj_refs[i];
+    }
+    e->g->nuobj = g->nuobj;
     return SUCCESS;
 }
 EXPORT CUresult cuGraphExecUpdate_v2(void *exec, void *graph, struct update_info *info) {

@@ -453,7 +453,7 @@ impl Fake {
     }
 
     /// Live user objects (`cuUserObjectCreate`, not yet released by every
-    /// holder: their creator, graphs, executable graphs).
+    /// holder: their creator, graphs, executable graphs, replays in flight).
     pub fn user_objects(&self) -> i64 {
         let n: c_long = call!(
             self,

@@ -5,8 +5,8 @@
 //! difference is the instructions of one call (the setup cancels out):
 //!
 //! ```text
-//! cargo build --release --features nccl --example floor_probe
-//! for m in raw_replace replace set; do
+//! cargo build --release --features nccl,cublas --example floor_probe
+//! for m in raw_replace replace set raw_matmul matmul raw_gemm gemm; do
 //!   for n in 1000 2000; do
 //!     valgrind --tool=callgrind --callgrind-out-file=/dev/null \
 //!       target/release/examples/floor_probe $m $n 2>&1 | grep refs
@@ -19,9 +19,12 @@
 //! (`replace_address`), `set` (`set_address`); stream-ordered allocations
 //! `raw_alloc`, `alloc` (a 1 MiB `stream.alloc` dropped at once); the per-node
 //! update `raw_node`, `node` (`set_kernel_params`); with feature `nccl`, the
-//! 8-byte all-reduce `raw_nccl`, `nccl` (`all_reduce_in_place`); `none` (setup
-//! only). Without `METRALE_LIBCUDA_PATH` (`METRALE_LIBNCCL_PATH`) it loads the
-//! stand-in driver (NCCL).
+//! 8-byte all-reduce `raw_nccl`, `nccl` (`all_reduce_in_place`); with feature
+//! `cublas`, a planned 16^3 f32 GEMM `raw_matmul` (`cublasLtMatmul` with the
+//! plan's algorithm, own descriptors), `matmul` (`MatmulPlan::matmul`), a 16^3
+//! f32 `raw_gemm` (`cublasGemmEx`, own handle), `gemm` (`Blas::gemm_ex`); `none`
+//! (setup only). Without `METRALE_LIBCUDA_PATH` (`METRALE_LIBNCCL_PATH`,
+//! `METRALE_LIBCUBLASLT_PATH`) it loads the stand-in driver (NCCL, cuBLASLt).
 
 use std::ffi::c_void;
 use std::hint::black_box;
@@ -41,6 +44,18 @@ fn main() -> metrale_runtime::Result<()> {
         std::env::set_var(
             "METRALE_LIBNCCL_PATH",
             metrale_fakecuda::nccl_library_path(),
+        );
+    }
+    if std::env::var_os("METRALE_LIBCUBLAS_PATH").is_none() {
+        std::env::set_var(
+            "METRALE_LIBCUBLAS_PATH",
+            metrale_fakecuda::blas_library_path(),
+        );
+    }
+    if std::env::var_os("METRALE_LIBCUBLASLT_PATH").is_none() {
+        std::env::set_var(
+            "METRALE_LIBCUBLASLT_PATH",
+            metrale_fakecuda::blas_library_path(),
         );
     }
     let args: Vec<String> = std::env::args().collect();
@@ -136,6 +151,10 @@ fn main() -> metrale_runtime::Result<()> {
         "raw_node" | "node" => node(mode, n, s)?,
         #[cfg(feature = "nccl")]
         "raw_nccl" | "nccl" => nccl(mode, n, s)?,
+        #[cfg(feature = "cublas")]
+        "raw_matmul" | "matmul" => matmul(mode, n, s)?,
+        #[cfg(feature = "cublas")]
+        "raw_gemm" | "gemm" => gemm(mode, n, s)?,
         "sizes" => println!(
             "TensorMap {} bytes, Result<TensorMap> {} bytes",
             std::mem::size_of::<TensorMap<'_, f32>>(),
@@ -247,6 +266,170 @@ fn nccl(mode: &str, n: usize, s: &CudaStream) -> metrale_runtime::Result<()> {
         } else {
             black_box(
                 comm.all_reduce_in_place(&mut small, ReduceOp::Sum, s)
+                    .is_ok(),
+            );
+        }
+    }
+    s.synchronize()
+}
+
+/// A planned 16^3 f32 GEMM, `n` times: `MatmulPlan::matmul`, or a raw
+/// `cublasLtMatmul` with the plan's algorithm on descriptors of its own.
+#[cfg(feature = "cublas")]
+fn matmul(mode: &str, n: usize, s: &CudaStream) -> metrale_runtime::Result<()> {
+    use metrale_runtime::blas::{BlasLt, MatmulDesc};
+    use metrale_runtime::sys::cublas::{self as raw, cublasComputeType_t, CUstream_st};
+    const M: usize = 16;
+    let lt = BlasLt::new(s)?;
+    let plan = lt.plan(&MatmulDesc::new::<f32, f32, f32, f32>(M, M, M))?;
+    let a = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let b = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let c = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let mut d = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let ws = DeviceBuffer::<u8>::alloc(s, 1 << 20)?;
+    let Ok(lib) = raw::cublas_lt() else {
+        return Ok(());
+    };
+    let (Ok(create), Ok(layout), Ok(f)) = (
+        lib.cublasLtMatmulDescCreate(),
+        lib.cublasLtMatrixLayoutCreate(),
+        lib.cublasLtMatmul(),
+    ) else {
+        return Ok(());
+    };
+    let mut desc = std::ptr::null_mut();
+    let mut layouts = [std::ptr::null_mut(); 4];
+    // SAFETY: plain descriptor and layout creation (column-major, f32).
+    unsafe {
+        black_box(create(
+            &mut desc,
+            cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            raw::cudaDataType::CUDA_R_32F,
+        ));
+        for l in &mut layouts {
+            black_box(layout(
+                l,
+                raw::cudaDataType::CUDA_R_32F,
+                M as u64,
+                M as u64,
+                M as i64,
+            ));
+        }
+    }
+    let algo = *plan.algo();
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let p = |x: u64| x as usize as *mut c_void;
+    // Once before counting: the stream's workspace is made by the first call.
+    plan.matmul(s, 1.0, &a, &b, 0.0, &c, &mut d)?;
+    for _ in 0..n {
+        if mode == "raw_matmul" {
+            let [la, lb, lc, ld] = layouts;
+            // SAFETY: buffers of the descriptors' sizes, the plan's algorithm,
+            // a live handle, workspace and stream.
+            black_box(unsafe {
+                f(
+                    lt.raw(),
+                    desc,
+                    std::ptr::from_ref(&alpha).cast(),
+                    p(a.device_ptr()),
+                    la,
+                    p(b.device_ptr()),
+                    lb,
+                    std::ptr::from_ref(&beta).cast(),
+                    p(c.device_ptr()),
+                    lc,
+                    p(d.device_ptr()),
+                    ld,
+                    &algo,
+                    p(ws.device_ptr()),
+                    1 << 20,
+                    s.raw().cast::<CUstream_st>(),
+                )
+            });
+        } else {
+            black_box(
+                plan.matmul(s, black_box(1.0), &a, &b, black_box(0.0), &c, &mut d)
+                    .is_ok(),
+            );
+        }
+    }
+    s.synchronize()
+}
+
+/// A 16^3 f32 GEMM, `n` times: `Blas::gemm_ex`, or a raw `cublasGemmEx` on a
+/// handle of its own on the same stream.
+#[cfg(feature = "cublas")]
+fn gemm(mode: &str, n: usize, s: &CudaStream) -> metrale_runtime::Result<()> {
+    use metrale_runtime::blas::{Blas, ComputeType, GemmShape};
+    use metrale_runtime::sys::cublas::{
+        self as raw, cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t,
+    };
+    const M: usize = 16;
+    let plain = Blas::new(s)?;
+    let shape = GemmShape::new(M, M, M);
+    let a = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let b = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let mut c = DeviceBuffer::<f32>::zeroed(s, M * M)?;
+    let Ok(lib) = raw::cublas() else {
+        return Ok(());
+    };
+    let (Ok(create), Ok(set_stream), Ok(f)) = (
+        lib.cublasCreate_v2(),
+        lib.cublasSetStream_v2(),
+        lib.cublasGemmEx(),
+    ) else {
+        return Ok(());
+    };
+    let mut h = std::ptr::null_mut();
+    // SAFETY: writes one handle, then points it at a live stream.
+    unsafe {
+        black_box(create(&mut h));
+        black_box(set_stream(h, s.raw().cast()));
+    }
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    let p = |x: u64| x as usize as *mut c_void;
+    // Once before counting: the stream's workspace is made by the first call.
+    plain.gemm_ex(s, &shape, 1.0, &a, &b, 0.0, &mut c, ComputeType::F32)?;
+    let m = M as i32;
+    for _ in 0..n {
+        if mode == "raw_gemm" {
+            // SAFETY: 16x16 f32 buffers, a live handle on this stream.
+            black_box(unsafe {
+                f(
+                    h,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    cublasOperation_t::CUBLAS_OP_N,
+                    m,
+                    m,
+                    m,
+                    std::ptr::from_ref(&alpha).cast(),
+                    p(a.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    p(b.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    std::ptr::from_ref(&beta).cast(),
+                    p(c.device_ptr()),
+                    raw::cudaDataType::CUDA_R_32F,
+                    m,
+                    cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+            });
+        } else {
+            black_box(
+                plain
+                    .gemm_ex(
+                        s,
+                        &shape,
+                        black_box(1.0),
+                        &a,
+                        &b,
+                        0.0,
+                        &mut c,
+                        ComputeType::F32,
+                    )
                     .is_ok(),
             );
         }

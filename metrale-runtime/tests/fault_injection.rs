@@ -128,6 +128,7 @@ fn main() -> ExitCode {
             .chain(review3::children())
             .chain(review5::children())
             .chain(round5::children())
+            .chain(arena::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

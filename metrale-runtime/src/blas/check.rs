@@ -62,6 +62,9 @@ impl<'a> Operand<'a> {
 pub struct MatmulExtras<'a> {
     pub(crate) bias: Option<Operand<'a>>,
     pub(crate) scales: [Option<Operand<'a>>; 4],
+    /// Whether any extra was given (so a call without any skips them in one
+    /// test).
+    pub(crate) any: bool,
 }
 
 impl<'a> MatmulExtras<'a> {
@@ -72,6 +75,9 @@ impl<'a> MatmulExtras<'a> {
 
     /// Note a use on `stream` of every extra given (after [`check`]).
     pub(crate) fn note_uses(&self, stream: &CudaStream) -> Result<()> {
+        if !self.any {
+            return Ok(());
+        }
         for o in self.bias.iter().chain(self.scales.iter().flatten()) {
             o.note_use(stream)?;
         }
@@ -82,6 +88,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn bias<T: BlasElement>(mut self, bias: &'a impl DeviceMemory<T>) -> MatmulExtras<'a> {
         self.bias = Some(Operand::of(bias));
+        self.any = true;
         self
     }
 
@@ -89,6 +96,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn a_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[0] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -96,6 +104,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn b_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[1] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -103,6 +112,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn c_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[2] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 
@@ -110,6 +120,7 @@ impl<'a> MatmulExtras<'a> {
     #[must_use]
     pub fn d_scale(mut self, s: &'a impl DeviceMemory<f32>) -> MatmulExtras<'a> {
         self.scales[3] = Some(Operand::of(s));
+        self.any = true;
         self
     }
 }
@@ -155,21 +166,19 @@ pub(crate) fn check(
         ));
     }
     for (i, o) in ops.iter().enumerate() {
-        let op = format!("operand {}", OPERANDS[i]);
         let l = p.layouts[i];
-        check_operand(
-            ctx,
-            o,
-            p.types[i],
-            l.required_len().unwrap_or(u64::MAX),
-            p.alignment,
-        )
-        .map_err(|r| refuse(&op, format!("{r} (layout {l})")))?;
+        // The operand's name is only written on a refusal (this runs per call).
+        check_operand(ctx, o, p.types[i], p.lens[i], p.alignment).map_err(|r| {
+            refuse(
+                &format!("operand {}", OPERANDS[i]),
+                format!("{r} (layout {l})"),
+            )
+        })?;
     }
     let [a, b, c, d] = *ops;
-    let d_len = p.layouts[3].required_len().unwrap_or(u64::MAX);
+    let d_len = p.lens[3];
     for (i, o) in [a, b].iter().enumerate() {
-        let len = p.layouts[i].required_len().unwrap_or(u64::MAX);
+        let len = p.lens[i];
         if overlaps(o, len, &d, d_len) {
             return Err(refuse(
                 "operand D",
@@ -184,13 +193,26 @@ pub(crate) fn check(
             ));
         }
     }
-    let c_len = p.layouts[2].required_len().unwrap_or(u64::MAX);
+    let c_len = p.lens[2];
     if overlaps(&c, c_len, &d, d_len) && !(c.ptr == d.ptr && p.layouts[2] == p.layouts[3]) {
         return Err(refuse(
             "operand D",
             "D overlaps C without being C (the same address and layout)".into(),
         ));
     }
+    if p.extras || extras.any {
+        check_extras(p, ctx, extras, &refuse)?;
+    }
+    Ok(())
+}
+
+/// The bias and FP8 scales of a call against those its problem asks for.
+fn check_extras(
+    p: &Problem,
+    ctx: &Arc<CudaContext>,
+    extras: &MatmulExtras<'_>,
+    refuse: &impl Fn(&str, String) -> crate::error::MetraleError,
+) -> Result<()> {
     // The epilogue's bias.
     match (p.bias_len(), extras.bias) {
         (Some(len), Some(o)) => {
@@ -222,15 +244,16 @@ pub(crate) fn check(
         p.c_scale.then_some(1),
         p.d_scale.then_some(1),
     ];
+    // The scale's name is only written on a refusal (this runs per call).
+    let what = |i: usize| format!("{}'s scale", OPERANDS[i]);
     for i in 0..4 {
-        let what = format!("{}'s scale", OPERANDS[i]);
         match (wanted[i], extras.scales[i]) {
             (Some(len), Some(o)) => {
-                check_operand(ctx, &o, DataType::F32, len, 4).map_err(|r| refuse(&what, r))?
+                check_operand(ctx, &o, DataType::F32, len, 4).map_err(|r| refuse(&what(i), r))?
             }
             (Some(len), None) => {
                 return Err(refuse(
-                    &what,
+                    &what(i),
                     format!(
                         "the plan scales {} and needs {len} f32 on the device",
                         OPERANDS[i]
@@ -239,7 +262,7 @@ pub(crate) fn check(
             }
             (None, Some(_)) => {
                 return Err(refuse(
-                    &what,
+                    &what(i),
                     if i == 3 && !p.types[3].is_fp8() {
                         format!(
                             "a D scale is only for an FP8 output, and D is {}",

@@ -436,7 +436,7 @@ impl Blas {
             return Err(refused(call, self.subject(), r));
         }
         let p = shape
-            .problem([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
+            .problem_cached([A::DATA_TYPE, B::DATA_TYPE, C::DATA_TYPE], compute)
             .map_err(|r| refused(call, self.subject(), r))?;
         let cc = Operand::of(&*c);
         let ops = [Operand::of(a), Operand::of(b), cc, cc];

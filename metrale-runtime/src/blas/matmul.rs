@@ -495,7 +495,7 @@ impl MatmulPlan {
             extras.scales[2].map_or(0, |o| o.ptr),
             extras.scales[3].map_or(0, |o| o.ptr),
         ];
-        let needs_pointers = wanted.iter().any(|&p| p != 0);
+        let needs_pointers = extras.any && wanted.iter().any(|&p| p != 0);
         let _guard = if needs_pointers {
             let mut set = inner
                 .pointers

@@ -77,6 +77,11 @@ pub struct Problem {
     pub(crate) workspace_limit: Option<usize>,
     pub(crate) alignment: usize,
     pub(crate) reduction: Reduction,
+    /// The elements each operand's layout needs (`required_len`, checked to
+    /// fit when the problem was made): computed once, read by every call.
+    pub(crate) lens: [u64; 4],
+    /// Whether a call needs extras (an epilogue bias or FP8 scales).
+    pub(crate) extras: bool,
 }
 
 /// The operands' names, in the order of [`Problem::layouts`].
@@ -375,6 +380,11 @@ impl MatmulDesc {
             workspace_limit: self.workspace_limit,
             alignment: a,
             reduction: self.reduction,
+            lens: layouts.map(|l| l.required_len().unwrap_or(u64::MAX)),
+            extras: self.epilogue.has_bias()
+                || self.scales.iter().any(Option::is_some)
+                || self.c_scale
+                || self.d_scale,
         })
     }
 

@@ -175,6 +175,45 @@ impl GemmShape {
         })
     }
 
+    /// [`GemmShape::problem`], remembered: the last few shapes this thread
+    /// checked are kept with their problems (a pure function of the shape,
+    /// the types and the compute type), so a GEMM repeated with one shape,
+    /// as every step of a decode loop does, builds and checks its problem
+    /// once. A refusal is not remembered.
+    pub(crate) fn problem_cached(
+        &self,
+        types: [DataType; 3],
+        compute: ComputeType,
+    ) -> std::result::Result<Problem, String> {
+        type Entry = (GemmShape, [DataType; 3], ComputeType, Problem);
+        /// Entries per thread: a decode step's distinct GEMM shapes.
+        const ENTRIES: usize = 8;
+        thread_local! {
+            static CHECKED: std::cell::RefCell<([Option<Entry>; ENTRIES], usize)> =
+                const { std::cell::RefCell::new(([None; ENTRIES], 0)) };
+        }
+        let key = (*self, types, compute);
+        let hit = CHECKED.with(|c| {
+            let c = c.try_borrow().ok()?;
+            c.0.iter()
+                .flatten()
+                .find(|e| (e.0, e.1, e.2) == key)
+                .map(|e| e.3)
+        });
+        if let Some(p) = hit {
+            return Ok(p);
+        }
+        let p = self.problem(types, compute)?;
+        CHECKED.with(|c| {
+            if let Ok(mut c) = c.try_borrow_mut() {
+                let at = c.1;
+                c.0[at % ENTRIES] = Some((key.0, key.1, key.2, p));
+                c.1 = (at + 1) % ENTRIES;
+            }
+        });
+        Ok(p)
+    }
+
     /// The matmul problem of the same GEMM (C is also D), checked by the
     /// plans' rules.
     pub(crate) fn problem(
@@ -217,5 +256,55 @@ impl GemmShape {
         let largest = types.iter().map(|t| t.size()).max().unwrap_or(1);
         desc = desc.alignment(largest);
         desc.check()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::GemmShape;
+    use crate::blas::{ComputeType, DataType};
+
+    const F32: [DataType; 3] = [DataType::F32; 3];
+
+    #[test]
+    fn remembered_problems_are_the_checked_ones_and_refusals_are_not_kept() {
+        // More shapes than the thread keeps, twice over: each answer is the
+        // one a fresh check gives.
+        for round in 0..2 {
+            for m in 1..=12usize {
+                let shape = GemmShape::new(m, 4, 8);
+                let cached = shape.problem_cached(F32, ComputeType::F32);
+                assert_eq!(
+                    cached,
+                    shape.problem(F32, ComputeType::F32),
+                    "m {m}, round {round}"
+                );
+                let wider = shape.with_ld(m + 3, 8, m + 1);
+                assert_eq!(
+                    wider.problem_cached(F32, ComputeType::F32),
+                    wider.problem(F32, ComputeType::F32)
+                );
+                assert_ne!(cached, wider.problem_cached(F32, ComputeType::F32));
+            }
+        }
+        // A refused shape stays refused; the same shape with a valid ld is
+        // not confused with it.
+        let bad = GemmShape::new(8, 8, 8).with_ld(4, 8, 8);
+        for _ in 0..2 {
+            assert!(bad.problem_cached(F32, ComputeType::F32).is_err());
+        }
+        let good = GemmShape::new(8, 8, 8);
+        assert!(good.problem_cached(F32, ComputeType::F32).is_ok());
+        assert!(bad.problem_cached(F32, ComputeType::F32).is_err());
+        // Other types or compute types are other problems.
+        let f16 = [DataType::F16; 3];
+        assert_eq!(
+            good.problem_cached(f16, ComputeType::F32),
+            good.problem(f16, ComputeType::F32)
+        );
+        assert_ne!(
+            good.problem_cached(f16, ComputeType::F32),
+            good.problem_cached(F32, ComputeType::F32)
+        );
     }
 }

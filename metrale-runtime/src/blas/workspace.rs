@@ -280,30 +280,17 @@ pub(crate) fn keep_for_capture(
 }
 
 /// Move a user object owning a clone of `workspace` into the graph `stream`
-/// is capturing into: `None` when the driver has no user objects, else the
-/// capture (the driver's id) whose graph now holds it (`Some(None)`: the
-/// stream was no longer capturing, nothing held).
+/// is capturing into (`CudaContext::hold_in_graph`): `None` when the driver
+/// has no user objects, else the capture (the driver's id) whose graph now
+/// holds it (`Some(None)`: the stream was no longer capturing, nothing held).
 fn hold_by_user_object(
     stream: &CudaStream,
     workspace: &Arc<Workspace>,
 ) -> Result<Option<Option<u64>>> {
-    use metrale_cuda_sys::{
-        CUgraph, CUstreamCaptureStatus, CUuserObject, CUuserObjectRetain_flags, CUuserObject_flags,
-    };
+    use metrale_cuda_sys::{CUgraph, CUstreamCaptureStatus};
 
-    /// The user object's destructor: the clone goes to the drop-later list.
-    unsafe extern "C" fn release(held: *mut c_void) {
-        // SAFETY: `held` is the box made below for exactly one user object,
-        // whose destructor the driver runs once.
-        let held = unsafe { Box::from_raw(held.cast::<Arc<Workspace>>()) };
-        crate::lifetime::drop_later(held);
-    }
-
-    let d = stream.context().driver();
-    let has = d.cuUserObjectCreate().is_ok()
-        && d.cuGraphRetainUserObject().is_ok()
-        && d.cuUserObjectRelease().is_ok();
-    if !has {
+    let ctx = stream.context();
+    if !ctx.has_user_objects() {
         return Ok(None);
     }
     let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
@@ -331,53 +318,8 @@ fn hold_by_user_object(
         // The capture ended (or was invalidated) meanwhile: nothing to hold.
         return Ok(Some(None));
     }
-    let held = Box::into_raw(Box::new(Arc::clone(workspace))).cast::<c_void>();
-    let mut object: CUuserObject = std::ptr::null_mut();
-    let made = stream.call("making a user object for the workspace", |d, _| {
-        // SAFETY: `release` takes back `held` once, when the object's last
-        // reference goes; the flag is the one the driver requires.
-        unsafe {
-            cu!(
-                d,
-                cuUserObjectCreate(
-                    &mut object,
-                    held,
-                    Some(release),
-                    1,
-                    CUuserObject_flags::CU_USER_OBJECT_NO_DESTRUCTOR_SYNC.0
-                )
-            )
-        }
-    });
-    if let Err(e) = made {
-        // SAFETY: the driver refused the object, so it never received `held`.
-        drop(unsafe { Box::from_raw(held.cast::<Arc<Workspace>>()) });
-        return Err(e);
-    }
-    let moved = stream.call("giving the workspace to the captured graph", |d, _| {
-        // SAFETY: a live user object (our one reference, moved) and the graph
-        // the stream is capturing into.
-        unsafe {
-            cu!(
-                d,
-                cuGraphRetainUserObject(
-                    graph,
-                    object,
-                    1,
-                    CUuserObjectRetain_flags::CU_GRAPH_USER_OBJECT_MOVE.0
-                )
-            )
-        }
-    });
-    if let Err(e) = moved {
-        // Our reference was not moved: releasing it runs the destructor.
-        // SAFETY: the live object made above, released once.
-        let _ = stream.call("releasing a user object", |d, _| unsafe {
-            cu!(d, cuUserObjectRelease(object, 1))
-        });
-        return Err(e);
-    }
-    Ok(Some(Some(id)))
+    let held = ctx.hold_in_graph(graph, Arc::clone(workspace), "a GEMM workspace")?;
+    Ok(held.then_some(Some(id)))
 }
 
 /// Capture a repeatable host function owning a clone of `workspace` (for a

@@ -27,10 +27,12 @@
 //! initialisation and device facts; `release.rs` generations and the release rule;
 //! `waits.rs` the pending waits on mapped words; `guard.rs` [`ContextGuard`];
 //! `version.rs` [`Version`], the one version type of every library.
+//! `user_object.rs` a graph's hold on a value through a CUDA user object.
 
 mod guard;
 mod init;
 mod release;
+mod user_object;
 mod version;
 mod waits;
 

@@ -8,11 +8,15 @@
 //!   capture adds no allocation or free node to the graph, and the same takes
 //!   after a [`CaptureArena::reset`] give the same addresses.
 //! - A graph captured through [`CaptureArena::capture`] holds the arena, and so
-//!   does every executable made from it and every replay in flight (the hold
-//!   rides with the graph's host functions, kept by a host function queued after
-//!   each replay). The memory outlives them all.
+//!   does every executable made from it and every replay in flight: through a
+//!   user object the graph retains (the driver clones it into executables and
+//!   holds it for launches in flight, so a replay is one `cuGraphLaunch`), or on
+//!   a driver without user objects with the graph's host functions, kept by a
+//!   host function queued after each replay. The memory outlives them all.
 //! - `reset` needs `&mut self` (no view is borrowed) and is refused while any such
-//!   graph, executable or replay holds the arena.
+//!   graph, executable or replay holds the arena. It first drops what the
+//!   user objects' destructors handed to the drop-later list, so a reset after
+//!   the holders are dropped and their replays synchronised succeeds.
 //! - Views carry the arena allocation's use record: its free waits for the
 //!   streams of other devices that used them, as any buffer's does.
 
@@ -167,15 +171,22 @@ impl CaptureArena {
     /// Give every byte back, so the next takes start at the base again (the
     /// same addresses as before, for the same takes).
     ///
+    /// Holds through user objects are given back by the driver's destructors,
+    /// which hand them to the drop-later list; `reset` empties that list
+    /// first (as a synchronisation does). A driver that runs a destructor
+    /// later than the synchronisation after the last replay makes `reset`
+    /// refuse until it has run: try again then.
+    ///
     /// # Errors
     /// `InvalidArgument` while a graph captured with it, an executable made from
     /// one, or a replay in flight still holds it (they use its addresses).
     pub fn reset(&mut self) -> Result<()> {
+        crate::lifetime::drain();
         let holders = Arc::strong_count(&self.keep) - 1;
         if holders > 0 {
             return Err(invalid_arg(format!(
-                "capture arena {:#x} on device {}: {holders} graph(s), executable(s) or \
-                 replay(s) in flight made with it still use its addresses; drop them (and \
+                "capture arena {:#x} on device {}: {holders} hold(s) of graphs, executables or \
+                 replays in flight made with it still use its addresses; drop them (and \
                  let their replays finish) before reset",
                 self.memory.buffer.device_ptr(),
                 self.memory.buffer.context().ordinal()

@@ -202,7 +202,7 @@ impl CudaStream {
         // succeeded, under the lock: that capture is the one it ended). The
         // entries the graph holds go whatever their tag.
         let id = id.or(over.filter(|&noted| noted != 0));
-        crate::stream::release_captured_host_fns_of(id, &graph.host_fns);
+        crate::stream::release_captured_host_fns_of(id, &graph.held_addresses());
         drop(locked);
         drop(ending);
         if id.is_none() && over.is_some() {

@@ -73,6 +73,7 @@ impl CudaGraph {
             source_alive: Arc::downgrade(&self.alive),
             keep,
             host_fns: Arc::new(self.host_fns.clone()),
+            holds: self.holds_any(),
         })
     }
 }
@@ -113,8 +114,14 @@ pub struct CudaGraphExec {
     /// Whether that graph (which owns the nodes) still exists.
     pub(super) source_alive: std::sync::Weak<()>,
     pub(super) keep: Vec<Arc<KernelTable>>,
-    /// The host functions its host nodes run; each replay in flight holds them too.
+    /// What its replays use that the driver does not hold for it (host
+    /// functions and holds of graphs on a driver without user objects): a
+    /// host function queued after each replay holds them too.
     pub(super) host_fns: Arc<Vec<HostKeep>>,
+    /// Whether it holds anything for its replays, through user objects (the
+    /// driver's references, cloned from its graphs) or `host_fns`: its
+    /// replays are refused inside a capture.
+    pub(super) holds: bool,
 }
 
 // SAFETY: the handle is written once and used by one thread at a time. The driver
@@ -163,33 +170,47 @@ impl CudaGraphExec {
     /// # Safety
     /// Everything the graph's work touches (the buffers its kernels, copies and
     /// fills were captured or updated with, host memory of captured copies) must be
-    /// alive and valid until the replay finishes. That includes the NCCL
-    /// registrations and windows its collectives were captured through: a
+    /// alive and valid until the replay finishes. What metrale holds for the
+    /// replay (host functions, a capture arena) it keeps alive itself: through
+    /// user objects the driver holds for the replay in flight (one
+    /// `cuGraphLaunch`), or on drivers without them a host function queued
+    /// after the replay.
+    /// What it cannot hold includes the NCCL registrations and windows its collectives were captured through: a
     /// `Registration` or `Window` borrows its buffer and communicator, so the
     /// graph cannot hold it, and one dropped after the capture deregisters
     /// what the captured collective may still use: keep each such guard alive
     /// until the replays that use it have finished.
     ///
     /// # Errors
-    /// [`ErrorKind::WrongDevice`]; `cuGraphLaunch`'s status.
+    /// [`ErrorKind::WrongDevice`]; `InvalidArgument` on a stream being
+    /// captured when the graph holds anything for its replays; `cuGraphLaunch`'s
+    /// status.
     #[inline]
     pub unsafe fn launch(&self, stream: &CudaStream) -> Result<()> {
         self.check_stream(stream)?;
         let (g, s) = (self.raw, stream.raw());
-        if self.host_fns.is_empty() {
+        if !self.holds {
             // SAFETY: a live executable graph and a stream of its context; the
             // rest is the caller's contract.
             return self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) });
         }
-        // The replay's host nodes may run after this graph is dropped: a host
-        // function queued right after the replay, on this stream, holds them
-        // until it has run. One section covers the refusal in a capture, the
-        // launch and that keeper, so no capture can begin between them and take
-        // the keeper away from the stream.
+        // What the replay uses may be needed after this executable is dropped.
+        // Held through user objects, the driver keeps it for the replay in
+        // flight, and the launch is all. Otherwise a host function queued right
+        // after the replay, on this stream, holds it until it has run. One
+        // section covers the refusal in a capture (a graph captured around the
+        // replay would hold neither), the launch and that keeper, so no capture
+        // can begin between them and take the keeper away from the stream.
         let section = stream.section();
-        stream.refuse_if_capturing(&section, "replaying a graph with host functions")?;
+        stream.refuse_if_capturing(
+            &section,
+            "replaying a graph that holds host functions or memory",
+        )?;
         // SAFETY: as above.
         self.call("launch", |d| unsafe { cu!(d, cuGraphLaunch(g, s)) })?;
+        if self.host_fns.is_empty() {
+            return Ok(());
+        }
         let held = Arc::clone(&self.host_fns);
         let keeper = Arc::clone(&held);
         let kept = stream.launch_host_fn_in(&section, move || drop(keeper));
@@ -226,6 +247,12 @@ impl CudaGraphExec {
     /// topology (typically a new capture of the same step with other arguments):
     /// `cuGraphExecUpdate_v2`.
     ///
+    /// What `graph` holds for its replays is held by the executable from then
+    /// on: the driver replaces the user-object references it held for the
+    /// executable with `graph`'s (replays in flight keep the old ones until
+    /// they have run); what rides with host functions (drivers without user
+    /// objects) is added to what the executable already holds.
+    ///
     /// # Errors
     /// [`ErrorKind::GraphUpdate`] with the driver's reason in words (topology
     /// changed, a kernel's function changed, ...) and the node it blamed;
@@ -252,6 +279,11 @@ impl CudaGraphExec {
                         self.keep.push(Arc::clone(table));
                     }
                 }
+                // The driver replaced the references it held for this
+                // executable with the graph's (those of replays in flight stay
+                // until they ran); what the graph holds through host
+                // functions is added to ours.
+                self.holds |= graph.holds_any();
                 let new: Vec<&HostKeep> = graph
                     .host_fns
                     .iter()
@@ -395,5 +427,11 @@ impl Drop for CudaGraphExec {
                 }
             },
         );
+        if self.holds {
+            // A user object's destructor the destroy ran handed its value to
+            // the drop-later list: drop it now rather than at the next
+            // synchronisation.
+            crate::lifetime::drain();
+        }
     }
 }

@@ -90,12 +90,17 @@ pub struct CudaGraph {
     /// taking one of its nodes.
     pub(super) alive: Arc<()>,
     pub(super) keep: KeepAlive,
-    /// What its replays must keep alive: the repeatable host functions its
-    /// host nodes run (captured through `launch_host_fn_repeat`), and holds
-    /// such as a capture arena's memory (see [`CudaGraph::hold`]). Executables
-    /// take them, and a host function queued after each replay holds them
-    /// until the replay has run.
+    /// What its replays must keep alive (the repeatable host functions its
+    /// host nodes run, captured through `launch_host_fn_repeat`, and holds
+    /// such as a capture arena's memory, see [`CudaGraph::hold`]) that the
+    /// driver does not hold for it (no user objects): executables take them,
+    /// and a host function queued after each replay holds them until the
+    /// replay has run.
     pub(super) host_fns: Vec<HostKeep>,
+    /// The addresses of what it holds through user objects instead (for
+    /// identity only): the driver keeps those for the graph, its executables
+    /// and their launches in flight, so a replay queues nothing more.
+    pub(super) held_by_driver: Vec<usize>,
 }
 
 // SAFETY: the handle is written once and the graph is used by one thread at a time:
@@ -137,6 +142,7 @@ impl CudaGraph {
             alive: Arc::new(()),
             keep: Arc::default(),
             host_fns: Vec::new(),
+            held_by_driver: Vec::new(),
         }
     }
 
@@ -172,27 +178,57 @@ impl CudaGraph {
                     unsafe { cu!(d, cuGraphHostNodeGetParams(n, &mut p)) }
                 })?;
                 if let Some(f) = take_captured_host_fn(p.userData) {
-                    if !self.host_fns.iter().any(|k| Arc::ptr_eq(k, &f)) {
-                        self.host_fns.push(f);
-                    }
+                    self.hold(&f);
                 }
             }
         }
         Ok(())
     }
 
-    /// Keep `value` alive as long as this graph, every executable made from it
-    /// and every replay in flight (it rides with the graph's host functions).
-    /// The last hold may go inside the host function after a replay: `value`
-    /// is then dropped later, outside any host function (its Drop may call the
+    /// Keep `keep` (and what it owns) alive as long as this graph, every
+    /// executable made from it and every replay in flight.
+    ///
+    /// With user objects (CUDA 11.3+) the graph holds it through one
+    /// ([`CudaContext::hold_in_graph`]): the driver clones the reference into
+    /// every executable instantiated or updated from the graph and holds it
+    /// for their launches in flight, so a replay is one `cuGraphLaunch`.
+    /// Without them (or when the driver refuses one) it rides with the graph's
+    /// host functions, held by a host function queued after each replay. The
+    /// last hold may go on a driver thread or inside a host function: the
+    /// value is then dropped later, outside both (its Drop may call the
     /// driver).
     ///
-    /// `keep` comes from [`CudaGraph::holder`]; one keeper held twice (by this
-    /// graph, or by an executable updated from graphs holding it) counts once.
+    /// `keep` comes from [`CudaGraph::holder`] (or is a captured host
+    /// function); one keeper held twice by a graph counts once.
     pub(crate) fn hold(&mut self, keep: &HostKeep) {
-        if !self.host_fns.iter().any(|k| Arc::ptr_eq(k, keep)) {
-            self.host_fns.push(Arc::clone(keep));
+        let at = Arc::as_ptr(keep) as usize;
+        if self.held_by_driver.contains(&at) || self.host_fns.iter().any(|k| Arc::ptr_eq(k, keep)) {
+            return;
         }
+        // A refusal is not an error of the caller's: the host-function
+        // keeper holds it as soundly, at the cost of a host node per replay.
+        match self
+            .ctx
+            .hold_in_graph(self.raw, Arc::clone(keep), "what its replays use")
+        {
+            Ok(true) => self.held_by_driver.push(at),
+            Ok(false) | Err(_) => self.host_fns.push(Arc::clone(keep)),
+        }
+    }
+
+    /// Whether the graph holds anything for its replays (its executables'
+    /// replays are then refused inside a capture).
+    pub(super) fn holds_any(&self) -> bool {
+        !self.host_fns.is_empty() || !self.held_by_driver.is_empty()
+    }
+
+    /// The addresses of every keeper the graph holds, however held.
+    pub(super) fn held_addresses(&self) -> Vec<usize> {
+        self.host_fns
+            .iter()
+            .map(|k| Arc::as_ptr(k) as usize)
+            .chain(self.held_by_driver.iter().copied())
+            .collect()
     }
 
     /// The keeper of `value` that graphs hold ([`CudaGraph::hold`]): made once
@@ -224,5 +260,10 @@ impl Drop for CudaGraph {
                 }
             },
         );
+        if !self.held_by_driver.is_empty() {
+            // A destructor the destroy ran handed its value to the drop-later
+            // list: drop it now rather than at the next synchronisation.
+            crate::lifetime::drain();
+        }
     }
 }

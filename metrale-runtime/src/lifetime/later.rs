@@ -196,8 +196,11 @@ pub(crate) fn triage() {
 /// Work off the lists, outside any host function: triage what is watched, drop
 /// what host functions left in [`drop_later`], then retry deferred releases.
 /// Called by [`CudaContext::synchronize`](crate::CudaContext::synchronize),
-/// [`CudaStream::synchronize`](crate::CudaStream::synchronize) and
-/// [`MappedWords::new`](crate::MappedWords::new).
+/// [`CudaStream::synchronize`](crate::CudaStream::synchronize),
+/// [`MappedWords::new`](crate::MappedWords::new),
+/// [`CaptureArena::reset`](crate::CaptureArena::reset) and the drops of graphs
+/// and executable graphs that held values through user objects (whose
+/// destructors hand them here).
 pub(crate) fn drain() {
     triage();
     if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {

@@ -40,8 +40,11 @@
 //!      idleness can tell that the work passed (a wait whose host function
 //!      could not be queued); [`triage`] finishes it then;
 //!    - [`drop_later`] when the last handle goes inside a host function
-//!      ([`in_host_function`]), where the driver may not be called
-//!      ([`HeldOutsideHostFns`] does this for a graph's holds).
+//!      ([`in_host_function`]) or a user object's destructor (a driver
+//!      thread), where the driver may not be called ([`HeldOutsideHostFns`]
+//!      does this for a graph's holds riding with host functions,
+//!      `CudaContext::hold_in_graph`'s destructor for those held by user
+//!      objects).
 //! 3. **Never call the driver on a host function's thread.** Every call goes
 //!    through `cu!`, which refuses there; a Drop on that thread leaks with one
 //!    line on stderr or goes to [`drop_later`].
@@ -56,7 +59,12 @@
 //!    the driver's capture id, pushed and queued under [`capture_keeps`]' lock)
 //!    until that capture's end releases its own ([`release_capture_keeps`]),
 //!    and then by the graph and its executables; a graph holds what its replays
-//!    use (`graph/`: `keep`, `hold`, through [`HeldOutsideHostFns`]).
+//!    use (`graph/`: `keep`, `hold`): through a CUDA user object the graph
+//!    retains (`CudaContext::hold_in_graph`: the driver clones it into the
+//!    executables and keeps it for launches in flight, so a replay queues
+//!    nothing more), or, on a driver without user objects, with its host
+//!    functions through [`HeldOutsideHostFns`], kept by a host function queued
+//!    after each replay.
 //! 6. **Report, never silently leak, never panic, never block for ever.** A
 //!    release that cannot be ordered leaks with one line on stderr naming what;
 //!    releases still deferred when the process exits are named in one line
@@ -103,7 +111,17 @@
 //!   `once_host_functions_are_refused_in_a_capture_and_repeatable_ones_replay`;
 //!   `round4.rs` `ending_a_capture_keeps_the_host_function_of_another_capture`;
 //!   `review2.rs` `held_three_captures_release_their_own`; `arena.rs` (a capture
-//!   arena's hold); a captured GEMM's workspace, held before any GEMM of the
+//!   arena's hold); holds through user objects (issue 43): `arena.rs`
+//!   `a_replay_that_holds_an_arena_queues_no_host_function`,
+//!   `an_executable_keeps_the_arena_after_graph_and_handle_go` (and a replay
+//!   in flight after the executable goes),
+//!   `reset_works_once_graphs_and_executables_are_dropped`,
+//!   `a_captured_host_function_is_held_by_the_driver_not_a_keeper`, the
+//!   old-driver fallback `without_user_objects_replays_keep_the_arena_with_a_host_function`
+//!   (with a failed keeper leaking, never freeing); an update replacing the
+//!   executable's references: `review4.rs`
+//!   `held_exec_updated_from_another_arenas_graph_holds_it`; a captured GEMM's
+//!   workspace, held before any GEMM of the
 //!   capture is recorded (two threads on one capturing stream):
 //!   `tests/blas/round5.rs`
 //!   `defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder`,

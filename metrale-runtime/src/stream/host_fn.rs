@@ -66,15 +66,16 @@ pub(crate) fn release_captured_host_fns(capture: u64) {
     release_capture_keeps(|c| c.capture == Some(capture));
 }
 
-/// A capture has ended and its graph took its holds (`graph`): release the
-/// host functions tagged with its id `capture` (when known) and those the
-/// graph holds, whatever their tag (a keep goes into one capture only).
-pub(crate) fn release_captured_host_fns_of(capture: Option<u64>, graph: &[HostKeep]) {
+/// A capture has ended and its graph took its holds (`graph`: the addresses
+/// of the keepers it holds, however held): release the host functions tagged
+/// with its id `capture` (when known) and those the graph holds, whatever
+/// their tag (a keep goes into one capture only).
+pub(crate) fn release_captured_host_fns_of(capture: Option<u64>, graph: &[usize]) {
     release_capture_keeps(|c| {
         (capture.is_some() && c.capture == capture)
             || graph
                 .iter()
-                .any(|k| Arc::as_ptr(k).cast::<()>() == Arc::as_ptr(&c.keep).cast::<()>())
+                .any(|&k| k == Arc::as_ptr(&c.keep).cast::<()>() as usize)
     });
 }
 

@@ -181,7 +181,11 @@ fn held_device_batch_of_another_streams_buffer() {
 
 /// An executable updated from a graph of another arena takes that arena's
 /// hold: the second arena cannot be reset, nor its memory freed, while the
-/// executable (which now runs on its addresses) lives.
+/// executable (which now runs on its addresses) lives. (The update replaces
+/// the driver's references, so the first arena, which the executable no
+/// longer runs on, goes once its own handle does. The failed-keeper case of
+/// this review lives in `arena.rs`, on the old driver, the one path that
+/// still queues keepers.)
 fn held_exec_updated_from_another_arenas_graph_holds_it() {
     let reg = setup();
     let s = reg.stream();
@@ -207,10 +211,11 @@ fn held_exec_updated_from_another_arenas_graph_holds_it() {
     assert!(e.to_string().contains("still use its addresses"), "{e}");
     let live = fake().live(Live::DeviceMemory);
     drop((a, b));
+    s.synchronize().unwrap();
     assert_eq!(
         fake().live(Live::DeviceMemory),
-        live,
-        "both held by the executable"
+        live - 1,
+        "the second arena held by the executable, the first one released by the update"
     );
     // SAFETY: the stand-in records the launch only.
     unsafe { exec.launch(s) }.unwrap();
@@ -218,41 +223,6 @@ fn held_exec_updated_from_another_arenas_graph_holds_it() {
     drop(exec);
     assert_eq!(fake().live(Live::DeviceMemory), live - 2);
     done(reg);
-}
-
-/// The keeper after a replay cannot be queued: the arena memory is leaked
-/// (held), never freed under the queued replay; a reset stays refused.
-fn held_failed_keeper_leaves_the_arena_held() {
-    let reg = setup();
-    let s = reg.stream();
-    let mut arena = CaptureArena::new(s, 1 << 16).unwrap();
-    let exec = {
-        let x = arena.take::<f32>(64).unwrap();
-        let mut y = arena.take::<f32>(64).unwrap();
-        let g = arena
-            .capture(s, |s| queue_add(&reg, s, &x, &mut y, 64))
-            .unwrap();
-        g.instantiate().unwrap()
-    };
-    fake().fail("cuLaunchHostFunc", 1, 1, Some(1));
-    // SAFETY: the stand-in records the launch only.
-    let r = unsafe { exec.launch(s) };
-    s.synchronize().unwrap();
-    drop(exec);
-    assert!(r.is_err(), "the keeper's failure is reported");
-    assert!(
-        arena.reset().is_err(),
-        "a replay that may run holds the arena"
-    );
-    let live = fake().live(Live::DeviceMemory);
-    drop(arena);
-    // Leaked on purpose (the replay is queued, its keeper is not): held.
-    assert_eq!(
-        fake().live(Live::DeviceMemory),
-        live,
-        "never freed under the replay"
-    );
-    drop(reg);
 }
 
 /// Overlapping takes from many threads: disjoint, aligned, inside the arena.
@@ -397,7 +367,7 @@ fn defect_repeated_updates_grow_the_executables_holds_without_bound() {
     s.synchronize().unwrap();
     eprintln!("live after sync {}", fake().live(Live::DeviceMemory));
     assert!(
-        e.contains(" 1 graph(s)"),
+        e.contains(" 1 hold(s)"),
         "one executable alive, yet the arena counts: {e}"
     );
     done(reg);
@@ -491,9 +461,5 @@ pub fn tests() -> Vec<Test> {
             run: defect_batch_with_a_host_end_in_a_host_function_spins_forever,
         },
         // Last: it leaks one allocation on purpose (the stand-in's count).
-        Test {
-            name: "review4::held_failed_keeper_leaves_the_arena_held",
-            run: held_failed_keeper_leaves_the_arena_held,
-        },
     ]
 }
