@@ -260,7 +260,7 @@ impl Config {
             .collect()
     }
 
-    /// The RoPE tables for positions `0..cap`, row-major [cap, D] in the HF
+    /// The RoPE tables for positions `0..cap`, row-major `[cap, D]` in the HF
     /// layout (`cat(freqs, freqs)`): computed in f32, stored as bf16 bits.
     pub fn rope_tables(&self, cap: usize) -> (Vec<u16>, Vec<u16>) {
         let inv = self.inv_freq();

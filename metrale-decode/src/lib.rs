@@ -14,8 +14,8 @@
 //! - [`kernels`]: the CUDA source, its compilation, the attention split;
 //! - [`step`]: the engine, a session (caches, activations, plans), the step,
 //!   its capture;
-//! - [`reference`]: the same step on the host in f32, for the tests;
-//! - [`bench`]: the grid, the table, the JSON rows and the chart;
+//! - [`reference`](mod@reference): the same step on the host in f32, for the tests;
+//! - [`bench`](mod@bench): the grid, the table, the JSON rows and the chart;
 //! - the `metrale-decode` command (`init`, `generate`, `bench`).
 
 pub mod bench;

@@ -35,7 +35,7 @@ pub struct Reference {
     lm_head: Vec<f32>,
     cos: Vec<f32>,
     sin: Vec<f32>,
-    /// Per layer: K and V, [capacity, Hkv, D].
+    /// Per layer: K and V, `[capacity, Hkv, D]`.
     kv: Vec<(Vec<f32>, Vec<f32>)>,
     capacity: usize,
 }

@@ -114,13 +114,13 @@ impl Gemm {
 /// The GEMMs of one batch size.
 #[derive(Debug, Clone)]
 pub struct Plans {
-    /// h [B, H] to qkv.
+    /// h `[B, H]` to qkv.
     pub qkv: Gemm,
-    /// o [B, Hq D] to x, accumulated (beta 1: the residual).
+    /// o `[B, Hq D]` to x, accumulated (beta 1: the residual).
     pub o: Gemm,
     /// h to gate|up (or, with the GEMV, straight to act).
     pub gate_up: Gemm,
-    /// act [B, I] to x, accumulated.
+    /// act `[B, I]` to x, accumulated.
     pub down: Gemm,
     /// h to logits.
     pub lm_head: Gemm,
@@ -193,21 +193,21 @@ pub struct Session<'a> {
 /// A step's activations, [B, ...] rows of bf16.
 #[derive(Debug)]
 struct Acts<'a> {
-    /// The residual stream [B, H].
+    /// The residual stream `[B, H]`.
     x: DeviceSliceMut<'a, bf16>,
-    /// A normed input [B, H].
+    /// A normed input `[B, H]`.
     h: DeviceSliceMut<'a, bf16>,
-    /// [B, (Hq + 2 Hkv) D].
+    /// `[B, (Hq + 2 Hkv) D]`.
     qkv: DeviceSliceMut<'a, bf16>,
-    /// Rotated queries [B, Hq, D].
+    /// Rotated queries `[B, Hq, D]`.
     q: DeviceSliceMut<'a, bf16>,
-    /// Attention output [B, Hq D].
+    /// Attention output `[B, Hq D]`.
     o: DeviceSliceMut<'a, bf16>,
-    /// Gate and up [B, 2 I].
+    /// Gate and up `[B, 2 I]`.
     gu: DeviceSliceMut<'a, bf16>,
-    /// SiLU(gate) * up [B, I].
+    /// SiLU(gate) * up `[B, I]`.
     act: DeviceSliceMut<'a, bf16>,
-    /// [B, V].
+    /// `[B, V]`.
     logits: DeviceSliceMut<'a, bf16>,
 }
 
@@ -539,7 +539,7 @@ impl<'a> Session<'a> {
             .unwrap_or(0))
     }
 
-    /// The last step's logits of the first `batch` sequences, [batch, V]
+    /// The last step's logits of the first `batch` sequences, `[batch, V]`
     /// (waits for the stream).
     pub fn logits(&self, batch: usize) -> Result<Vec<bf16>> {
         let v = self.engine.cfg.vocab;
@@ -869,7 +869,7 @@ impl Probe for NoProbe {
 }
 
 /// `y = x W^T` for the first rows of x (`y += ...` when `residual`), W
-/// [n, k], with the GEMM `g` chose.
+/// `[n, k]`, with the GEMM `g` chose.
 #[allow(clippy::too_many_arguments)]
 #[inline]
 fn run_gemm(

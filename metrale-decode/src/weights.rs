@@ -23,30 +23,30 @@ use crate::kernels::Kernels;
 /// One layer's weights on the device, fused where the step reads them together.
 #[derive(Debug)]
 pub struct LayerWeights {
-    /// `input_layernorm` [H].
+    /// `input_layernorm` `[H]`.
     pub attn_norm: DeviceBuffer<bf16>,
-    /// `q_proj`, `k_proj`, `v_proj` stacked: [(Hq + 2 Hkv) D, H].
+    /// `q_proj`, `k_proj`, `v_proj` stacked: `[(Hq + 2 Hkv) D, H]`.
     pub wqkv: DeviceBuffer<bf16>,
-    /// `o_proj` [H, Hq D].
+    /// `o_proj` `[H, Hq D]`.
     pub wo: DeviceBuffer<bf16>,
-    /// `post_attention_layernorm` [H].
+    /// `post_attention_layernorm` `[H]`.
     pub ffn_norm: DeviceBuffer<bf16>,
-    /// `gate_proj`, `up_proj` stacked: [2 I, H].
+    /// `gate_proj`, `up_proj` stacked: `[2 I, H]`.
     pub w_gate_up: DeviceBuffer<bf16>,
-    /// `down_proj` [H, I].
+    /// `down_proj` `[H, I]`.
     pub w_down: DeviceBuffer<bf16>,
 }
 
 /// Every weight of the model on the device.
 #[derive(Debug)]
 pub struct Weights {
-    /// `embed_tokens` [V, H].
+    /// `embed_tokens` `[V, H]`.
     pub embed: DeviceBuffer<bf16>,
     /// The layers.
     pub layers: Vec<LayerWeights>,
-    /// `norm` [H].
+    /// `norm` `[H]`.
     pub final_norm: DeviceBuffer<bf16>,
-    /// `lm_head` [V, H]; `None` when tied to the embedding.
+    /// `lm_head` `[V, H]`; `None` when tied to the embedding.
     pub lm_head: Option<DeviceBuffer<bf16>>,
 }
 
