@@ -17,6 +17,20 @@ typedef long long i64;
 
 #define INFINITY __int_as_float(0x7f800000)
 
+// Programmatic dependent launch (sm_90+): a step kernel lets the next grid be
+// launched as soon as all of its own blocks run (PDL_TRIGGER), and waits for
+// the grids before it to complete, their writes visible (PDL_WAIT), before it
+// reads or writes anything they touch. Launched without the attribute, both
+// are no-ops. Only reads of the weights (never written by a step) may come
+// before PDL_WAIT.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define PDL_TRIGGER() asm volatile("griddepcontrol.launch_dependents;" ::: "memory")
+#define PDL_WAIT() asm volatile("griddepcontrol.wait;" ::: "memory")
+#else
+#define PDL_TRIGGER()
+#define PDL_WAIT()
+#endif
+
 __device__ __forceinline__ float bf2f(bf16 h) { return __uint_as_float(((unsigned)h) << 16); }
 
 // Round to nearest even; NaN stays NaN (quiet).
@@ -105,6 +119,8 @@ __device__ void rmsnorm_row(const bf16* __restrict__ x, const bf16* __restrict__
 
 extern "C" __global__ void rmsnorm(const bf16* __restrict__ x, const bf16* __restrict__ w,
                                    bf16* __restrict__ h, int H, float eps) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const size_t row = blockIdx.x;
     rmsnorm_row(x + row * H, w, h + row * H, H, eps);
 }
@@ -116,6 +132,8 @@ extern "C" __global__ void embed_rmsnorm(const i64* __restrict__ tokens,
                                          const bf16* __restrict__ embed,
                                          const bf16* __restrict__ w, bf16* __restrict__ x,
                                          bf16* __restrict__ h, int H, float eps, int vocab) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const size_t row = blockIdx.x;
     i64 t = tokens[row];
     if (t < 0 || t >= vocab) t = 0;
@@ -136,6 +154,8 @@ extern "C" __global__ void rope_append(const bf16* __restrict__ qkv, const i64* 
                                        const bf16* __restrict__ sin_t, bf16* __restrict__ q,
                                        bf16* __restrict__ k_cache, bf16* __restrict__ v_cache,
                                        int Hq, int Hkv, int D, int cap) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const int b = blockIdx.x;
     i64 p = pos[0];
     if (p < 0) p = 0;
@@ -193,6 +213,8 @@ __device__ void attn_split(const bf16* __restrict__ q, const bf16* __restrict__ 
     __shared__ float red[NW][G][D];
     __shared__ float stat[G][2];
 
+    PDL_TRIGGER();
+    PDL_WAIT();
     const int split = blockIdx.x, g = blockIdx.y, b = blockIdx.z;
     const int nsplit = gridDim.x;
     const int Hq = Hkv * G;
@@ -350,6 +372,8 @@ ATTN_KERNEL(128, 1) ATTN_KERNEL(128, 2) ATTN_KERNEL(128, 4) ATTN_KERNEL(128, 8)
 extern "C" __global__ void attn_combine(const float* __restrict__ part_o,
                                         const float* __restrict__ part_ml,
                                         bf16* __restrict__ o, int nsplit, int D) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const size_t head = blockIdx.x;  // b * Hq + h
     const float* ml = part_ml + head * nsplit * 2;
     float M = -INFINITY;
@@ -371,6 +395,8 @@ extern "C" __global__ void attn_combine(const float* __restrict__ part_o,
 // of 8. Grid (ceil(I / 8 / blockDim), B).
 
 extern "C" __global__ void silu_mul(const bf16* __restrict__ gu, bf16* __restrict__ act, int I) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const int b = blockIdx.y;
     const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= (I >> 3)) return;
@@ -396,6 +422,8 @@ __device__ __forceinline__ void better(float& v, int& i, float v2, int i2) {
 extern "C" __global__ void __launch_bounds__(1024)
     argmax_rows(const bf16* __restrict__ logits, i64* __restrict__ tokens, i64* __restrict__ pos,
                 int V, int pos_inc) {
+    PDL_TRIGGER();
+    PDL_WAIT();
     const int b = blockIdx.x;
     const bf16* row = logits + (size_t)b * V;
     float best = -INFINITY;
@@ -523,22 +551,35 @@ template <int MODE>
 __device__ void gemv_1(const bf16* __restrict__ W, const bf16* __restrict__ x, bf16* __restrict__ y,
                        int N, int K) {
     __shared__ uint4 xs[GEMV_MAX_K / 8];
+    PDL_TRIGGER();
     const int k8 = K >> 3;
-    for (int i = threadIdx.x; i < k8; i += blockDim.x) xs[i] = ((const uint4*)x)[i];
-    __syncthreads();
     const int lane = threadIdx.x & 31;
     const int row = blockIdx.x * GEMV_WARPS + (threadIdx.x >> 5);
-    if (row >= N) return;
-    const uint4* w0 = (const uint4*)(W + (size_t)row * K);
-    const uint4* w1 = (const uint4*)(W + ((size_t)row + N) * K);
+    const bool live = row < N;
+    const uint4* w0 = (const uint4*)(W + (size_t)(live ? row : 0) * K);
+    const uint4* w1 = (const uint4*)(W + ((size_t)(live ? row : 0) + N) * K);
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+    // The first weights are read before the previous kernel has finished:
+    // they are never written by a step.
+    uint4 a[GEMV_U], b[GEMV_U];
+#pragma unroll
+    for (int u = 0; u < GEMV_U; ++u) {
+        const int j = lane + u * 32;
+        a[u] = live && j < k8 ? __ldcs(w0 + j) : zero;
+        if (MODE == 2) b[u] = live && j < k8 ? __ldcs(w1 + j) : zero;
+    }
+    PDL_WAIT();
+    for (int i = threadIdx.x; i < k8; i += blockDim.x) xs[i] = ((const uint4*)x)[i];
+    __syncthreads();
+    if (!live) return;
     float acc0 = 0.0f, acc1 = 0.0f;
     for (int i = lane; i < k8; i += 32 * GEMV_U) {
-        uint4 a[GEMV_U], b[GEMV_U];
+        uint4 na[GEMV_U], nb[GEMV_U];
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
-            const int j = i + u * 32;
-            a[u] = j < k8 ? __ldcs(w0 + j) : make_uint4(0, 0, 0, 0);
-            if (MODE == 2) b[u] = j < k8 ? __ldcs(w1 + j) : make_uint4(0, 0, 0, 0);
+            const int j = i + 32 * GEMV_U + u * 32;
+            na[u] = j < k8 ? __ldcs(w0 + j) : zero;
+            if (MODE == 2) nb[u] = j < k8 ? __ldcs(w1 + j) : zero;
         }
 #pragma unroll
         for (int u = 0; u < GEMV_U; ++u) {
@@ -548,6 +589,8 @@ __device__ void gemv_1(const bf16* __restrict__ W, const bf16* __restrict__ x, b
                 acc0 += dot8(a[u], xv);
                 if (MODE == 2) acc1 += dot8(b[u], xv);
             }
+            a[u] = na[u];
+            if (MODE == 2) b[u] = nb[u];
         }
     }
     acc0 = warp_sum(acc0);

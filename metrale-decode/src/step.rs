@@ -45,6 +45,11 @@ pub struct Engine {
     /// Whether sessions time the heuristic's algorithms for each GEMM and keep
     /// the fastest (on by default; `METRALE_DECODE_TUNE=0` turns it off).
     pub tune: bool,
+    /// Whether the step's own kernels are launched with programmatic dependent
+    /// launch (compute capability 9.0+; `METRALE_DECODE_PDL=0` turns it off):
+    /// each may be launched while the one before it drains, and waits for it
+    /// in the kernel (`griddepcontrol.wait`) before touching its results.
+    pub pdl: bool,
 }
 
 /// Where the weights come from.
@@ -70,6 +75,8 @@ impl Engine {
         let blas = BlasLt::new(host.ctx())?;
         blas.prepare(&stream)?;
         let sms = host.limits().multiprocessor_count as usize;
+        let pdl = host.limits().compute_capability.0 >= 9
+            && std::env::var("METRALE_DECODE_PDL").map_or(true, |v| v != "0");
         Ok(Engine {
             cfg,
             host,
@@ -79,6 +86,7 @@ impl Engine {
             blas,
             sms,
             tune: std::env::var("METRALE_DECODE_TUNE").map_or(true, |v| v != "0"),
+            pdl,
         })
     }
 
@@ -401,7 +409,7 @@ impl<'a> Session<'a> {
             if b == 1 && inp <= crate::kernels::GEMV_MAX_K {
                 candidates.push(Gemm::Gemv);
             }
-            let silu = silu_config(cfg, b)?;
+            let silu = silu_config(cfg, b)?.with_programmatic_serialization(e.pdl);
             let mut best: Option<(f32, Gemm)> = None;
             for g in candidates {
                 let run = |sess: &mut Session<'a>| -> metrale_runtime::Result<()> {
@@ -411,16 +419,18 @@ impl<'a> Session<'a> {
                     // every step writes x first (from the embedding).
                     for lw in &w.layers {
                         match op {
-                            Op::Qkv => {
-                                run_gemm(s, k, &g, &lw.wqkv, &a.h, &mut a.qkv, out, inp, false)?
+                            Op::Qkv => run_gemm(
+                                s, k, &g, &lw.wqkv, &a.h, &mut a.qkv, out, inp, false, e.pdl,
+                            )?,
+                            Op::O => {
+                                run_gemm(s, k, &g, &lw.wo, &a.o, &mut a.x, out, inp, true, e.pdl)?
                             }
-                            Op::O => run_gemm(s, k, &g, &lw.wo, &a.o, &mut a.x, out, inp, true)?,
                             Op::GateUp => {
-                                run_gate_up(s, k, &g, &lw.w_gate_up, a, cfg.ffn, inp, silu)?
+                                run_gate_up(s, k, &g, &lw.w_gate_up, a, cfg.ffn, inp, silu, e.pdl)?
                             }
-                            Op::Down => {
-                                run_gemm(s, k, &g, &lw.w_down, &a.act, &mut a.x, out, inp, true)?
-                            }
+                            Op::Down => run_gemm(
+                                s, k, &g, &lw.w_down, &a.act, &mut a.x, out, inp, true, e.pdl,
+                            )?,
                             _ => {
                                 return run_gemm(
                                     s,
@@ -432,6 +442,7 @@ impl<'a> Session<'a> {
                                     out,
                                     inp,
                                     false,
+                                    e.pdl,
                                 )
                             }
                         }
@@ -647,6 +658,7 @@ impl<'a> Session<'a> {
                 nqkv,
                 cfg.hidden,
                 false,
+                e.pdl,
             )?;
             probe.after(s, Op::Qkv)?;
             let (kc, vc) = &mut self.kv[l];
@@ -711,6 +723,7 @@ impl<'a> Session<'a> {
                 cfg.hidden,
                 nq,
                 true,
+                e.pdl,
             )?;
             probe.after(s, Op::O)?;
             // SAFETY: as above.
@@ -731,6 +744,7 @@ impl<'a> Session<'a> {
                 cfg.ffn,
                 cfg.hidden,
                 bk.silu,
+                e.pdl,
             )?;
             probe.after(s, Op::GateUp)?;
             let a = &mut self.acts;
@@ -744,6 +758,7 @@ impl<'a> Session<'a> {
                 cfg.hidden,
                 cfg.ffn,
                 true,
+                e.pdl,
             )?;
             probe.after(s, Op::Down)?;
         }
@@ -767,6 +782,7 @@ impl<'a> Session<'a> {
             cfg.vocab,
             cfg.hidden,
             false,
+            e.pdl,
         )?;
         probe.after(s, Op::LmHead)?;
         // SAFETY: as above; one thread of row 0 advances pos after every reader.
@@ -882,6 +898,7 @@ fn run_gemm(
     n: usize,
     k: usize,
     residual: bool,
+    pdl: bool,
 ) -> metrale_runtime::Result<()> {
     match g {
         Gemm::Lt(p) => {
@@ -898,7 +915,8 @@ fn run_gemm(
                 (n.div_ceil(GEMV_ROWS) as u32, 1, 1),
                 (32 * GEMV_ROWS as u32, 1, 1),
                 0,
-            )?;
+            )?
+            .with_programmatic_serialization(pdl);
             // SAFETY: gemv_*(const bf16* W, const bf16* x, bf16* y, int N, int K)
             // reads W [N, K] and x [K], writes y [N]: W is n x k, x holds at
             // least k elements and y at least n (row 0 of a batch of one).
@@ -920,6 +938,7 @@ fn run_gate_up(
     ffn: usize,
     hidden: usize,
     silu: LaunchConfig,
+    pdl: bool,
 ) -> metrale_runtime::Result<()> {
     match g {
         Gemm::Gemv => {
@@ -927,7 +946,8 @@ fn run_gate_up(
                 (ffn.div_ceil(GEMV_ROWS) as u32, 1, 1),
                 (32 * GEMV_ROWS as u32, 1, 1),
                 0,
-            )?;
+            )?
+            .with_programmatic_serialization(pdl);
             // SAFETY: gemv_silu reads W [2N, K] and x [K], writes y [N]: the
             // gate|up weight is 2 ffn x hidden, h holds hidden, act ffn.
             unsafe {
@@ -971,24 +991,28 @@ fn max_parts(engine: &Engine, buckets: &[usize], capacity: usize) -> usize {
 fn bucket(engine: &Engine, b: usize, capacity: usize) -> Result<Bucket> {
     let cfg = &engine.cfg;
     let split = Split::choose(b, cfg.kv_heads, capacity, engine.sms);
+    let pdl = engine.pdl;
     let b32 =
         u32::try_from(b).map_err(|_| Error::Invalid(format!("batch {b} does not fit 32 bits")))?;
     Ok(Bucket {
         batch: b,
         split,
         plans: Plans::new(&engine.blas, cfg, b)?,
-        rows: LaunchConfig::new((b32, 1, 1), (256, 1, 1), 0)?,
-        argmax: LaunchConfig::new((b32, 1, 1), (1024, 1, 1), 0)?,
+        rows: LaunchConfig::new((b32, 1, 1), (256, 1, 1), 0)?.with_programmatic_serialization(pdl),
+        argmax: LaunchConfig::new((b32, 1, 1), (1024, 1, 1), 0)?
+            .with_programmatic_serialization(pdl),
         attention: LaunchConfig::new(
             (split.nsplit as u32, cfg.kv_heads as u32, b32),
             (ATTN_THREADS, 1, 1),
             0,
-        )?,
+        )?
+        .with_programmatic_serialization(pdl),
         combine: LaunchConfig::new(
             (b32 * cfg.heads as u32, 1, 1),
             (cfg.head_dim as u32, 1, 1),
             0,
-        )?,
-        silu: silu_config(cfg, b)?,
+        )?
+        .with_programmatic_serialization(pdl),
+        silu: silu_config(cfg, b)?.with_programmatic_serialization(pdl),
     })
 }
