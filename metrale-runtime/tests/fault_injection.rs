@@ -13,6 +13,8 @@ mod harness;
 mod arena;
 #[path = "fault/args.rs"]
 mod args;
+#[path = "fault/audit6.rs"]
+mod audit6;
 #[path = "fault/batch.rs"]
 mod batch;
 #[path = "fault/common.rs"]
@@ -102,6 +104,7 @@ fn main() -> ExitCode {
         review4::tests(),
         review5::tests(),
         round5::tests(),
+        audit6::tests(),
     ]
     .into_iter()
     .flatten()
