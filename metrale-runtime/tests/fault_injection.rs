@@ -90,6 +90,7 @@ fn main() -> ExitCode {
         arena::tests(),
         launch::tests(),
         args::tests(),
+        audit6::tests(),
         compose::tests(),
         tensor_map::tests(),
         green::tests(),
@@ -104,7 +105,6 @@ fn main() -> ExitCode {
         review4::tests(),
         review5::tests(),
         round5::tests(),
-        audit6::tests(),
     ]
     .into_iter()
     .flatten()

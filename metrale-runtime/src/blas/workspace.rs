@@ -319,6 +319,11 @@ fn hold_by_user_object(
         return Ok(Some(None));
     }
     let held = ctx.hold_in_graph(graph, Arc::clone(workspace), "a GEMM workspace")?;
+    if held {
+        // The graph that ends this capture learns of the hold (no node of it
+        // names the workspace): its replays are refused in other captures.
+        crate::lifetime::note_held_in_capture(id);
+    }
     Ok(held.then_some(Some(id)))
 }
 

@@ -189,6 +189,7 @@ pub(crate) use gate::{
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
     capture_began, capture_ended, capture_keeps, defer, defer_until_drain, deferred_count, drain,
-    drop_later, hold_while_capturing, release_capture_keeps, retry_at_next_drain, retry_deferred,
-    triage, watch, CaptureKeep, Deferred, HeldOutsideHostFns, Watched,
+    drop_later, hold_while_capturing, note_held_in_capture, release_capture_keeps,
+    retry_at_next_drain, retry_deferred, take_held_in_capture, triage, watch, CaptureKeep,
+    Deferred, HeldOutsideHostFns, Watched,
 };
