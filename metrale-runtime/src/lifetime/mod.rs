@@ -163,6 +163,21 @@
 //!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
 //!   `inspect_of_many_kernels_and_sections_is_linear`.
 //!
+//! - issue 43's audit (round 6), in `audit6.rs` unless named otherwise: 5,
+//!   a capture that retained a GEMM's workspace through a user object makes
+//!   its graph hold (its executables' replays are refused inside another
+//!   capture, whose graph would hold nothing): `tests/blas/audit6.rs`
+//!   `defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture`;
+//!   5, a replay queued before an update keeps the old arena, the updated
+//!   executable the new one:
+//!   `held_a_replay_queued_before_an_update_keeps_the_old_arena`; 3, the
+//!   last hold dropped in a user object's destructor (the stand-in's thread,
+//!   under its lock) is handed over and freed by the next synchronisation:
+//!   `held_the_last_hold_dropped_on_a_driver_thread_is_freed_by_the_next_sync`;
+//!   (not a lifetime rule, listed with the round) kernel arguments by address:
+//!   `held_every_memory_kind_passes_its_own_address`,
+//!   `held_list_pushed_in_a_loop_of_temporary_views_keeps_each_address`.
+//!
 //! The same round's cuBLAS checks that are not lifetime rules sit beside them
 //! in `tests/blas/round5.rs`: `plans_reduce_in_the_compute_type_unless_told_otherwise`,
 //! `defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule`

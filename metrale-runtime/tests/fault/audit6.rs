@@ -73,11 +73,7 @@ fn held_every_memory_kind_passes_its_own_address() {
     unsafe { s.launch(&vec_add, cfg(), &list) }.unwrap();
     assert_eq!(recorded(4), [pi, pg, pb + 4, 4]);
     drop(list);
-    drop(tail);
-    drop(b);
-    drop(inner);
-    drop(view);
-    drop((a, m, g, arena, vec_add));
+    drop((a, b, m, g, arena, vec_add));
     done(reg);
 }
 
