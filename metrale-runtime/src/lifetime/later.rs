@@ -127,6 +127,7 @@ pub(crate) fn hold_while_capturing<T: Send + Sync + 'static>(value: &std::sync::
 static HELD_IN_CAPTURES: Mutex<Vec<u64>> = Mutex::new(Vec::new());
 
 /// Capture `capture`'s graph now holds a value through a user object.
+#[cfg(feature = "cublas")]
 pub(crate) fn note_held_in_capture(capture: u64) {
     let mut held = HELD_IN_CAPTURES
         .lock()

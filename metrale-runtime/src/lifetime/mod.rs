@@ -176,7 +176,8 @@
 //!   `held_the_last_hold_dropped_on_a_driver_thread_is_freed_by_the_next_sync`;
 //!   (not a lifetime rule, listed with the round) kernel arguments by address:
 //!   `held_every_memory_kind_passes_its_own_address`,
-//!   `held_list_pushed_in_a_loop_of_temporary_views_keeps_each_address`.
+//!   `held_list_pushed_in_a_loop_of_temporary_views_keeps_each_address`,
+//!   `tests/nccl/audit6.rs` `held_nccl_memory_passes_the_buffers_address`.
 //!
 //! The same round's cuBLAS checks that are not lifetime rules sit beside them
 //! in `tests/blas/round5.rs`: `plans_reduce_in_the_compute_type_unless_told_otherwise`,
@@ -200,11 +201,12 @@ pub(crate) use gate::{
     capture_depth_counter, captures_in_progress, capturing_on_this_thread, in_host_function,
     nccl_groups_open, unmarked_wait, wait_out_nccl_groups, work_abandoned, HostFunctionScope,
 };
+#[cfg(feature = "cublas")]
+pub(crate) use later::note_held_in_capture;
 #[cfg(feature = "nccl")]
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
     capture_began, capture_ended, capture_keeps, defer, defer_until_drain, deferred_count, drain,
-    drop_later, hold_while_capturing, note_held_in_capture, release_capture_keeps,
-    retry_at_next_drain, retry_deferred, take_held_in_capture, triage, watch, CaptureKeep,
-    Deferred, HeldOutsideHostFns, Watched,
+    drop_later, hold_while_capturing, release_capture_keeps, retry_at_next_drain, retry_deferred,
+    take_held_in_capture, triage, watch, CaptureKeep, Deferred, HeldOutsideHostFns, Watched,
 };
