@@ -19,7 +19,10 @@ mod audit6;
 #[path = "blas/round5.rs"]
 mod round5;
 
-use audit6::defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture;
+use audit6::{
+    defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
+    defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
+};
 use round5::{
     defect_a_bias_and_fp8_scales_get_use_records_as_a_does,
     defect_a_capture_cannot_begin_inside_a_grouped_gemm,
@@ -1520,6 +1523,7 @@ fn main() -> ExitCode {
         defect_a_capture_cannot_begin_inside_a_grouped_gemm,
         defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
         defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
+        defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
     ];
     let children = [
         harness::Child {

@@ -168,6 +168,11 @@
 //!   its graph hold (its executables' replays are refused inside another
 //!   capture, whose graph would hold nothing): `tests/blas/audit6.rs`
 //!   `defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture`;
+//!   5, a GEMM's workspace holder is retained into its capture's graph
+//!   inside a section of the stream, so the capture cannot end (and its
+//!   graph be destroyed) between reading the graph and retaining into it:
+//!   `tests/blas/audit6.rs`
+//!   `defect_a_capture_ends_while_a_gemm_holds_its_graph_handle`;
 //!   5, a replay queued before an update keeps the old arena, the updated
 //!   executable the new one:
 //!   `held_a_replay_queued_before_an_update_keeps_the_old_arena`; 3, the

@@ -64,3 +64,75 @@ pub fn defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture() {
          graph holds nothing (workspace freed while it lives: {freed})"
     );
 }
+
+/// A GEMM on a capturing stream reads the capture's graph
+/// (`cuStreamGetCaptureInfo`) and then retains its workspace's user object
+/// into it, outside any section of the stream: the thread that began the
+/// capture could end it in between and drop the graph, and the GEMM then
+/// handed the driver a destroyed graph (`cuGraphRetainUserObject` on a
+/// dangling handle: undefined behaviour on CUDA; the stand-in refuses it).
+/// Forced with the stand-in's pause at `cuUserObjectCreate` (between the two):
+/// the end returned at once. The holder is made inside a section of the
+/// stream now, so the end waits for it and the graph it returns holds the
+/// workspace. Bounded: the end is given `BOUND` before the GEMM goes on.
+pub fn defect_a_capture_ends_while_a_gemm_holds_its_graph_handle() {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use metrale_runtime::CaptureMode;
+
+    const BOUND: Duration = Duration::from_millis(500);
+    reset();
+    let c0 = ctx(0);
+    let s = CudaStream::new(&c0).unwrap();
+    let lt = BlasLt::new(&c0).unwrap();
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2))
+        .unwrap();
+    let a = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let mut d = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    lt.prepare(&s).unwrap();
+    s.synchronize().unwrap();
+    let (ended_early, gemm, held) = std::thread::scope(|sc| {
+        let (began_tx, began_rx) = mpsc::channel();
+        let (go_tx, go_rx) = mpsc::channel::<()>();
+        let (ended_tx, ended_rx) = mpsc::channel();
+        let s = &s;
+        // The capturing thread: begins, then ends when told and drops the
+        // graph at once (what it returns says whether it holds anything).
+        let ender = sc.spawn(move || {
+            s.begin_capture(CaptureMode::ThreadLocal).unwrap();
+            began_tx.send(()).unwrap();
+            let _ = go_rx.recv_timeout(Duration::from_secs(10));
+            let graph = s.end_capture();
+            let _ = ended_tx.send(());
+            graph.map(|g| g.instantiate().map(|e| drop((g, e))))
+        });
+        began_rx.recv().unwrap();
+        fake().pause_next("cuUserObjectCreate");
+        let gemm = sc.spawn(|| plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d));
+        assert!(
+            fake().wait_paused("cuUserObjectCreate", 10_000),
+            "the GEMM makes its workspace's holder"
+        );
+        go_tx.send(()).unwrap();
+        let ended_early = ended_rx.recv_timeout(BOUND).is_ok();
+        fake().resume("cuUserObjectCreate");
+        let gemm = gemm.join().unwrap();
+        let ended = ender.join().unwrap();
+        (ended_early, gemm, ended.is_ok())
+    });
+    lt.release_workspace(&s);
+    drop((plan, lt));
+    s.synchronize().unwrap();
+    assert!(
+        !ended_early,
+        "the capture ended (and its graph was dropped) while a GEMM held its graph handle; \
+         the GEMM then gave: {gemm:?}"
+    );
+    gemm.unwrap();
+    assert!(held, "the capture ended");
+    assert_eq!(fake().user_objects(), 0, "the holder went with the graph");
+    drop((a, c, d));
+}
