@@ -22,6 +22,7 @@ mod round5;
 use audit6::{
     defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
     defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
+    held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture,
 };
 use round5::{
     defect_a_bias_and_fp8_scales_get_use_records_as_a_does,
@@ -1524,6 +1525,7 @@ fn main() -> ExitCode {
         defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
         defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
         defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
+        held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture,
     ];
     let children = [
         harness::Child {
@@ -1540,6 +1542,10 @@ fn main() -> ExitCode {
         harness::Child {
             name: "old_driver_capture",
             run: old_driver_capture_child,
+        },
+        harness::Child {
+            name: "old_driver_replay_in_capture",
+            run: audit6::old_driver_replay_in_capture_child,
         },
         harness::Child {
             name: "old_driver_two_threads",

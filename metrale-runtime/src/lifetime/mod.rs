@@ -167,7 +167,9 @@
 //!   a capture that retained a GEMM's workspace through a user object makes
 //!   its graph hold (its executables' replays are refused inside another
 //!   capture, whose graph would hold nothing): `tests/blas/audit6.rs`
-//!   `defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture`;
+//!   `defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture`
+//!   (on a driver without user objects the host node's hold already refused
+//!   it: `held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture`);
 //!   5, a GEMM's workspace holder is retained into its capture's graph
 //!   inside a section of the stream, so the capture cannot end (and its
 //!   graph be destroyed) between reading the graph and retaining into it:

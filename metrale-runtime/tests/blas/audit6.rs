@@ -136,3 +136,40 @@ pub fn defect_a_capture_ends_while_a_gemm_holds_its_graph_handle() {
     assert_eq!(fake().user_objects(), 0, "the holder went with the graph");
     drop((a, c, d));
 }
+
+/// The same attack on a driver without user objects (the old stand-in, in a
+/// child process): the workspace rides with a host node, which the graph
+/// holds, so its executables' replays were already refused in a capture.
+pub fn held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture() {
+    let old = metrale_fakecuda::old_library_path().display().to_string();
+    let (ok, stdout, stderr) = super::child_output(
+        "old_driver_replay_in_capture",
+        &[("METRALE_LIBCUDA_PATH", &old)],
+    );
+    assert!(ok, "{stdout}{stderr}");
+    assert!(stdout.contains("refused: true"), "{stdout}{stderr}");
+}
+
+pub fn old_driver_replay_in_capture_child() {
+    let c0 = ctx(0);
+    let s = CudaStream::new(&c0).unwrap();
+    let s2 = CudaStream::new(&c0).unwrap();
+    let lt = BlasLt::new(&c0).unwrap();
+    let plan = lt
+        .plan(&MatmulDesc::new::<f32, f32, f32, f32>(2, 2, 2))
+        .unwrap();
+    let a = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let c = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    let mut d = DeviceBuffer::<f32>::zeroed(&s, 4).unwrap();
+    lt.prepare(&s).unwrap();
+    let graph = s
+        .capture(|s| plan.matmul(s, 1.0, &a, &a, 0.0, &c, &mut d))
+        .unwrap();
+    let exec = graph.instantiate().unwrap();
+    // SAFETY: the GEMM's buffers outlive every replay here.
+    let outer = s2.capture(|s2| unsafe { exec.launch(s2) });
+    println!("refused: {}", outer.is_err());
+    drop(outer);
+    drop((exec, graph));
+    s.synchronize().unwrap();
+}
