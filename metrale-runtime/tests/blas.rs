@@ -14,9 +14,16 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "blas/audit6.rs"]
+mod audit6;
 #[path = "blas/round5.rs"]
 mod round5;
 
+use audit6::{
+    defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
+    defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
+    held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture,
+};
 use round5::{
     defect_a_bias_and_fp8_scales_get_use_records_as_a_does,
     defect_a_capture_cannot_begin_inside_a_grouped_gemm,
@@ -1516,6 +1523,9 @@ fn main() -> ExitCode {
         plans_reduce_in_the_compute_type_unless_told_otherwise,
         defect_a_capture_cannot_begin_inside_a_grouped_gemm,
         defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
+        defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
+        defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
+        held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture,
     ];
     let children = [
         harness::Child {
@@ -1532,6 +1542,10 @@ fn main() -> ExitCode {
         harness::Child {
             name: "old_driver_capture",
             run: old_driver_capture_child,
+        },
+        harness::Child {
+            name: "old_driver_replay_in_capture",
+            run: audit6::old_driver_replay_in_capture_child,
         },
         harness::Child {
             name: "old_driver_two_threads",

@@ -13,6 +13,8 @@ mod harness;
 mod arena;
 #[path = "fault/args.rs"]
 mod args;
+#[path = "fault/audit6.rs"]
+mod audit6;
 #[path = "fault/batch.rs"]
 mod batch;
 #[path = "fault/common.rs"]
@@ -88,6 +90,7 @@ fn main() -> ExitCode {
         arena::tests(),
         launch::tests(),
         args::tests(),
+        audit6::tests(),
         compose::tests(),
         tensor_map::tests(),
         green::tests(),

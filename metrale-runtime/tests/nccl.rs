@@ -11,6 +11,8 @@
 #[path = "support/harness.rs"]
 mod harness;
 
+#[path = "nccl/audit6.rs"]
+mod audit6;
 #[path = "nccl/buffers_and_faults.rs"]
 mod buffers_and_faults;
 #[path = "nccl/round5.rs"]
@@ -1648,6 +1650,7 @@ fn main() -> ExitCode {
     ];
     tests.extend(buffers_and_faults::tests());
     tests.extend(round5::tests());
+    tests.extend(audit6::tests());
     #[cfg(feature = "half")]
     tests.push(harness::Test {
         name: "all_reduce_half_types",

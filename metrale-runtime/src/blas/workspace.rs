@@ -21,6 +21,12 @@
 //!   holder is in the capture's graph, and the holders are made one at a time
 //!   (`keeping`), so a second thread on the same capturing stream waits for
 //!   the first thread's holder instead of recording without one.
+//! - The capture's graph is read and the holder retained into it inside one
+//!   section of the stream: the capture's end waits for it, so the graph
+//!   handle (valid only while the capture is in progress) is never used
+//!   after its end; and the capture's id is noted
+//!   (`lifetime::note_held_in_capture`), so the graph that ends it knows it
+//!   holds something and its executables' replays are refused in captures.
 
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,7 +47,7 @@ pub(crate) struct Workspace {
     /// after the holder is in that capture's graph, under `keeping`.
     kept_for: AtomicU64,
     /// Held while a holder is made and marked: never taken inside a stream's
-    /// section (making a holder takes sections and the capture-keep list).
+    /// section (making a holder takes one, and the capture-keep list).
     keeping: Mutex<()>,
 }
 
@@ -280,7 +286,8 @@ pub(crate) fn keep_for_capture(
 }
 
 /// Move a user object owning a clone of `workspace` into the graph `stream`
-/// is capturing into (`CudaContext::hold_in_graph`): `None` when the driver
+/// is capturing into (`CudaContext::hold_in_graph`), inside one section of
+/// the stream (the graph handle lives only as long as the capture): `None` when the driver
 /// has no user objects, else the capture (the driver's id) whose graph now
 /// holds it (`Some(None)`: the stream was no longer capturing, nothing held).
 fn hold_by_user_object(
@@ -293,6 +300,11 @@ fn hold_by_user_object(
     if !ctx.has_user_objects() {
         return Ok(None);
     }
+    // The capture's graph handle is valid only while its capture is in
+    // progress: one section of the stream from reading it through retaining
+    // into it, so no end of this stream's capture (which waits for the
+    // section) destroys it meanwhile. (Making the holder takes no section.)
+    let _section = stream.section();
     let mut status = CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     let mut graph: CUgraph = std::ptr::null_mut();
     let mut id: std::ffi::c_ulonglong = 0;
@@ -319,6 +331,11 @@ fn hold_by_user_object(
         return Ok(Some(None));
     }
     let held = ctx.hold_in_graph(graph, Arc::clone(workspace), "a GEMM workspace")?;
+    if held {
+        // The graph that ends this capture learns of the hold (no node of it
+        // names the workspace): its replays are refused in other captures.
+        crate::lifetime::note_held_in_capture(id);
+    }
     Ok(held.then_some(Some(id)))
 }
 

@@ -181,6 +181,7 @@ impl CudaStream {
             if over {
                 if let Some(id) = id {
                     crate::stream::release_captured_host_fns(id);
+                    crate::lifetime::take_held_in_capture(id);
                 }
                 if self.capture_over(id).is_some() {
                     crate::lifetime::retry_deferred();
@@ -202,6 +203,10 @@ impl CudaStream {
         // succeeded, under the lock: that capture is the one it ended). The
         // entries the graph holds go whatever their tag.
         let id = id.or(over.filter(|&noted| noted != 0));
+        // What the capture retained into the graph through user objects (a
+        // GEMM's workspace) is the graph's hold too: its replays are then
+        // refused inside a capture.
+        graph.held_in_capture = id.is_some_and(crate::lifetime::take_held_in_capture);
         crate::stream::release_captured_host_fns_of(id, &graph.held_addresses());
         drop(locked);
         drop(ending);

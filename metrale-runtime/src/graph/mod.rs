@@ -101,6 +101,10 @@ pub struct CudaGraph {
     /// identity only): the driver keeps those for the graph, its executables
     /// and their launches in flight, so a replay queues nothing more.
     pub(super) held_by_driver: Vec<usize>,
+    /// Whether its capture retained a value into it through a user object
+    /// (a GEMM's workspace, `lifetime::note_held_in_capture`): held by the
+    /// driver as `held_by_driver`'s are, known by the capture's id only.
+    pub(super) held_in_capture: bool,
 }
 
 // SAFETY: the handle is written once and the graph is used by one thread at a time:
@@ -143,6 +147,7 @@ impl CudaGraph {
             keep: Arc::default(),
             host_fns: Vec::new(),
             held_by_driver: Vec::new(),
+            held_in_capture: false,
         }
     }
 
@@ -219,7 +224,7 @@ impl CudaGraph {
     /// Whether the graph holds anything for its replays (its executables'
     /// replays are then refused inside a capture).
     pub(super) fn holds_any(&self) -> bool {
-        !self.host_fns.is_empty() || !self.held_by_driver.is_empty()
+        !self.host_fns.is_empty() || !self.held_by_driver.is_empty() || self.held_in_capture
     }
 
     /// The addresses of every keeper the graph holds, however held.
@@ -260,7 +265,7 @@ impl Drop for CudaGraph {
                 }
             },
         );
-        if !self.held_by_driver.is_empty() {
+        if !self.held_by_driver.is_empty() || self.held_in_capture {
             // A destructor the destroy ran handed its value to the drop-later
             // list: drop it now rather than at the next synchronisation.
             crate::lifetime::drain();

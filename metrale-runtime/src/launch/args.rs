@@ -77,8 +77,9 @@ unsafe impl<T: DeviceRepr> KernelArg for T {
 /// handle holds for as long as it is borrowed.
 macro_rules! address_arg {
     ($([$($gen:tt)*] $ty:ty),* $(,)?) => { $(
-        // SAFETY: `address_ref` points at the handle's own CUdeviceptr field,
-        // valid while the handle is borrowed; a pointer is 8 bytes, 8-aligned.
+        // SAFETY: `address_ref` points at a CUdeviceptr field of the handle
+        // (or, for a registration or window, of the buffer it borrows), valid
+        // while the handle is borrowed; a pointer is 8 bytes, 8-aligned.
         unsafe impl<$($gen)*> KernelArg<ByAddress> for $ty {
             const SIZE: usize = std::mem::size_of::<CUdeviceptr>();
             const ALIGN: usize = std::mem::align_of::<CUdeviceptr>();

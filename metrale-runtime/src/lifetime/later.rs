@@ -118,6 +118,41 @@ pub(crate) fn hold_while_capturing<T: Send + Sync + 'static>(value: &std::sync::
     }
 }
 
+/// Captures in progress (the driver's ids) whose graphs hold a value through
+/// a user object retained into them while capturing (a GEMM's workspace):
+/// the graph that ends such a capture cannot see the hold (no node names
+/// it), so it learns of it here ([`take_held_in_capture`]), and its
+/// executables' replays are refused inside another capture, whose graph
+/// would hold nothing.
+static HELD_IN_CAPTURES: Mutex<Vec<u64>> = Mutex::new(Vec::new());
+
+/// Capture `capture`'s graph now holds a value through a user object.
+#[cfg(feature = "cublas")]
+pub(crate) fn note_held_in_capture(capture: u64) {
+    let mut held = HELD_IN_CAPTURES
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    if !held.contains(&capture) {
+        held.push(capture);
+    }
+}
+
+/// Whether capture `capture`'s graph holds a value through a user object
+/// retained while capturing ([`note_held_in_capture`]); forgets it (called
+/// once, when the capture ends).
+pub(crate) fn take_held_in_capture(capture: u64) -> bool {
+    let mut held = HELD_IN_CAPTURES
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    match held.iter().position(|&c| c == capture) {
+        Some(at) => {
+            held.swap_remove(at);
+            true
+        }
+        None => false,
+    }
+}
+
 /// A value a capture in progress keeps for its graph (a repeatable host
 /// function's closure), tagged with the driver's id of the capture it went
 /// into.

@@ -163,6 +163,29 @@
 //!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
 //!   `inspect_of_many_kernels_and_sections_is_linear`.
 //!
+//! - issue 43's audit (round 6), in `audit6.rs` unless named otherwise: 5,
+//!   a capture that retained a GEMM's workspace through a user object makes
+//!   its graph hold (its executables' replays are refused inside another
+//!   capture, whose graph would hold nothing): `tests/blas/audit6.rs`
+//!   `defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture`
+//!   (on a driver without user objects the host node's hold already refused
+//!   it: `held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture`);
+//!   5, a GEMM's workspace holder is retained into its capture's graph
+//!   inside a section of the stream, so the capture cannot end (and its
+//!   graph be destroyed) between reading the graph and retaining into it:
+//!   `tests/blas/audit6.rs`
+//!   `defect_a_capture_ends_while_a_gemm_holds_its_graph_handle`;
+//!   5, a replay queued before an update keeps the old arena, the updated
+//!   executable the new one:
+//!   `held_a_replay_queued_before_an_update_keeps_the_old_arena`; 3, the
+//!   last hold dropped in a user object's destructor (the stand-in's thread,
+//!   under its lock) is handed over and freed by the next synchronisation:
+//!   `held_the_last_hold_dropped_on_a_driver_thread_is_freed_by_the_next_sync`;
+//!   (not a lifetime rule, listed with the round) kernel arguments by address:
+//!   `held_every_memory_kind_passes_its_own_address`,
+//!   `held_list_pushed_in_a_loop_of_temporary_views_keeps_each_address`,
+//!   `tests/nccl/audit6.rs` `held_nccl_memory_passes_the_buffers_address`.
+//!
 //! The same round's cuBLAS checks that are not lifetime rules sit beside them
 //! in `tests/blas/round5.rs`: `plans_reduce_in_the_compute_type_unless_told_otherwise`,
 //! `defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule`
@@ -185,10 +208,12 @@ pub(crate) use gate::{
     capture_depth_counter, captures_in_progress, capturing_on_this_thread, in_host_function,
     nccl_groups_open, unmarked_wait, wait_out_nccl_groups, work_abandoned, HostFunctionScope,
 };
+#[cfg(feature = "cublas")]
+pub(crate) use later::note_held_in_capture;
 #[cfg(feature = "nccl")]
 pub(crate) use later::NcclGroupOpen;
 pub(crate) use later::{
     capture_began, capture_ended, capture_keeps, defer, defer_until_drain, deferred_count, drain,
     drop_later, hold_while_capturing, release_capture_keeps, retry_at_next_drain, retry_deferred,
-    triage, watch, CaptureKeep, Deferred, HeldOutsideHostFns, Watched,
+    take_held_in_capture, triage, watch, CaptureKeep, Deferred, HeldOutsideHostFns, Watched,
 };
