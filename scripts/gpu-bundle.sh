@@ -36,6 +36,8 @@ for line in sys.stdin:
     kind = t["kind"][0]
     if kind == "lib" or kind == "custom-build":
         continue
+    if kind == "bin" and m.get("profile", {}).get("test"):
+        continue  # a binary's unit-test harness, not the command
     prefix = {"test": "test", "bench": "bench", "example": "example", "bin": "bin"}.get(kind)
     if prefix is None:
         continue

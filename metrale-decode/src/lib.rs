@@ -31,6 +31,15 @@ pub use error::{Error, Result};
 pub use step::{Engine, Plans, Session, Source};
 pub use weights::Weights;
 
+/// With `METRALE_DECODE_TRACE=1`, one line on stderr per phase of setting up
+/// (kernels, weights, plans, tuning, capture): where a slow or stuck start is.
+pub(crate) fn trace(what: std::fmt::Arguments<'_>) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ON.get_or_init(|| std::env::var("METRALE_DECODE_TRACE").is_ok_and(|v| v == "1")) {
+        eprintln!("metrale-decode: {what}");
+    }
+}
+
 /// How a step is run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Mode {
@@ -66,12 +75,14 @@ pub fn generate(
     let arena = Session::arena(engine, 1, capacity, &[1])?;
     let mut sess = Session::new(engine, &arena, 1, capacity, &[1], 0)?;
     sess.set_inputs(&prompt[..1], 0)?;
+    trace(format_args!("generate: session ready, {mode}"));
     let graphs = match mode {
         Mode::Graph => Some(sess.capture(&arena, 1)?),
         Mode::Eager => None,
     };
     let mut out = Vec::with_capacity(steps);
     let total = prompt.len() - 1 + steps;
+    trace(format_args!("generate: {total} steps"));
     for i in 0..total {
         match &graphs {
             // SAFETY: the graph touches the session's arena views and the

@@ -67,11 +67,17 @@ impl Engine {
     pub fn new(ordinal: usize, cfg: Config, source: &Source, progress: bool) -> Result<Engine> {
         let host = metrale_runtime::host(ordinal)?;
         let stream = CudaStream::new(host.ctx())?;
+        crate::trace(format_args!(
+            "{}: compiling or finding the kernels",
+            cfg.name
+        ));
         let kernels = Kernels::load(&host, &crate::kernels::cache(), &cfg)?;
+        crate::trace(format_args!("{}: weights", cfg.name));
         let weights = match source {
             Source::Files(dir) => Weights::load(&stream, &cfg, dir, progress)?,
             Source::Random(seed) => Weights::random_on_device(&stream, &kernels, &cfg, *seed)?,
         };
+        crate::trace(format_args!("{}: cuBLASLt", cfg.name));
         let blas = BlasLt::new(host.ctx())?;
         blas.prepare(&stream)?;
         let sms = host.limits().multiprocessor_count as usize;
@@ -365,9 +371,14 @@ impl<'a> Session<'a> {
         s.zero(&mut sess.tokens)?;
         s.zero(&mut sess.pos)?;
         for &b in &sizes {
+            crate::trace(format_args!("session: plans of batch {b}"));
             let mut bk = bucket(engine, b, capacity)?;
             if engine.tune {
                 bk.plans = sess.tune(b)?;
+                crate::trace(format_args!(
+                    "session: batch {b} tuned: {}",
+                    bk.plans.describe()
+                ));
             }
             sess.buckets.push(bk);
         }
@@ -412,6 +423,7 @@ impl<'a> Session<'a> {
             let silu = silu_config(cfg, b)?.with_programmatic_serialization(e.pdl);
             let mut best: Option<(f32, Gemm)> = None;
             for g in candidates {
+                crate::trace(format_args!("tuning {op:?} batch {b}: {}", g.describe()));
                 let run = |sess: &mut Session<'a>| -> metrale_runtime::Result<()> {
                     let k = &e.kernels;
                     let a = &mut sess.acts;
@@ -807,6 +819,7 @@ impl<'a> Session<'a> {
     /// each advancing pos by `pos_inc`.
     pub fn capture(&mut self, arena: &CaptureArena, pos_inc: i32) -> Result<GraphBuckets> {
         let sizes = self.bucket_sizes();
+        crate::trace(format_args!("capturing buckets {sizes:?}"));
         let s = &self.engine.stream;
         Ok(GraphBuckets::capture(s, arena, &sizes, |s, b| {
             self.step_on(s, b, pos_inc)
