@@ -37,7 +37,7 @@ for line in sys.stdin:
     if kind == "lib" or kind == "custom-build":
         continue
     if kind == "bin" and m.get("profile", {}).get("test"):
-        continue  # a binary's unit-test harness, not the command
+        continue  # the unit-test harness of a binary, not the command
     prefix = {"test": "test", "bench": "bench", "example": "example", "bin": "bin"}.get(kind)
     if prefix is None:
         continue

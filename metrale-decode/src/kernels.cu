@@ -228,7 +228,8 @@ __device__ void attn_split(const bf16* __restrict__ q, const bf16* __restrict__ 
 
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int li = lane % TPK;            // which 8 elements of a key
-    const int kg = warp * KPW + lane / TPK; // which key of a pass
+    const int wk = warp * KPW;            // the warp's first key of a pass
+    const int kl = lane / TPK;            // this lane's key among the warp's
 
     const size_t ml_base = ((size_t)b * Hq + (size_t)g * G) * nsplit + split;
     if (n <= 0) {
@@ -255,17 +256,18 @@ __device__ void attn_split(const bf16* __restrict__ q, const bf16* __restrict__ 
     const bf16* kb = k_cache + (head_base + start) * D + li * 8;
     const bf16* vb = v_cache + (head_base + start) * D + li * 8;
 
-    // Scores.
-    for (int t0 = kg; t0 < n; t0 += STRIDE * U) {
+    // Scores. The loop bounds are the same for every lane of a warp (the
+    // shuffles need the whole warp); each lane's key is t0 + kl.
+    for (int t0 = wk; t0 < n; t0 += STRIDE * U) {
         uint4 kv[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int t = t0 + u * STRIDE;
+            const int t = t0 + kl + u * STRIDE;
             kv[u] = t < n ? *(const uint4*)(kb + (size_t)t * D) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int t = t0 + u * STRIDE;
+            const int t = t0 + kl + u * STRIDE;
             float kf[8];
             unpack8(kv[u], kf);
 #pragma unroll
@@ -303,16 +305,16 @@ __device__ void attn_split(const bf16* __restrict__ q, const bf16* __restrict__ 
     for (int j = 0; j < G; ++j)
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[j][e] = 0.0f;
-    for (int t0 = kg; t0 < n; t0 += STRIDE * U) {
+    for (int t0 = wk; t0 < n; t0 += STRIDE * U) {
         uint4 vv[U];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int t = t0 + u * STRIDE;
+            const int t = t0 + kl + u * STRIDE;
             vv[u] = t < n ? *(const uint4*)(vb + (size_t)t * D) : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
-            const int t = t0 + u * STRIDE;
+            const int t = t0 + kl + u * STRIDE;
             if (t < n) {
                 float vf[8];
                 unpack8(vv[u], vf);
