@@ -53,10 +53,10 @@ impl Reference {
     /// The reference of `cfg` with `tensors` (every tensor of
     /// [`tensor_specs`]), for positions `0..capacity`.
     ///
-    /// # Panics
-    /// Never for tensors made by `weights::random_host_tensors(cfg, ..)`; a
-    /// missing tensor is taken as zeros.
+    /// A missing tensor is taken as zeros, a short one is zero-padded; a
+    /// capacity of 0 is taken as 1.
     pub fn new(cfg: &Config, tensors: &HostTensors, capacity: usize) -> Reference {
+        let capacity = capacity.max(1);
         let h = cfg.hidden;
         let zeros = |n: usize| vec![0.0f32; n];
         let mut layers: Vec<Layer> = (0..cfg.layers)

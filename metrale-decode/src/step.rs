@@ -257,6 +257,35 @@ fn layout(
     v
 }
 
+/// A session's sizes: a batch of 1 to 65,535 (a grid dimension) and a
+/// capacity of 1 to `i32::MAX` positions, whose KV caches' bytes fit a `usize`.
+fn check_sizes(cfg: &Config, max_batch: usize, capacity: usize) -> Result<()> {
+    if !(1..=65_535).contains(&max_batch) || capacity == 0 || i32::try_from(capacity).is_err() {
+        return Err(Error::Invalid(format!(
+            "a session of batch {max_batch} and capacity {capacity}: the batch must be 1 to 65535, \
+             the capacity 1 to {}",
+            i32::MAX
+        )));
+    }
+    let kv = [
+        max_batch,
+        cfg.kv_heads,
+        capacity,
+        cfg.head_dim,
+        2,
+        2,
+        cfg.layers,
+    ]
+    .iter()
+    .try_fold(1usize, |a, &b| a.checked_mul(b));
+    if kv.is_none() {
+        return Err(Error::Invalid(format!(
+            "a session of batch {max_batch} and capacity {capacity}: its KV caches' size overflows"
+        )));
+    }
+    Ok(())
+}
+
 /// Arena bytes for a layout: each view 256-byte aligned, as the arena takes.
 fn arena_bytes(views: &[(usize, usize)]) -> usize {
     views
@@ -275,6 +304,7 @@ impl<'a> Session<'a> {
         capacity: usize,
         buckets: &[usize],
     ) -> Result<CaptureArena> {
+        check_sizes(&engine.cfg, max_batch, capacity)?;
         let views = layout(
             &engine.cfg,
             max_batch,
@@ -312,11 +342,7 @@ impl<'a> Session<'a> {
         seed: u64,
     ) -> Result<Session<'a>> {
         let cfg = &engine.cfg;
-        if max_batch == 0 || capacity == 0 {
-            return Err(Error::Invalid(
-                "a session needs a batch and a capacity above 0".into(),
-            ));
-        }
+        check_sizes(cfg, max_batch, capacity)?;
         if i32::try_from(capacity).is_err() {
             return Err(Error::Invalid(format!(
                 "capacity {capacity} does not fit 31 bits"

@@ -452,11 +452,8 @@ impl Shards {
         let view = tensors
             .tensor(name)
             .map_err(|e| Error::Weights(format!("{}: {name}: {e}", path.display())))?;
-        // The view borrows `map` (through `tensors`); find the same bytes in the
-        // map itself so they outlive the parsed header.
-        let data = view.data();
-        let start = data.as_ptr() as usize - map.as_ptr() as usize;
-        Ok(&map[start..start + data.len()])
+        // The view's bytes borrow the map itself, not the parsed header.
+        Ok(view.data())
     }
 }
 
