@@ -32,7 +32,10 @@
  *    still has streams is counted (fakecuda_green_orphans);
  *  - a launch records its configuration and the bytes of each parameter; on a
  *    capturing stream it becomes a graph node instead; replaying an executable
- *    graph records each kernel node as a launch;
+ *    graph records each kernel node as a launch, and a kernel node queued
+ *    behind jobs of its stream runs (its code is looked up) when they have:
+ *    one whose module or library was unloaded by then is counted
+ *    (fakecuda_kernels_run_unloaded);
  *  - user objects: a graph (also one being captured) and each executable graph
  *    made from it hold references (an update replaces the executable's with
  *    the new graph's), and so does a replay that waits behind jobs of its
@@ -448,7 +451,8 @@ struct event {
     int cap_ntails;
 };
 enum { NODE_KERNEL = 0, NODE_HOST = 3, NODE_EMPTY = 5, NODE_MEM_OP = 12, NODE_CONDITIONAL = 13 };
-enum { JOB_HOST = 1, JOB_WAIT_VALUE, JOB_WRITE_VALUE, JOB_WAIT_JOB, JOB_CALLBACK, JOB_UOBJ_RELEASE };
+enum { JOB_HOST = 1, JOB_WAIT_VALUE, JOB_WRITE_VALUE, JOB_WAIT_JOB, JOB_CALLBACK, JOB_UOBJ_RELEASE,
+       JOB_KERNEL };
 struct job {
     int type;
     void (*fn)(void *);
@@ -543,6 +547,7 @@ static void run_all_pending(int dev) {
 /* ---- the per-stream job FIFO ------------------------------------------------ */
 
 static pthread_cond_t progress = PTHREAD_COND_INITIALIZER;
+static long kernels_run_unloaded; /* fakecuda_kernels_run_unloaded */
 static struct stream legacy_stream; /* jobs queued on the null stream */
 
 static struct stream *job_stream(void *s) { return s ? (struct stream *)s : &legacy_stream; }
@@ -593,6 +598,11 @@ static void *worker_main(void *arg) {
             break;
         case JOB_WAIT_JOB:
             while (j->on->done < j->ticket) pthread_cond_wait(&progress, &lock);
+            break;
+        case JOB_KERNEL:
+            /* A replayed kernel node queued behind jobs runs now: its code must
+             * still be loaded (data: the function handle, never read). */
+            if (!find(j->data, K_FUNC) && !find(j->data, K_KERNEL)) kernels_run_unloaded++;
             break;
         case JOB_UOBJ_RELEASE:
             /* A replay has run: the references it held go (data: a copy of
@@ -3065,6 +3075,14 @@ EXPORT CUresult cuGraphRetainUserObject(void *graph, void *u, unsigned count, un
     LOCKED(do_graph_retain_uobj(graph, u, count, flags));
 }
 #endif
+/* Replayed kernels that ran (behind jobs of their stream) after their
+ * module or library was unloaded. */
+EXPORT long fakecuda_kernels_run_unloaded(void) {
+    pthread_mutex_lock(&lock);
+    long n = kernels_run_unloaded;
+    pthread_mutex_unlock(&lock);
+    return n;
+}
 /* Live user objects (references not all released). */
 EXPORT long fakecuda_user_objects(void) {
     pthread_mutex_lock(&lock);
@@ -3109,9 +3127,16 @@ static CUresult do_graph_launch(void *exec, void *stream) {
     if (e->ctx != current) return INVALID_HANDLE;
     for (int i = 0; i < e->g->n; i++) {
         struct node *n = e->g->nodes[i];
-        if (n->type == NODE_KERNEL)
+        if (n->type == NODE_KERNEL) {
             record(n->f, n->grid, n->block, n->shared, stream, n->nparams, n->params);
-        else if (n->type == NODE_HOST || n->type == NODE_MEM_OP) {
+            /* Behind jobs, the kernel runs when they have: its code is checked
+             * then (fakecuda_kernels_run_unloaded). */
+            if (job_stream(stream)->head) {
+                struct job k = {.type = JOB_KERNEL, .data = n->f};
+                r = enqueue(stream, &k);
+                if (r) return r;
+            }
+        } else if (n->type == NODE_HOST || n->type == NODE_MEM_OP) {
             r = enqueue(stream, &n->job);
             if (r) return r;
         }

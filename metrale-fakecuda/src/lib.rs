@@ -463,6 +463,17 @@ impl Fake {
         n as i64
     }
 
+    /// Replayed kernels that ran (queued behind jobs of their stream) after
+    /// their module or library had been unloaded.
+    pub fn kernels_run_unloaded(&self) -> i64 {
+        let n: c_long = call!(
+            self,
+            "fakecuda_kernels_run_unloaded",
+            unsafe extern "C" fn() -> c_long
+        );
+        n as i64
+    }
+
     /// Green contexts destroyed while streams made on them were still alive.
     pub fn green_orphans(&self) -> i64 {
         let n: c_long = call!(

@@ -39,6 +39,8 @@ mod memory;
 mod multi;
 #[path = "fault/registry.rs"]
 mod registry;
+#[path = "fault/replay_code.rs"]
+mod replay_code;
 #[path = "fault/review2.rs"]
 mod review2;
 #[path = "fault/review3.rs"]
@@ -104,6 +106,7 @@ fn main() -> ExitCode {
         review3::tests(),
         review4::tests(),
         review5::tests(),
+        replay_code::tests(),
         round5::tests(),
     ]
     .into_iter()
@@ -132,6 +135,7 @@ fn main() -> ExitCode {
             .chain(review5::children())
             .chain(round5::children())
             .chain(arena::children())
+            .chain(replay_code::children())
             .collect::<Vec<_>>(),
         gate,
         Some("the stand-in driver (always required here)"),

@@ -55,6 +55,9 @@ impl CudaGraph {
         if options.use_node_priority {
             flags |= u64::from(F::CUDA_GRAPH_INSTANTIATE_FLAG_USE_NODE_PRIORITY.0);
         }
+        // Before the executable is made, so the driver clones the code's
+        // holds into it.
+        let code_keeper = self.hold_code();
         let (g, mut raw): (CUgraph, CUgraphExec) = (self.raw, std::ptr::null_mut());
         self.call("instantiate", |d| {
             // SAFETY: writes one executable graph handle for a live graph.
@@ -72,8 +75,8 @@ impl CudaGraph {
             source: self.id,
             source_alive: Arc::downgrade(&self.alive),
             keep,
-            host_fns: Arc::new(self.host_fns.clone()),
-            holds: self.holds_any(),
+            holds: self.holds_any() || code_keeper.is_some(),
+            host_fns: Arc::new(self.host_fns.iter().cloned().chain(code_keeper).collect()),
         })
     }
 }
@@ -113,6 +116,8 @@ pub struct CudaGraphExec {
     pub(super) source: u64,
     /// Whether that graph (which owns the nodes) still exists.
     pub(super) source_alive: std::sync::Weak<()>,
+    /// The code of its kernels, held for the executable itself (the replays
+    /// in flight hold it through the graph's user objects or `host_fns`).
     pub(super) keep: Vec<Arc<KernelTable>>,
     /// What its replays use that the driver does not hold for it (host
     /// functions and holds of graphs on a driver without user objects): a
@@ -120,7 +125,9 @@ pub struct CudaGraphExec {
     pub(super) host_fns: Arc<Vec<HostKeep>>,
     /// Whether it holds anything for its replays, through user objects (the
     /// driver's references, cloned from its graphs) or `host_fns`: its
-    /// replays are refused inside a capture.
+    /// replays are refused inside a capture. The code of its kernels held
+    /// through user objects does not count (replays of kernel graphs inside a
+    /// capture stay allowed, as before); held through `host_fns` it does.
     pub(super) holds: bool,
 }
 
@@ -171,7 +178,8 @@ impl CudaGraphExec {
     /// Everything the graph's work touches (the buffers its kernels, copies and
     /// fills were captured or updated with, host memory of captured copies) must be
     /// alive and valid until the replay finishes. What metrale holds for the
-    /// replay (host functions, a capture arena) it keeps alive itself: through
+    /// replay (the code of its kernels, host functions, a capture arena) it
+    /// keeps alive itself, also after this executable is dropped: through
     /// user objects the driver holds for the replay in flight (one
     /// `cuGraphLaunch`), or on drivers without them a host function queued
     /// after the replay.
@@ -261,6 +269,9 @@ impl CudaGraphExec {
         graph
             .ctx
             .check_same(&self.ctx, || "executable graph".to_owned(), "the graph")?;
+        // Before the update, which replaces the executable's user objects
+        // with the graph's: the new code is held by those.
+        let code_keeper = graph.hold_code();
         let mut info = sys::CUgraphExecUpdateResultInfo::default();
         let (e, g) = (self.raw, graph.raw);
         let result = self.ctx.with(|d| {
@@ -284,9 +295,11 @@ impl CudaGraphExec {
                 // until they ran); what the graph holds through host
                 // functions is added to ours.
                 self.holds |= graph.holds_any();
+                self.holds |= code_keeper.is_some();
                 let new: Vec<&HostKeep> = graph
                     .host_fns
                     .iter()
+                    .chain(code_keeper.as_ref())
                     .filter(|k| !self.host_fns.iter().any(|h| Arc::ptr_eq(h, k)))
                     .collect();
                 if !new.is_empty() {
@@ -427,8 +440,9 @@ impl Drop for CudaGraphExec {
                 }
             },
         );
-        if self.holds {
-            // A user object's destructor the destroy ran handed its value to
+        if self.holds || !self.keep.is_empty() {
+            // A user object's destructor the destroy ran (kernel code
+            // included) handed its value to
             // the drop-later list: drop it now rather than at the next
             // synchronisation.
             crate::lifetime::drain();

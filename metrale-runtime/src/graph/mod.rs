@@ -13,7 +13,11 @@
 //! - A graph and an executable graph hold their context and the code of every
 //!   kernel they run (found when capture ends, or added with a node), so the
 //!   order in which graphs, executable graphs, streams and registries are dropped
-//!   never matters.
+//!   never matters. Replays in flight hold that code too: the graph holds each
+//!   kernel table through a user object before it is instantiated or updated
+//!   into an executable (the driver keeps it for each launch in flight), or, on
+//!   a driver without user objects, the executable's host function after each
+//!   replay does.
 //! - The body of a conditional node belongs to its node: it is reached only inside
 //!   [`CudaGraph::add_while`]'s closure, never as an owned graph.
 //! - Kernel node updates are checked like launches (device, shape, typed argument
@@ -105,6 +109,21 @@ pub struct CudaGraph {
     /// (a GEMM's workspace, `lifetime::note_held_in_capture`): held by the
     /// driver as `held_by_driver`'s are, known by the capture's id only.
     pub(super) held_in_capture: bool,
+    /// The kernel tables (by address) the driver holds for the graph through
+    /// user objects ([`CudaGraph::hold_code`]): for its executables and their
+    /// launches in flight, so a replay keeps its code loaded.
+    code_held: Mutex<CodeHeld>,
+}
+
+/// The code a graph holds for its replays ([`CudaGraph::hold_code`]).
+#[derive(Default)]
+struct CodeHeld {
+    /// Kernel tables (by address) the driver holds through user objects.
+    by_driver: Vec<usize>,
+    /// The keeper of the rest, and the tables (by address) it holds: made
+    /// once per set, so executables instantiated or updated again and again
+    /// share one instead of adding a keeper each time.
+    fallback: Option<(Vec<usize>, HostKeep)>,
 }
 
 // SAFETY: the handle is written once and the graph is used by one thread at a time:
@@ -148,6 +167,7 @@ impl CudaGraph {
             host_fns: Vec::new(),
             held_by_driver: Vec::new(),
             held_in_capture: false,
+            code_held: Mutex::default(),
         }
     }
 
@@ -221,6 +241,53 @@ impl CudaGraph {
         }
     }
 
+    /// Make the code of every kernel the graph runs held for its replays
+    /// (called before it is instantiated or updated into an executable): each
+    /// kernel table not yet held goes into the graph through a user object
+    /// ([`CudaContext::hold_in_graph`]), which the driver clones into the
+    /// executable and holds for each launch in flight, so the modules are not
+    /// unloaded under a replay queued behind other work after the executable
+    /// and the registry are gone. `Some`: a keeper of the code the driver
+    /// does not hold (no user objects, or a refusal), for the executable's
+    /// host functions (a host function after each replay holds it).
+    pub(super) fn hold_code(&self) -> Option<HostKeep> {
+        let tables = self
+            .keep
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let mut held = self
+            .code_held
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let mut rest: Vec<Arc<KernelTable>> = Vec::new();
+        for table in tables {
+            let at = Arc::as_ptr(&table) as usize;
+            if held.by_driver.contains(&at) {
+                continue;
+            }
+            match self
+                .ctx
+                .hold_in_graph(self.raw, Arc::clone(&table), "the code of its kernels")
+            {
+                Ok(true) => held.by_driver.push(at),
+                Ok(false) | Err(_) => rest.push(table),
+            }
+        }
+        if rest.is_empty() {
+            return None;
+        }
+        let at: Vec<usize> = rest.iter().map(|t| Arc::as_ptr(t) as usize).collect();
+        if let Some((covered, keeper)) = &held.fallback {
+            if *covered == at {
+                return Some(Arc::clone(keeper));
+            }
+        }
+        let keeper = CudaGraph::holder(Arc::new(rest));
+        held.fallback = Some((at, Arc::clone(&keeper)));
+        Some(keeper)
+    }
+
     /// Whether the graph holds anything for its replays (its executables'
     /// replays are then refused inside a capture).
     pub(super) fn holds_any(&self) -> bool {
@@ -265,7 +332,13 @@ impl Drop for CudaGraph {
                 }
             },
         );
-        if !self.held_by_driver.is_empty() || self.held_in_capture {
+        let code_held = !self
+            .code_held
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .by_driver
+            .is_empty();
+        if !self.held_by_driver.is_empty() || self.held_in_capture || code_held {
             // A destructor the destroy ran handed its value to the drop-later
             // list: drop it now rather than at the next synchronisation.
             crate::lifetime::drain();

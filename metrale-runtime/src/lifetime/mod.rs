@@ -59,7 +59,10 @@
 //!    the driver's capture id, pushed and queued under [`capture_keeps`]' lock)
 //!    until that capture's end releases its own ([`release_capture_keeps`]),
 //!    and then by the graph and its executables; a graph holds what its replays
-//!    use (`graph/`: `keep`, `hold`): through a CUDA user object the graph
+//!    use (`graph/`: `keep`, `hold`, and the code of its kernels, put into
+//!    the graph by `hold_code` before each instantiation or update, so a
+//!    replay in flight keeps its modules loaded after the executable and the
+//!    registry are gone): through a CUDA user object the graph
 //!    retains (`CudaContext::hold_in_graph`: the driver clones it into the
 //!    executables and keeps it for launches in flight, so a replay queues
 //!    nothing more), or, on a driver without user objects, with its host
@@ -126,6 +129,11 @@
 //!   `tests/blas/round5.rs`
 //!   `defect_a_second_threads_gemm_waits_for_the_captures_workspace_holder`,
 //!   `held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node`;
+//!   the code of a replay in flight (queued behind slow work, executable and
+//!   registry dropped before it runs; found in review): `replay_code.rs`
+//!   `defect_a_replay_in_flight_keeps_its_code_after_executable_and_registry_go`,
+//!   the old-driver fallback (a host function after the replay)
+//!   `held_without_user_objects_a_replay_in_flight_keeps_its_code`;
 //! - 6, teardown and resets: `teardown.rs`
 //!   `teardown_resources_made_after_a_reset_are_freed`;
 //! - issue 40 (round 5), in `round5.rs` unless named otherwise: 1, a
