@@ -12,6 +12,7 @@
 //!   RoPE tables;
 //! - [`weights`]: checkpoint tensors, loading, random checkpoints;
 //! - [`kernels`]: the CUDA source, its compilation, the attention split;
+//! - [`gemm`]: each GEMM as a cuBLASLt plan or the batch-1 GEMV;
 //! - [`step`]: the engine, a session (caches, activations, plans), the step,
 //!   its capture;
 //! - [`reference`](mod@reference): the same step on the host in f32, for the tests;
@@ -21,6 +22,7 @@
 pub mod bench;
 pub mod config;
 pub mod error;
+pub mod gemm;
 pub mod kernels;
 pub mod reference;
 pub mod step;
@@ -28,7 +30,8 @@ pub mod weights;
 
 pub use config::Config;
 pub use error::{Error, Result};
-pub use step::{Engine, Plans, Session, Source};
+pub use gemm::{Gemm, Plans};
+pub use step::{Engine, Session, Source};
 pub use weights::Weights;
 
 /// With `METRALE_DECODE_TRACE=1`, one line on stderr per phase of setting up
