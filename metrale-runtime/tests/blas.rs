@@ -18,6 +18,8 @@ mod harness;
 mod audit6;
 #[path = "blas/round5.rs"]
 mod round5;
+#[path = "blas/stress.rs"]
+mod stress;
 
 use audit6::{
     defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
@@ -31,6 +33,10 @@ use round5::{
     defect_fp8_leading_dimensions_off_16_bytes_are_refused_naming_the_rule,
     held_without_user_objects_a_second_threads_gemm_waits_for_the_host_node,
     plans_reduce_in_the_compute_type_unless_told_otherwise,
+};
+use stress::{
+    held_deferred_frees_retried_as_captures_end_on_many_threads,
+    held_mixed_stress_with_captures_on_shared_streams,
 };
 
 use std::process::ExitCode;
@@ -1491,6 +1497,11 @@ fn main() -> ExitCode {
         let blas = metrale_fakecuda::blas_library_path();
         std::env::set_var("METRALE_LIBCUBLASLT_PATH", blas);
         std::env::set_var("METRALE_LIBCUBLAS_PATH", blas);
+        #[cfg(feature = "nccl")]
+        std::env::set_var(
+            "METRALE_LIBNCCL_PATH",
+            metrale_fakecuda::nccl_library_path(),
+        );
     }
     macro_rules! tests {
         ($($f:ident),* $(,)?) => { vec![$(harness::Test { name: stringify!($f), run: $f }),*] };
@@ -1526,6 +1537,8 @@ fn main() -> ExitCode {
         defect_a_graph_holding_a_gemm_workspace_is_replayed_into_a_capture,
         defect_a_capture_ends_while_a_gemm_holds_its_graph_handle,
         held_without_user_objects_a_workspace_graph_is_not_replayed_into_a_capture,
+        held_mixed_stress_with_captures_on_shared_streams,
+        held_deferred_frees_retried_as_captures_end_on_many_threads,
     ];
     let children = [
         harness::Child {

@@ -45,6 +45,9 @@ static WATCHED_ANY: AtomicBool = AtomicBool::new(false);
 
 /// Releases that waited for a capture, an NCCL group or pending waits.
 static DEFERRED: Mutex<Vec<Box<dyn Deferred>>> = Mutex::new(Vec::new());
+/// Whether `DEFERRED` may hold anything (one load at each [`drain`]): set
+/// under its lock by every push, cleared under it by a take that empties it.
+static DEFERRED_ANY: AtomicBool = AtomicBool::new(false);
 
 /// Keep `value` until the next [`drain`]: what a host function does with the
 /// last handle to memory that queued work used (freeing it there is refused by
@@ -238,19 +241,25 @@ pub(crate) fn triage() {
 /// destructors hand them here).
 pub(crate) fn drain() {
     triage();
-    if !DROP_LATER_ANY.load(Ordering::Acquire) || in_host_function() {
+    if in_host_function() {
         return;
     }
-    let taken = {
-        let mut list = DROP_LATER.lock().unwrap_or_else(PoisonError::into_inner);
-        DROP_LATER_ANY.store(false, Ordering::Release);
-        std::mem::take(&mut *list)
-    };
-    // Dropped outside the lock: their Drop calls the driver.
-    drop(taken);
-    // Releases deferred behind pending waits may go now (those still blocked
-    // set the flag again).
-    retry_deferred();
+    if DROP_LATER_ANY.load(Ordering::Acquire) {
+        let taken = {
+            let mut list = DROP_LATER.lock().unwrap_or_else(PoisonError::into_inner);
+            DROP_LATER_ANY.store(false, Ordering::Release);
+            std::mem::take(&mut *list)
+        };
+        // Dropped outside the lock: their Drop calls the driver (and may
+        // defer a release).
+        drop(taken);
+    }
+    // Every deferred release gets a turn at each drain, whatever deferred it:
+    // one whose capture or group end found it out of the list (another
+    // thread was retrying it) is not left for a capture that may never come.
+    if DEFERRED_ANY.load(Ordering::Acquire) {
+        retry_deferred();
+    }
 }
 
 /// A release was deferred behind pending waits: the next [`drain`] retries it.
@@ -265,6 +274,7 @@ pub(crate) fn defer(job: Box<dyn Deferred>) {
     let blocked = {
         let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
         list.push(job);
+        DEFERRED_ANY.store(true, Ordering::Release);
         // Read after the push: what ended before it retried a list without it.
         list.last().is_some_and(|j| j.still_blocked())
     };
@@ -277,10 +287,10 @@ pub(crate) fn defer(job: Box<dyn Deferred>) {
 /// pending wait or this thread's state, is not over yet).
 pub(crate) fn defer_until_drain(job: Box<dyn Deferred>) {
     report_at_exit();
-    DEFERRED
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .push(job);
+    let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
+    list.push(job);
+    DEFERRED_ANY.store(true, Ordering::Release);
+    drop(list);
     retry_at_next_drain();
 }
 
@@ -294,7 +304,11 @@ pub(crate) fn retry_deferred() {
     // empty: take another turn then (a few, so a job that keeps waiting for
     // pending waits cannot spin here).
     for _ in 0..3 {
-        let jobs = std::mem::take(&mut *DEFERRED.lock().unwrap_or_else(PoisonError::into_inner));
+        let jobs = {
+            let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
+            DEFERRED_ANY.store(false, Ordering::Release);
+            std::mem::take(&mut *list)
+        };
         if jobs.is_empty() {
             return;
         }
@@ -302,11 +316,19 @@ pub(crate) fn retry_deferred() {
         if still.is_empty() {
             return;
         }
-        let blocked = still.iter().any(|j| j.still_blocked());
-        DEFERRED
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(still);
+        // Asked after the jobs are back in the list, as `defer` asks: a
+        // capture or group that ends after this answer retries a list that
+        // holds them. (Asked before, a capture that ended between the
+        // answer and the push found the list without them, and they stayed
+        // deferred with nothing left to retry them: issue 40, item 9.)
+        let blocked = {
+            let mut list = DEFERRED.lock().unwrap_or_else(PoisonError::into_inner);
+            let from = list.len();
+            list.extend(still);
+            DEFERRED_ANY.store(true, Ordering::Release);
+            list.get(from..)
+                .is_some_and(|back| back.iter().any(|j| j.still_blocked()))
+        };
         if blocked {
             return;
         }

@@ -169,7 +169,18 @@
 //!   with the round) linear blob checks and `inspect`: `metrale-cli/tests/linear.rs`
 //!   `overlapping_symbol_tables_are_refused_at_once`,
 //!   `many_symbol_tables_of_one_string_table_are_checked_once_each`,
-//!   `inspect_of_many_kernels_and_sections_is_linear`.
+//!   `inspect_of_many_kernels_and_sections_is_linear`; 9, the mixed stress
+//!   (batched copies, arena captures and replays, GEMMs eager and captured,
+//!   NCCL collectives, registrations and groups, empty captures, all on
+//!   shared streams; nothing left after the drops): `tests/blas/stress.rs`
+//!   `held_mixed_stress_with_captures_on_shared_streams`; 2, a retry hands
+//!   its jobs back to the list before it asks whether they are still
+//!   blocked (a capture that ends between the two retries a list that holds
+//!   them), and every [`drain`] retries what is deferred:
+//!   `held_deferred_frees_retried_as_captures_end_on_many_threads` (same
+//!   file); 4, a deregistration asks whether its streams are idle inside a
+//!   section, never inside another thread's capture: `tests/nccl/round5.rs`
+//!   `defect_a_deregistration_query_invalidates_another_threads_capture`.
 //!
 //! - issue 43's audit (round 6), in `audit6.rs` unless named otherwise: 5,
 //!   a capture that retained a GEMM's workspace through a user object makes

@@ -278,7 +278,31 @@ fn wait_for_queued(comm: &Communicator, call: &'static str) -> Result<()> {
     let start = Instant::now();
     let mut spins = 0u32;
     for s in &streams {
-        while !s.query()? {
+        loop {
+            // Asked inside a section of the stream: no capture begins on it
+            // between the check and the query, so the query never lands in
+            // another thread's capture (which it would invalidate).
+            let section = s.section();
+            let capturing = s
+                .capturing_now(&section)
+                .map_err(|e| e.about(s.subject("capture status")))?;
+            if capturing {
+                return Err(refused(
+                    call,
+                    Some(comm.info()),
+                    format!(
+                        "{} is being captured (by another thread, which began after this \
+                         deregistration's capture check): whether the communicator's work on it \
+                         passed cannot be asked without ending that capture; deregister after it",
+                        s.subject("")
+                    ),
+                ));
+            }
+            let idle = s.query()?;
+            drop(section);
+            if idle {
+                break;
+            }
             if start.elapsed() >= comm.drop_timeout {
                 return Err(refused(
                     call,

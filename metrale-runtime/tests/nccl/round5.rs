@@ -272,6 +272,64 @@ fn held_registration_dropped_while_a_graph_that_captured_through_it_lives() {
     assert_eq!(nccl().live(), 0);
 }
 
+/// Item 9's stress, a finding of its own: a deregistration asks whether the
+/// communicator's work on its streams passed (`cuStreamQuery`) after its
+/// capture check, so a capture another thread began on one of those
+/// streams in between was invalidated by the query (the rule: never query a
+/// capturing stream). Forced here: the deregistration stops at the query,
+/// another thread begins a capture on the stream, the query goes on. The
+/// query is made inside a section of the stream now, so the capture begins
+/// after it, and ends whole.
+fn defect_a_deregistration_query_invalidates_another_threads_capture() {
+    reset();
+    let (comm, s) = one_rank(&CommConfig::new());
+    let mut buf = NcclBuffer::<f32>::alloc(comm.context(), 8).unwrap();
+    let mut reg = comm.register(&mut buf).unwrap();
+    comm.all_reduce_in_place(&mut reg, ReduceOp::Sum, &s)
+        .unwrap();
+    s.synchronize().unwrap();
+    let deregistered = nccl().calls("ncclCommDeregister");
+    let f = super::fake();
+    f.pause_next("cuStreamQuery");
+    let (captured, paused) = std::thread::scope(|sc| {
+        let capturer = sc.spawn(|| {
+            if !f.wait_paused("cuStreamQuery", 2000) {
+                f.resume("cuStreamQuery");
+                return (None, false);
+            }
+            // The capture begins while the query waits (or, fixed, once the
+            // query's section ends); the query is let go meanwhile.
+            let resumer = std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(200));
+                super::fake().resume("cuStreamQuery");
+            });
+            let graph = s.capture(|_| {
+                std::thread::sleep(Duration::from_millis(300));
+                Ok(())
+            });
+            let _ = resumer.join();
+            (Some(graph.map(drop).map_err(|e| e.to_string())), true)
+        });
+        drop(reg);
+        capturer.join().unwrap()
+    });
+    assert!(paused, "the deregistration never queried its stream");
+    let captured = captured.unwrap();
+    assert!(
+        captured.is_ok(),
+        "the capture was invalidated by the deregistration's query: {captured:?}"
+    );
+    assert_eq!(
+        nccl().calls("ncclCommDeregister"),
+        deregistered + 1,
+        "deregistered once the query said the stream was idle"
+    );
+    s.synchronize().unwrap();
+    drop(buf);
+    drop(comm);
+    assert_eq!(nccl().live(), 0);
+}
+
 /// The tests of this file.
 pub(super) fn tests() -> Vec<harness::Test> {
     macro_rules! tests {
@@ -285,5 +343,6 @@ pub(super) fn tests() -> Vec<harness::Test> {
         held_nccl_buffer_dropped_when_idle_is_freed_before_the_drop_returns,
         held_registrations_used_after_shrink,
         held_registration_dropped_while_a_graph_that_captured_through_it_lives,
+        defect_a_deregistration_query_invalidates_another_threads_capture,
     ]
 }
